@@ -1,0 +1,266 @@
+"""The one typed config tree: YAML file + dotted command-line overrides -> validated `Config`.
+
+Field descriptions are the reference documentation (`docs/config.md` is generated from them).
+Derived sizes (gradient accumulation and friends) are computed in `isotrain.sizes`, not here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from isotrain.errors import ConfigError
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `3e-4` as a string; ML configs mean a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*)?\.?\d*[eE][-+]?\d+$|^[-+]?(?:\d[\d_]*)\.\d*$|^[-+]?\.\d+$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name_or_path: str | None = Field(
+        None, description="Local Hugging Face model directory to start from (weights, config, tokenizer)."
+    )
+    config: dict[str, Any] | None = Field(
+        None,
+        description="A Hugging Face config mapping (must contain `model_type`) for a freshly initialised model.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Compute dtype. `bfloat16` keeps fp32 master weights and optimizer state (mixed precision).",
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="Attention kernel passed to transformers."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.name_or_path is None) == (self.config is None):
+            raise ValueError(
+                "set exactly one of model.name_or_path (a local model directory) or model.config "
+                "(a config mapping for a fresh model)"
+            )
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.config needs a `model_type` entry, e.g. model.config.model_type=llama")
+        return self
+
+
+class TokenizerConfig(Section):
+    path: str | None = Field(
+        None,
+        description="Local tokenizer directory. Default: the model directory; for a fresh model without "
+        "a path, a tokenizer is trained on the training data.",
+    )
+    type: Literal["bpe", "char"] = Field(
+        "bpe", description="Kind of tokenizer trained when none is given: byte-level BPE or one token per character."
+    )
+    vocab_size: int = Field(
+        4096, gt=0, description="Vocabulary size of a trained BPE tokenizer (special tokens included)."
+    )
+
+
+class DataConfig(Section):
+    path: str = Field(
+        "", description="Training data: a .jsonl/.json/.parquet file or a saved Hugging Face dataset directory."
+    )
+    format: Literal["text", "prompt_completion", "chat"] = Field(
+        "text",
+        description="Row format: `text` ({text}), `prompt_completion` ({prompt, completion}; prompt masked "
+        "from the loss) or `chat` ({messages: [{role, content}]}; only assistant turns trained).",
+    )
+    max_seq_len: int = Field(512, gt=1, description="Maximum tokens per training sequence; longer rows are truncated.")
+    packing: bool = Field(
+        False,
+        description="Pack several rows into each sequence (per-document position ids, no attention or labels "
+        "across documents).",
+    )
+    add_special_tokens: list[str] = Field(
+        default_factory=list,
+        description="Extra special tokens added to the tokenizer; the embeddings are resized to match.",
+    )
+    cache_dir: str | None = Field(
+        None, description="Where tokenized data is cached. Default: $ISOTRAIN_CACHE or ~/.cache/isotrain."
+    )
+
+
+class EvalConfig(Section):
+    path: str | None = Field(
+        None,
+        description="Prompt-completion JSONL scored by exact match of greedy generations after training.",
+    )
+    max_new_tokens: int = Field(16, gt=0, description="Generation budget per evaluation prompt.")
+    max_samples: int = Field(200, gt=0, description="At most this many evaluation rows are scored.")
+
+
+class TrainConfig(Section):
+    global_batch_size: int = Field(
+        8, gt=0, description="Sequences per optimizer step, summed over all data-parallel ranks."
+    )
+    micro_batch_size: int = Field(
+        8, gt=0, description="Sequences per rank per forward/backward; GA steps are derived from it."
+    )
+    max_steps: int = Field(100, gt=0, description="Optimizer steps to run.")
+    seed: int = Field(0, description="Seed of model initialisation, data order and every RNG.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="Learning-rate decay after warm-up (formula in docs/batch-sizes.md)."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up length in optimizer steps.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to norms and biases).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value; 0 disables.")
+    loss_reduction: Literal["token", "sequence"] = Field(
+        "token",
+        description="`token`: mean over every trained token of the global batch; `sequence`: mean over "
+        "sequences of each sequence's token mean.",
+    )
+    deterministic: bool = Field(False, description="Use deterministic algorithms so CPU runs are bit-reproducible.")
+    log_every: int = Field(1, gt=0, description="Write a metrics row every this many steps.")
+    peak_tflops: float | None = Field(
+        None, gt=0, description="Peak TFLOP/s of one device, to report MFU. Default: known GPUs only."
+    )
+
+
+class ParallelConfig(Section):
+    dp_replicate: int = Field(
+        -1, description="DDP replicas; -1 takes every rank not used by the other degrees."
+    )
+    dp_shard: int = Field(1, description="FSDP2 shards; -1 takes every rank not used by the other degrees.")
+    tp: int = Field(1, gt=0, description="Tensor-parallel degree.")
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = Field(False, description="Also write TensorBoard events (needs the `tensorboard` extra).")
+    progress: bool = Field(True, description="Show a progress bar on rank 0.")
+
+
+class Config(Section):
+    output_dir: str = Field("runs/default", description="Run directory: config, metrics, model.")
+    model: ModelConfig
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+
+def set_dotted(tree: dict, dotted_key: str, value: Any) -> None:
+    """Set `tree[a][b][c] = value` for `a.b.c`, creating mappings on the way."""
+    *parents, leaf = dotted_key.split(".")
+    node = tree
+    for i, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {dotted_key}: {'.'.join(parents[: i + 1])} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.lr=3e-4` -> ("train.lr", 0.0003); the value is read as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value, e.g. train.lr=3e-4")
+    try:
+        value = _yaml_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
+    """Reject unknown keys with a did-you-mean hint, before pydantic's less friendly message."""
+    if not isinstance(data, dict):
+        return
+    fields = model.model_fields
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            known = [f"{prefix}{name}" for name in fields]
+            close = difflib.get_close_matches(dotted, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(known)}"
+            raise ConfigError(f"unknown config key {dotted!r}; {hint}")
+        annotation = fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            _check_keys(value, annotation, f"{dotted}.")
+
+
+def _describe_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    location = ".".join(str(p) for p in first["loc"])
+    message = first["msg"]
+    if first["type"] == "value_error":
+        return message.removeprefix("Value error, ")
+    given = first.get("input")
+    shown = "" if isinstance(given, dict) else f"={given!r}"
+    return f"config value {location}{shown} is invalid: {message}"
+
+
+def build_config(tree: dict) -> Config:
+    _check_keys(tree, Config, "")
+    if "model" not in tree:
+        raise ConfigError("the config has no model section; set model.name_or_path or model.config")
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_describe_validation_error(err)) from None
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML config")
+    try:
+        tree = _yaml_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}; fix its syntax") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, not {type(tree).__name__}")
+    return tree
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config (or the bundled default when `path` is None) and apply `a.b=value` overrides.
+
+    Relative data paths in the bundled recipe are resolved against the package.
+    """
+    from isotrain.recipes import default_recipe_path, resolve_recipe_paths
+
+    source = Path(path) if path is not None else default_recipe_path()
+    tree = read_yaml(source)
+    if path is None:
+        resolve_recipe_paths(tree)
+    for text in overrides:
+        key, value = parse_override(text)
+        set_dotted(tree, key, value)
+    return build_config(tree)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

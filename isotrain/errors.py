@@ -1,0 +1,13 @@
+"""The one error type users see: a sentence that names the bad value and the fix."""
+
+
+class IsotrainError(Exception):
+    """A problem the user can fix; the CLI prints it as one line without a traceback."""
+
+
+class ConfigError(IsotrainError):
+    """An unknown, mistyped or inconsistent configuration value."""
+
+
+class DataError(IsotrainError):
+    """A missing, unreadable or unusable data file."""

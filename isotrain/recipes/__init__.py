@@ -1,0 +1,19 @@
+"""Bundled recipes; `isotrain train` with no config runs `default.yaml`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+RECIPES_DIR = Path(__file__).parent
+
+
+def default_recipe_path() -> Path:
+    return RECIPES_DIR / "default.yaml"
+
+
+def resolve_recipe_paths(tree: dict) -> None:
+    """Bundled recipes name their data relative to this package, so they run from any directory."""
+    for section, key in (("data", "path"), ("eval", "path")):
+        value = tree.get(section, {}).get(key)
+        if value and not Path(value).is_absolute():
+            tree[section][key] = str(RECIPES_DIR / value)

@@ -1,0 +1,108 @@
+"""Every derived batch size, computed in one place and checked before any work (invariant 7).
+
+    DP size   = parallel.dp_replicate × parallel.dp_shard
+    GA steps  = train.global_batch_size / (train.micro_batch_size × DP size)
+
+A remainder is a configuration error whose message suggests valid values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from isotrain.config import Config, ParallelConfig
+from isotrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDegrees:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    world_size: int
+    dp_size: int
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    samples_per_rank_per_step: int
+
+    def as_rows(self) -> list[tuple[str, int]]:
+        return list(asdict(self).items())
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_degrees(cfg: ParallelConfig, world_size: int) -> ParallelDegrees:
+    """Fill the one `-1` degree from the world size and check that the product matches it."""
+    degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp}
+    for name, value in degrees.items():
+        if value == 0 or value < -1:
+            raise ConfigError(f"parallel.{name}={value} is invalid; use a positive degree or -1 for 'the rest'")
+    auto = [name for name, value in degrees.items() if value == -1]
+    if len(auto) > 1:
+        raise ConfigError(
+            f"parallel.{auto[0]} and parallel.{auto[1]} are both -1; at most one degree can take the remaining ranks"
+        )
+    fixed = 1
+    for value in degrees.values():
+        fixed *= value if value != -1 else 1
+    if auto:
+        if world_size % fixed:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by the fixed parallel degrees (product {fixed}); "
+                f"launch a multiple of {fixed} processes"
+            )
+        degrees[auto[0]] = world_size // fixed
+    resolved = ParallelDegrees(**degrees)
+    if resolved.world_size != world_size:
+        raise ConfigError(
+            f"parallel.dp_replicate × dp_shard × tp = {resolved.dp_replicate} × {resolved.dp_shard} × {resolved.tp} "
+            f"= {resolved.world_size} but {world_size} processes were launched; make the product equal the world size"
+        )
+    if resolved.tp > 1:
+        raise ConfigError(
+            f"parallel.tp={resolved.tp} is not supported yet; use parallel.tp=1 with dp_replicate/dp_shard"
+        )
+    return resolved
+
+
+def plan_batches(cfg: Config, degrees: ParallelDegrees) -> BatchPlan:
+    global_bs = cfg.train.global_batch_size
+    micro_bs = cfg.train.micro_batch_size
+    dp = degrees.dp_size
+    per_pass = micro_bs * dp
+    if global_bs % per_pass:
+        lower = global_bs // per_pass * per_pass
+        options = [v for v in (lower, lower + per_pass) if v > 0]
+        micro_options = [m for m in divisors(global_bs // dp) if global_bs % dp == 0]
+        hint = f"use train.global_batch_size in {options}"
+        if micro_options:
+            hint += f" or train.micro_batch_size in {micro_options}"
+        elif global_bs % dp:
+            hint += f" (it must be a multiple of the DP size {dp})"
+        raise ConfigError(
+            f"train.global_batch_size={global_bs} is not divisible by train.micro_batch_size ({micro_bs}) "
+            f"× DP size ({dp}) = {per_pass}; {hint}"
+        )
+    return BatchPlan(
+        world_size=degrees.world_size,
+        dp_size=dp,
+        global_batch_size=global_bs,
+        micro_batch_size=micro_bs,
+        grad_accum_steps=global_bs // per_pass,
+        samples_per_rank_per_step=global_bs // dp,
+    )

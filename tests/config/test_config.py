@@ -1,0 +1,65 @@
+"""Config loading: overrides, unknown keys, types, and the one batch-size derivation."""
+
+import pytest
+
+from isotrain.config import build_config, load_config, parse_override
+from isotrain.errors import ConfigError
+from isotrain.sizes import plan_batches, resolve_degrees
+from isotrain.config import ParallelConfig
+
+BASE = {"model": {"config": {"model_type": "llama"}}, "data": {"path": "x.jsonl"}}
+
+
+def cfg_with(**train):
+    return build_config({**BASE, "train": train})
+
+
+def test_default_recipe_loads_with_overrides():
+    cfg = load_config(None, ["train.lr=1e-3", "train.max_steps=7", "model.config.hidden_size=64"])
+    assert cfg.train.lr == 1e-3 and cfg.train.max_steps == 7
+    assert cfg.model.config["hidden_size"] == 64
+    assert cfg.data.path.endswith("addition_train.jsonl")
+
+
+def test_override_value_types_are_parsed():
+    assert parse_override("train.lr=3e-4") == ("train.lr", 3e-4)
+    assert parse_override("data.packing=true") == ("data.packing", True)
+    assert parse_override("output_dir=runs/x") == ("output_dir", "runs/x")
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.learning_rate'|did you mean"):
+        build_config({**BASE, "train": {"lrr": 1}})
+    with pytest.raises(ConfigError, match=r"'train.lrr'; did you mean train.lr\?"):
+        build_config({**BASE, "train": {"lrr": 1}})
+
+
+def test_wrong_type_names_field_and_value():
+    with pytest.raises(ConfigError, match=r"train.global_batch_size='many' is invalid"):
+        cfg_with(global_batch_size="many")
+
+
+@pytest.mark.parametrize(
+    "global_bs,micro_bs,world,ga", [(8, 8, 1, 1), (8, 2, 1, 4), (8, 2, 2, 2), (8, 2, 4, 1), (96, 3, 4, 8)]
+)
+def test_grad_accum_is_derived(global_bs, micro_bs, world, ga):
+    cfg = cfg_with(global_batch_size=global_bs, micro_batch_size=micro_bs)
+    plan = plan_batches(cfg, resolve_degrees(cfg.parallel, world))
+    assert plan.grad_accum_steps == ga
+    assert plan.grad_accum_steps * plan.micro_batch_size * plan.dp_size == global_bs
+
+
+def test_non_divisible_batch_suggests_values():
+    cfg = cfg_with(global_batch_size=30, micro_batch_size=4)
+    with pytest.raises(ConfigError) as err:
+        plan_batches(cfg, resolve_degrees(cfg.parallel, 2))
+    message = str(err.value)
+    assert "train.global_batch_size=30 is not divisible by train.micro_batch_size (4) × DP size (2) = 8" in message
+    assert "[24, 32]" in message and "micro_batch_size in [1, 3, 5, 15]" in message
+
+
+def test_degrees_fill_and_mismatch():
+    assert resolve_degrees(ParallelConfig(dp_shard=-1, dp_replicate=1), 4).dp_shard == 4
+    assert resolve_degrees(ParallelConfig(), 3).dp_replicate == 3
+    with pytest.raises(ConfigError, match="but 4 processes were launched"):
+        resolve_degrees(ParallelConfig(dp_replicate=2, dp_shard=1), 4)

@@ -1,0 +1,39 @@
+"""Helpers shared by tests: launching real multi-process runs and tiny model configs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """Launch `nproc` real processes on this machine with torchrun (gloo on CPU)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def isotrain_cli(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "isotrain", *args]
+    return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, **kwargs)

@@ -248,13 +248,14 @@ def read_yaml(path: str | Path) -> dict:
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Read a YAML config (or the bundled default when `path` is None) and apply `a.b=value` overrides.
 
-    Relative data paths in the bundled recipe are resolved against the package.
+    Relative paths resolve against the working directory, except in bundled recipes, whose data
+    ships inside the package.
     """
-    from isotrain.recipes import default_recipe_path, resolve_recipe_paths
+    from isotrain.recipes import RECIPES_DIR, default_recipe_path, resolve_recipe_paths
 
     source = Path(path) if path is not None else default_recipe_path()
     tree = read_yaml(source)
-    if path is None:
+    if source.resolve().parent == RECIPES_DIR.resolve():
         resolve_recipe_paths(tree)
     for text in overrides:
         key, value = parse_override(text)

@@ -1,0 +1,99 @@
+"""`isotrain` command line: each subcommand maps to one function; user errors print one line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+
+from isotrain.errors import IsotrainError
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="YAML config (default: the bundled tiny example)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.lr=3e-4")
+
+
+def _split_config_and_overrides(args) -> tuple[str | None, list[str]]:
+    # `isotrain train train.lr=1e-3` has an override but no config file.
+    if args.config is not None and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        return None, [args.config, *args.overrides]
+    return args.config, list(args.overrides)
+
+
+def cmd_train(args) -> int:
+    from isotrain.config import load_config
+
+    path, overrides = _split_config_and_overrides(args)
+    cfg = load_config(path, overrides)  # config errors come before the slow torch imports
+    from isotrain.train.loop import train
+
+    train(cfg)
+    return 0
+
+
+def cmd_config_show(args) -> int:
+    from isotrain.config import dump_config, load_config
+    from isotrain.sizes import plan_batches, resolve_degrees
+
+    path, overrides = _split_config_and_overrides(args)
+    cfg = load_config(path, overrides)
+    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
+    degrees = resolve_degrees(cfg.parallel, world_size)
+    plan = plan_batches(cfg, degrees)
+    print(dump_config(cfg), end="")
+    print("# derived sizes")
+    for name, value in [*vars(degrees).items(), *plan.as_rows()]:
+        print(f"# {name}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="isotrain", description="Training whose math does not depend on the layout.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="pre-train or fine-tune a causal LM")
+    _add_config_args(train)
+    train.set_defaults(func=cmd_train)
+
+    config = commands.add_parser("config", help="inspect configs")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser("show", help="print the resolved config and every derived size")
+    _add_config_args(show)
+    show.add_argument("--world-size", type=int, default=1, help="number of processes to derive sizes for")
+    show.set_defaults(func=cmd_config_show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    args = build_parser().parse_args([a for a in argv if a != "--debug"] if debug else argv)
+    try:
+        code = args.func(args)
+    except IsotrainError as err:
+        if debug:
+            raise
+        _print_error(str(err))
+        code = 2
+    except OSError as err:
+        # Disk full, permissions, vanished files: the system's own words, with the path.
+        if debug:
+            raise
+        where = f" ({err.filename})" if err.filename else ""
+        _print_error(f"{err.strerror or err}{where}; fix the file system problem and run again (--debug shows details)")
+        code = 1
+    except KeyboardInterrupt:
+        _print_error("interrupted")
+        code = 130
+    sys.exit(code)
+
+
+def _print_error(message: str) -> None:
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+    Console(stderr=True, highlight=False).print(f"{prefix}[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)

@@ -1,0 +1,51 @@
+"""Token losses and their global normalisation (invariant 1).
+
+For a global batch B split over DP ranks r and micro-batches m:
+
+    token reduction:     L = Σ_{r,m} Σ_t ℓ_t  /  T,        T = Σ_{r,m} #trained tokens
+    sequence reduction:  L = Σ_{r,m} Σ_t ℓ_t / n_{s(t)} / S,  S = Σ_{r,m} #sequences with a trained token
+
+where n_s is the number of trained tokens of sequence (document) s. T and S are all-reduced over
+DP *before* any backward, so each micro-batch backpropagates its share of the global mean and the
+summed gradient does not depend on how B was split. The naive alternative — mean per micro-batch,
+then mean over micro-batches and ranks — weights a token by 1/(its micro-batch's token count) and
+so changes with the layout whenever micro-batches hold different numbers of trained tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy in fp32, 0 where labels == -100. logits [B, L, V], labels [B, L] (pre-shifted)."""
+    flat = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+    return flat.view(labels.shape)
+
+
+def loss_weights(labels: torch.Tensor, segment_ids: torch.Tensor, reduction: str) -> tuple[torch.Tensor, int]:
+    """Per-token weights and this micro-batch's contribution to the global denominator.
+
+    token:    weight 1 per trained token; denominator = #trained tokens.
+    sequence: weight 1/n_s per trained token of sequence s; denominator = #sequences with n_s > 0.
+    """
+    trained = labels != IGNORE_INDEX
+    if reduction == "token":
+        return trained.float(), int(trained.sum())
+    # Give every (row, segment) pair one id, count its trained tokens, and spread 1/n_s back.
+    num_segments = int(segment_ids.max()) + 1 if segment_ids.numel() else 1
+    row_offset = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1) * num_segments
+    keys = torch.where(trained, segment_ids + row_offset, 0).reshape(-1)
+    counts = torch.zeros(labels.shape[0] * num_segments, device=labels.device)
+    counts.scatter_add_(0, keys, trained.reshape(-1).float())
+    per_token = counts[keys].view(labels.shape)
+    weights = torch.where(trained, 1.0 / per_token.clamp_min(1.0), 0.0)
+    return weights, int((counts > 0).sum())

@@ -1,0 +1,93 @@
+"""Everything a run builds before its first step: RNGs, tokenizer, dataset, model, optimizer.
+
+Order (build, parallelise, then optimise): tokenizer -> data -> model (seeded, identical on every
+rank) -> resize for new special tokens -> FSDP2/DDP -> optimizer over the (possibly sharded) params.
+Rank 0 does the file-producing work first (tokenizer training, tokenization cache) and the other
+ranks then read its result, so every rank sees byte-identical inputs.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from isotrain.config import Config
+from isotrain.data import prepare_dataset
+from isotrain.data.sources import read_rows
+from isotrain.models.loading import build_model, check_model_dir
+from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
+from isotrain.parallel.apply import parallelize
+from isotrain.parallel.dist import DistInfo, barrier
+from isotrain.sizes import ParallelDegrees
+from isotrain.train.optim import build_optimizer
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def row_texts(rows: list[dict], fmt: str) -> list[str]:
+    """The raw text of data rows, to train a tokenizer on."""
+    if fmt == "text":
+        return [row["text"] for row in rows]
+    if fmt == "prompt_completion":
+        return [row["prompt"] + row["completion"] for row in rows]
+    return [message["content"] for row in rows for message in row["messages"]]
+
+
+def rank0_first(info: DistInfo, work):
+    """Run `work` on rank 0, then on the other ranks (which find rank 0's files in place)."""
+    if info.is_main:
+        result = work()
+        barrier()
+        return result
+    barrier()
+    return work()
+
+
+def prepare_tokenizer(cfg: Config, info: DistInfo, output_dir: Path, log):
+    if cfg.model.name_or_path is not None:
+        check_model_dir(cfg.model.name_or_path)  # a wrong model path is named as such, not as a tokenizer
+    source = cfg.tokenizer.path or cfg.model.name_or_path
+    if source is not None:
+        tokenizer = load_tokenizer(source)
+    else:
+        trained_dir = output_dir / "tokenizer"
+
+        def train_and_save():
+            if info.is_main:
+                rows = read_rows(cfg.data.path, cfg.data.format).rows
+                trained = train_tokenizer(row_texts(rows, cfg.data.format), cfg.tokenizer.type, cfg.tokenizer.vocab_size)
+                trained.save_pretrained(trained_dir)
+                log(f"trained a {cfg.tokenizer.type} tokenizer ({len(trained)} tokens) -> {trained_dir}")
+            return load_tokenizer(str(trained_dir))
+
+        tokenizer = rank0_first(info, train_and_save)
+    added = add_special_tokens(tokenizer, cfg.data.add_special_tokens)
+    if added:
+        log(f"added {added} special tokens; embeddings are resized to {len(tokenizer)}")
+    return tokenizer
+
+
+def prepare_data(cfg: Config, info: DistInfo, tokenizer, log):
+    return rank0_first(info, lambda: prepare_dataset(cfg.data, tokenizer, log=log if info.is_main else _quiet))
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    pass
+
+
+def prepare_model(cfg: Config, info: DistInfo, tokenizer, mesh, degrees: ParallelDegrees):
+    model = build_model(cfg.model, tokenizer, cfg.train.seed).to(info.device)
+    compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+    model = parallelize(model, mesh, degrees, compute_dtype)
+    optimizer = build_optimizer(model, cfg.train)
+    return model, optimizer

@@ -1,0 +1,167 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import isotrain.data.dataset as dataset_module
+from isotrain.config import DataConfig
+from isotrain.data import prepare_dataset
+from isotrain.data.cache import cache_key, save_entry
+from isotrain.errors import ConfigError, DataError
+from isotrain.models.tokenizer import add_special_tokens, train_tokenizer
+
+ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(12) for b in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(["0123456789+="], "char", vocab_size=0)
+
+
+def write_jsonl(path: Path, rows, extra_lines=()):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + "".join(line + "\n" for line in extra_lines))
+    return str(path)
+
+
+def same_samples(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a.samples, b.samples):
+        for name in ("input_ids", "labels", "position_ids", "segment_ids"):
+            assert np.array_equal(getattr(x, name), getattr(y, name))
+        assert x.row_ids == y.row_ids
+
+
+def test_second_call_loads_from_cache(tmp_path, tok, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    cfg = DataConfig(path=path, format="prompt_completion", max_seq_len=16, packing=True)
+    first = prepare_dataset(cfg, tok, log=lambda *_: None)
+    assert Path(first.cache_path).parent.parent == tmp_path / "cache"  # $ISOTRAIN_CACHE, set by conftest
+    monkeypatch.setattr(dataset_module, "tokenize_rows", lambda *a, **k: pytest.fail("tokenized again"))
+    lines = []
+    second = prepare_dataset(cfg, tok, log=lines.append)
+    same_samples(first, second)
+    assert second.stats == first.stats
+    assert any(line.startswith("loaded tokenized data from cache") for line in lines)
+
+
+def test_cache_dir_option_wins(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    cfg = DataConfig(path=path, format="prompt_completion", cache_dir=str(tmp_path / "mine"))
+    dataset = prepare_dataset(cfg, tok, log=lambda *_: None)
+    assert Path(dataset.cache_path).parent == tmp_path / "mine" / "tokenized"
+
+
+def test_key_changes_with_options_data_and_tokenizer(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    options = {"format": "prompt_completion", "max_seq_len": 16, "packing": False, "add_special_tokens": []}
+    base = cache_key(path, tok, options)
+    assert cache_key(path, tok, dict(options)) == base
+    assert cache_key(path, tok, {**options, "max_seq_len": 17}) != base
+    assert cache_key(path, tok, {**options, "packing": True}) != base
+    other_tok = train_tokenizer(["0123456789+=x"], "char", vocab_size=0)
+    assert cache_key(path, other_tok, options) != base
+    write_jsonl(tmp_path / "d.jsonl", ROWS[:-1])
+    assert cache_key(path, tok, options) != base
+
+
+def test_changed_data_file_is_not_served_from_the_old_entry(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    cfg = DataConfig(path=write_jsonl(path, ROWS), format="prompt_completion")
+    before = prepare_dataset(cfg, tok, log=lambda *_: None)
+    write_jsonl(path, ROWS[:10])
+    after = prepare_dataset(cfg, tok, log=lambda *_: None)
+    assert len(before) == len(ROWS) and len(after) == 10
+    assert before.cache_path != after.cache_path
+
+
+def test_saved_dataset_directory_is_hashed_by_its_files(tmp_path, tok):
+    import datasets
+
+    directory = tmp_path / "ds"
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(directory))
+    options = {"format": "prompt_completion"}
+    base = cache_key(str(directory), tok, options)
+    datasets.Dataset.from_list(ROWS[:5]).save_to_disk(str(tmp_path / "ds2"))
+    assert cache_key(str(tmp_path / "ds2"), tok, options) != base
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "drop_manifest", "garbage_manifest"])
+def test_corrupt_cache_entry_is_rebuilt(tmp_path, tok, damage):
+    cfg = DataConfig(path=write_jsonl(tmp_path / "d.jsonl", ROWS), format="prompt_completion", packing=True)
+    first = prepare_dataset(cfg, tok, log=lambda *_: None)
+    entry = Path(first.cache_path)
+    target = entry / "input_ids.npy"
+    data = target.read_bytes()
+    if damage == "flip_byte":
+        target.write_bytes(data[:-3] + bytes([data[-3] ^ 0xFF]) + data[-2:])
+    elif damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "drop_manifest":
+        (entry / "manifest.json").unlink()
+    else:
+        (entry / "manifest.json").write_text("{not json")
+    lines = []
+    second = prepare_dataset(cfg, tok, log=lines.append)
+    same_samples(first, second)
+    assert any("is unreadable" in line and "rebuilding it" in line for line in lines)
+    lines.clear()
+    prepare_dataset(cfg, tok, log=lines.append)  # the rebuilt entry is good again
+    assert any(line.startswith("loaded tokenized data from cache") for line in lines)
+
+
+def test_concurrent_writers_leave_one_whole_entry(tmp_path, tok):
+    cfg = DataConfig(path=write_jsonl(tmp_path / "d.jsonl", ROWS), format="prompt_completion")
+    dataset = prepare_dataset(cfg, tok, log=lambda *_: None)
+    entry = Path(dataset.cache_path)
+    # A second rank finishing later finds the entry in place and keeps it.
+    save_entry(entry, dataset.samples, {"num_rows_read": -1})
+    assert json.loads((entry / "stats.json").read_text())["num_rows_read"] == len(ROWS)
+    assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temporary directories left
+
+
+def test_skipped_rows_are_counted_and_logged_with_line_numbers(tmp_path, tok):
+    path = write_jsonl(tmp_path / "data.jsonl", ROWS[:3], extra_lines=['{"prompt": "1+1="}', "{oops"])
+    lines = []
+    dataset = prepare_dataset(DataConfig(path=path, format="prompt_completion"), tok, log=lines.append)
+    assert dataset.stats.num_rows_read == 5 and dataset.stats.num_rows_skipped == 2
+    assert dataset.stats.skipped[0] == (4, "missing 'completion'")
+    assert lines[0].startswith("skipped 2 of 5 rows in data.jsonl: line 4: missing 'completion'; line 5: invalid JSON")
+    lines.clear()
+    prepare_dataset(DataConfig(path=path, format="prompt_completion"), tok, log=lines.append)
+    assert any(line.startswith("skipped 2 of 5 rows in data.jsonl: line 4") for line in lines)  # also from cache
+
+
+def test_missing_file_and_missing_special_tokens_are_clear_errors(tmp_path, tok):
+    with pytest.raises(DataError, match="does not exist"):
+        prepare_dataset(DataConfig(path=str(tmp_path / "no.jsonl")), tok, log=lambda *_: None)
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    cfg = DataConfig(path=path, format="prompt_completion", add_special_tokens=["<tool>"])
+    with pytest.raises(ConfigError, match=r"data.add_special_tokens \['<tool>'\] are not in the tokenizer"):
+        prepare_dataset(cfg, tok, log=lambda *_: None)
+    extended = train_tokenizer(["0123456789+="], "char", vocab_size=0)
+    add_special_tokens(extended, ["<tool>"])
+    assert len(prepare_dataset(cfg, extended, log=lambda *_: None)) == len(ROWS)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+@pytest.mark.parametrize("fmt", ["text", "prompt_completion"])
+def test_token_totals_equal_counts_computed_from_rows(tmp_path, tok, fmt, packing):
+    rng = np.random.default_rng(0)
+    rows = [
+        {"text": "".join(rng.choice(list("0123456789+="), size=n)), "prompt": "1+", "completion": "2" * n}
+        for n in rng.integers(1, 20, size=50)
+    ]
+    cfg = DataConfig(path=write_jsonl(tmp_path / "d.jsonl", rows), format=fmt, max_seq_len=32, packing=packing)
+    stats = prepare_dataset(cfg, tok, log=lambda *_: None).stats
+    # Per row: bos + tokens + eos; every token after bos is trained (text), or only completion + eos.
+    if fmt == "text":
+        expected_trained = sum(len(row["text"]) + 1 for row in rows)
+        expected_input = sum(len(row["text"]) + 2 for row in rows)
+    else:
+        expected_trained = sum(len(row["completion"]) + 1 for row in rows)
+        expected_input = sum(len(row["prompt"]) + len(row["completion"]) + 2 for row in rows)
+    assert stats.total_trained_tokens == expected_trained
+    assert stats.total_input_tokens == expected_input
+    assert stats.num_documents == 50 and stats.num_truncated == 0 and stats.num_rows_skipped == 0
+    assert (stats.num_samples < 50) == packing

@@ -1,0 +1,112 @@
+"""End to end through the real CLI and real processes: files, counters, saved model, multi-node."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, isotrain_cli, subprocess_env, torchrun
+
+SMALL = [
+    "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
+    "model.config.num_hidden_layers=2",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=4",
+    "train.deterministic=true",
+    "logging.progress=false",
+]
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def small_data(tmp_path, num_rows: int = 64):
+    from isotrain.tasks.arithmetic import addition_rows, write_jsonl
+
+    rows, held_out = addition_rows(max_operand=20, num_eval=20, seed=1)
+    write_jsonl(rows[:num_rows], tmp_path / "train.jsonl")
+    write_jsonl(held_out, tmp_path / "eval.jsonl")
+    return rows[:num_rows], [f"data.path={tmp_path / 'train.jsonl'}", f"eval.path={tmp_path / 'eval.jsonl'}"]
+
+
+def test_default_recipe_runs_from_the_cli(tmp_path):
+    run = tmp_path / "run"
+    proc = isotrain_cli(["train", "train.max_steps=20", f"output_dir={run}", "logging.progress=false"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exact-match accuracy on 200 held-out prompts" in proc.stdout
+    for name in ("config.yaml", "metrics.jsonl", "model/config.json", "model/model.safetensors", "model/tokenizer.json"):
+        assert (run / name).is_file(), name
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    required = {"step", "loss", "lr", "grad_norm", "tokens_seen", "trained_tokens", "samples_seen", "tokens_per_s"}
+    assert required <= set(rows[0])
+    assert rows[-1]["samples_seen"] == 20 * 64
+    assert rows[0]["lr"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_token_counts_after_one_epoch_equal_dataset_totals(tmp_path, nproc):
+    rows, data_args = small_data(tmp_path)
+    run = tmp_path / "run"
+    args = ["-m", "isotrain", "train", *SMALL, *data_args, "train.max_steps=4", f"output_dir={run}"]
+    proc = torchrun(nproc, args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run / "tokenizer")
+    # bos + prompt + completion + eos are input tokens; completion + eos are the trained targets.
+    inputs = sum(2 + len(tok.encode(r["prompt"], add_special_tokens=False))
+                 + len(tok.encode(r["completion"], add_special_tokens=False)) for r in rows)
+    trained = sum(1 + len(tok.encode(r["completion"], add_special_tokens=False)) for r in rows)
+    last = metrics(run)[-1]
+    assert (last["tokens_seen"], last["trained_tokens"], last["samples_seen"]) == (inputs, trained, len(rows))
+
+
+def test_saved_model_loads_in_transformers_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from isotrain.config import load_config
+    from isotrain.train.loop import train
+
+    _, data_args = small_data(tmp_path)
+    cfg = load_config(None, [*SMALL, *data_args, "train.max_steps=3", f"output_dir={tmp_path / 'run'}"])
+    result = train(cfg)
+    loaded = AutoModelForCausalLM.from_pretrained(result.model_dir)
+    ids = torch.tensor([[1, 5, 9, 7, 12, 3]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, result.model(ids).logits)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_with_c10d_rendezvous_match_one_process(tmp_path):
+    _, data_args = small_data(tmp_path)
+    common = [*SMALL, *data_args, "train.max_steps=3", "eval.path=null"]
+    port = _free_port()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=isotrain-test",
+              "-m", "isotrain", "train", *common, f"output_dir={tmp_path / 'multi'}"]
+    nodes = [subprocess.Popen(launch, env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    single = isotrain_cli(["train", *common, f"output_dir={tmp_path / 'single'}"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    multi_rows, single_rows = metrics(tmp_path / "multi"), metrics(tmp_path / "single")
+    for m, s in zip(multi_rows, single_rows, strict=True):
+        assert m["tokens_seen"] == s["tokens_seen"] and m["trained_tokens"] == s["trained_tokens"]
+        assert m["loss"] == pytest.approx(s["loss"], rel=1e-6)
+        assert m["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-5)

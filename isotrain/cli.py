@@ -96,4 +96,6 @@ def main(argv: list[str] | None = None) -> None:
 def _print_error(message: str) -> None:
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-    Console(stderr=True, highlight=False).print(f"{prefix}[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True)
+    Console(stderr=True, highlight=False).print(
+        f"{escape(prefix)}[bold red]error:[/] {escape(message)}", markup=True, soft_wrap=True
+    )

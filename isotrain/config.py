@@ -125,7 +125,9 @@ class TrainConfig(Section):
         "cosine", description="Learning-rate decay after warm-up (formula in docs/batch-sizes.md)."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up length in optimizer steps.")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="Final learning rate as a fraction of `lr` (linear and cosine; no effect with constant)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to norms and biases).")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
@@ -133,9 +135,12 @@ class TrainConfig(Section):
     loss_reduction: Literal["token", "sequence"] = Field(
         "token",
         description="`token`: mean over every trained token of the global batch; `sequence`: mean over "
-        "sequences of each sequence's token mean.",
+        "sequences of each sequence's token mean (with packing, each document counts as a sequence).",
     )
     deterministic: bool = Field(False, description="Use deterministic algorithms so CPU runs are bit-reproducible.")
+    compile: bool = Field(
+        False, description="torch.compile the model (per decoder layer under FSDP2); the loss is unchanged to fp tolerance."
+    )
     log_every: int = Field(1, gt=0, description="Write a metrics row every this many steps.")
     peak_tflops: float | None = Field(
         None, gt=0, description="Peak TFLOP/s of one device, to report MFU. Default: known GPUs only."
@@ -147,7 +152,9 @@ class ParallelConfig(Section):
         -1, description="DDP replicas; -1 takes every rank not used by the other degrees."
     )
     dp_shard: int = Field(1, description="FSDP2 shards; -1 takes every rank not used by the other degrees.")
-    tp: int = Field(1, gt=0, description="Tensor-parallel degree.")
+    tp: int = Field(
+        1, gt=0, description="Tensor-parallel degree; values above 1 are rejected until tensor parallelism lands."
+    )
 
 
 class LoggingConfig(Section):

@@ -60,6 +60,15 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return ddp
 
 
+def apply_compile(model: nn.Module, degrees: ParallelDegrees) -> None:
+    """torch.compile in place: each decoder layer when FSDP2 will wrap them, else the whole model."""
+    if degrees.dp_shard > 1:
+        for layer in decoder_layers(model):
+            layer.compile()
+    else:
+        model.compile()
+
+
 def parallelize(
     model: nn.Module, mesh: DeviceMesh | None, degrees: ParallelDegrees, compute_dtype: torch.dtype | None = None
 ) -> nn.Module:

@@ -46,6 +46,7 @@ class TrainResult:
     final_loss: float
     accuracy: float | None
     model: object = None  # the trained model as a plain HF module, on rank 0 only
+    data_stats: object = None  # the dataset's own totals (DataStats)
 
 
 def plan_table(plan: BatchPlan, degrees) -> Table:
@@ -154,4 +155,4 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> TrainResult:
     accuracy = _evaluate(cfg, model_dir, eval_model, tokenizer, console) if info.is_main else None
     log(f"wrote {output_dir}: config.yaml, metrics.jsonl ({counters.step} steps), model/ "
         f"(load with AutoModelForCausalLM.from_pretrained({str(model_dir)!r}))")
-    return TrainResult(output_dir, model_dir, counters, loss, accuracy, eval_model)
+    return TrainResult(output_dir, model_dir, counters, loss, accuracy, eval_model, dataset.stats)

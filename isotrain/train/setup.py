@@ -1,6 +1,6 @@
 """Everything a run builds before its first step: RNGs, tokenizer, dataset, model, optimizer.
 
-Order (build, parallelise, then optimise): tokenizer -> data -> model (seeded, identical on every
+Order (build, compile, parallelise, then optimise): tokenizer -> data -> model (seeded, identical on every
 rank) -> resize for new special tokens -> FSDP2/DDP -> optimizer over the (possibly sharded) params.
 Rank 0 does the file-producing work first (tokenizer training, tokenization cache) and the other
 ranks then read its result, so every rank sees byte-identical inputs.
@@ -19,7 +19,7 @@ from isotrain.data import prepare_dataset
 from isotrain.data.sources import read_rows
 from isotrain.models.loading import build_model, check_model_dir
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
-from isotrain.parallel.apply import parallelize
+from isotrain.parallel.apply import apply_compile, parallelize
 from isotrain.parallel.dist import DistInfo, barrier
 from isotrain.sizes import ParallelDegrees
 from isotrain.train.optim import build_optimizer
@@ -87,6 +87,8 @@ def _quiet(*_args, **_kwargs) -> None:
 
 def prepare_model(cfg: Config, info: DistInfo, tokenizer, mesh, degrees: ParallelDegrees):
     model = build_model(cfg.model, tokenizer, cfg.train.seed).to(info.device)
+    if cfg.train.compile:
+        apply_compile(model, degrees)
     compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model = parallelize(model, mesh, degrees, compute_dtype)
     optimizer = build_optimizer(model, cfg.train)

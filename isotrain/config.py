@@ -162,8 +162,45 @@ class LoggingConfig(Section):
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
 
 
+class CheckpointConfig(Section):
+    every_steps: int = Field(
+        0, ge=0, description="Save a checkpoint every this many optimizer steps and at the last step; 0 saves none."
+    )
+    keep_last: int = Field(
+        3, ge=1, description="Committed checkpoints to keep; older ones are deleted only after a newer one is committed."
+    )
+    keep_every: int | None = Field(
+        None, gt=0, description="Also keep every checkpoint whose step is a multiple of this (milestones)."
+    )
+    async_save: bool = Field(
+        False,
+        alias="async",
+        description="Write checkpoints in the background; training waits only while the state is copied to host memory.",
+    )
+    resume: str = Field(
+        "auto",
+        description="`auto`: continue from the newest valid checkpoint in output_dir, if any; `never`: start fresh "
+        "(existing checkpoints are kept until rotation); or the path of a checkpoint directory.",
+    )
+    load_only: Literal["model"] | None = Field(
+        None, description="`model`: take only the weights of the resumed checkpoint and start a new run at step 0."
+    )
+    allow_changes: list[Literal["global_batch_size", "seed", "data", "tokenizer"]] = Field(
+        [],
+        description="Resume even though these differ from the checkpoint (they change the data order or the math).",
+    )
+
+    @model_validator(mode="after")
+    def _resume_value(self) -> CheckpointConfig:
+        if self.load_only is not None and self.resume in ("auto", "never"):
+            raise ValueError(
+                "checkpoint.load_only=model needs checkpoint.resume set to the path of a checkpoint directory"
+            )
+        return self
+
+
 class Config(Section):
-    output_dir: str = Field("runs/default", description="Run directory: config, metrics, model.")
+    output_dir: str = Field("runs/default", description="Run directory: config, metrics, checkpoints, final model.")
     model: ModelConfig
     tokenizer: TokenizerConfig = TokenizerConfig()
     data: DataConfig = DataConfig()
@@ -171,6 +208,7 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
     logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
 
 def set_dotted(tree: dict, dotted_key: str, value: Any) -> None:
@@ -201,7 +239,7 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
     """Reject unknown keys with a did-you-mean hint, before pydantic's less friendly message."""
     if not isinstance(data, dict):
         return
-    fields = model.model_fields
+    fields = {field.alias or name: field for name, field in model.model_fields.items()}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
@@ -271,4 +309,4 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
 
 
 def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)

@@ -72,7 +72,7 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
     for name, field in model.model_fields.items():
         if _is_section(field.annotation):
             continue
-        row = [f"`{prefix}{name}`", type_name(field.annotation), default_text(field), field.description or ""]
+        row = [f"`{prefix}{field.alias or name}`", type_name(field.annotation), default_text(field), field.description or ""]
         lines.append("| " + " | ".join(_cell(cell) for cell in row) + " |")
     return lines
 

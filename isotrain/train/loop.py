@@ -1,7 +1,7 @@
 """The pre-training / SFT loop, top to bottom.
 
 set up (sizes checked first) -> for each step: this rank's micro-batches of global batch k ->
-train_step -> counters and metrics -> save the final model -> exact-match evaluation.
+train_step -> counters and metrics -> checkpoint when due -> save the final model -> exact-match evaluation.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from isotrain.checkpoint.manager import MODEL_DIR, CheckpointManager
 from isotrain.config import Config, dump_config
+from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.data.collate import collate
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import read_rows
@@ -23,11 +25,11 @@ from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown
 from isotrain.parallel.mesh import build_mesh
 from isotrain.sizes import BatchPlan, plan_batches, resolve_degrees
 from isotrain.train.evaluate import exact_match
-from isotrain.train.final import save_final_model
 from isotrain.train.metrics import MetricsWriter, ProgressBar, flops_per_token, peak_tflops
 from isotrain.train.schedule import lr_at
 from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer, seed_everything
 from isotrain.train.step import StepOptions, train_step
+from isotrain.train.stop import GracefulStop
 
 
 @dataclass
@@ -37,6 +39,10 @@ class Counters:
     trained_tokens: int = 0
     samples_seen: int = 0
 
+    def as_dict(self) -> dict:
+        return {"tokens_seen": self.tokens_seen, "trained_tokens": self.trained_tokens,
+                "samples_seen": self.samples_seen}
+
 
 @dataclass
 class TrainResult:
@@ -45,7 +51,7 @@ class TrainResult:
     counters: Counters
     final_loss: float
     accuracy: float | None
-    model: object = None  # the trained model as a plain HF module, on rank 0 only
+    model: object = None  # the trained module itself, single-process runs only
     data_stats: object = None  # the dataset's own totals (DataStats)
 
 
@@ -80,22 +86,40 @@ def _metrics_row(cfg, counters: Counters, result, lr: float, step_s: float, flop
     return row
 
 
-def run_steps(cfg, info, plan, model, optimizer, dataset, pad_id, writer, console) -> tuple[Counters, float]:
-    sampler = GlobalBatchSampler(len(dataset), plan.global_batch_size, cfg.train.seed)
+@dataclass
+class Run:
+    """What the step loop works on, built once by `_train`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    dataset: object
+    sampler: GlobalBatchSampler
+    checkpoints: CheckpointManager
+
+
+def _checkpoint_due(cfg: Config, step: int) -> bool:
+    every = cfg.checkpoint.every_steps
+    return every > 0 and (step % every == 0 or step == cfg.train.max_steps)
+
+
+def run_steps(cfg, info, plan, run: Run, pad_id, writer, console, counters: Counters) -> float:
+    """Steps counters.step .. max_steps - 1; saves checkpoints when due and stops early on SIGTERM/SIGINT."""
     options = _step_options(cfg, resolve_degrees(cfg.parallel, info.world_size))
-    base = getattr(model, "module", model).config
+    base = getattr(run.model, "module", run.model).config
     world_peak = peak_tflops(cfg.train.peak_tflops, info.device)
     world_peak = world_peak * info.world_size if world_peak else None
-    num_params = count_parameters(model)
-    counters, loss = Counters(), float("nan")
-    with ProgressBar(cfg.train.max_steps, info.is_main and cfg.logging.progress, console) as bar:
-        for step in range(cfg.train.max_steps):
-            index_lists = sampler.micro_batches(step, info.rank, plan.dp_size, plan.micro_batch_size)
-            micro_batches = [collate([dataset[i] for i in indices], pad_id) for indices in index_lists]
+    num_params = count_parameters(run.model)
+    loss = float("nan")
+    enabled = info.is_main and cfg.logging.progress
+    with GracefulStop() as stop, ProgressBar(cfg.train.max_steps, enabled, console, counters.step) as bar:
+        for step in range(counters.step, cfg.train.max_steps):
+            index_lists = run.sampler.micro_batches(step, info.rank, plan.dp_size, plan.micro_batch_size)
+            micro_batches = [collate([run.dataset[i] for i in indices], pad_id) for indices in index_lists]
             lr = lr_at(step, lr=cfg.train.lr, schedule=cfg.train.schedule, warmup_steps=cfg.train.warmup_steps,
                        max_steps=cfg.train.max_steps, min_lr_ratio=cfg.train.min_lr_ratio)
             start = time.perf_counter()
-            result = train_step(model, optimizer, micro_batches, lr, options, info.device)
+            result = train_step(run.model, run.optimizer, micro_batches, lr, options, info.device,
+                                before_update=run.checkpoints.before_update)
             step_s = time.perf_counter() - start
             counters.step = step + 1
             counters.tokens_seen += result.num_input_tokens
@@ -107,14 +131,19 @@ def run_steps(cfg, info, plan, model, optimizer, dataset, pad_id, writer, consol
             if counters.step % cfg.train.log_every == 0 or counters.step == cfg.train.max_steps:
                 writer.write(_metrics_row(cfg, counters, result, lr, step_s, flops_tok, world_peak))
             bar.update(counters.step, loss, result.num_input_tokens / step_s)
-    return counters, loss
+            stopping = stop.requested(info.device)
+            if _checkpoint_due(cfg, counters.step) or (stopping and cfg.checkpoint.every_steps > 0):
+                run.checkpoints.save(counters.step, counters.as_dict())
+            if stopping:
+                console.print(f"{stop.signal_name or 'a signal'} received: stopped after step {counters.step}"
+                              if info.is_main else "", end="\n" if info.is_main else "")
+                break
+    return loss
 
 
-def _evaluate(cfg: Config, model_dir: Path, eval_model, tokenizer, console) -> float | None:
-    if cfg.eval.path is None or eval_model is None:
-        return None
+def _evaluate(cfg: Config, model, tokenizer, console) -> float | None:
     rows = read_rows(cfg.eval.path, "prompt_completion").rows[: cfg.eval.max_samples]
-    accuracy = exact_match(eval_model, tokenizer, rows, cfg.eval.max_new_tokens)
+    accuracy = exact_match(model, tokenizer, rows, cfg.eval.max_new_tokens)
     console.print(f"exact-match accuracy on {len(rows)} held-out prompts: {accuracy:.1%}")
     return accuracy
 
@@ -123,12 +152,32 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     info = init_distributed()
     console = console or Console(stderr=False)
     try:
-        return _train(cfg, info, console)
+        result, tokenizer = _train(cfg, info, console)
     finally:
         shutdown_distributed()
+    if info.is_main and cfg.eval.path is not None:
+        # Several processes: evaluate the saved directory once the process group is gone
+        # (from_pretrained on one rank inside a group can hang in transformers 5).
+        model = result.model if result.model is not None else _load_saved(result.model_dir)
+        result.accuracy = _evaluate(cfg, model, tokenizer, console)
+    return result
 
 
-def _train(cfg: Config, info: DistInfo, console: Console) -> TrainResult:
+def _load_saved(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own output says what was loaded
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def _resume_counters(resumed) -> Counters:
+    if resumed is None or resumed.weights_only:
+        return Counters()
+    return Counters(step=resumed.step, **resumed.counters)
+
+
+def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, object]:
     log = console.print if info.is_main else (lambda *a, **k: None)
     degrees = resolve_degrees(cfg.parallel, info.world_size)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
@@ -145,14 +194,29 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> TrainResult:
     model, optimizer = prepare_model(cfg, info, tokenizer, mesh, degrees)
     log(f"model: {count_parameters(model):,} parameters; data: {len(dataset)} samples, "
         f"{dataset.stats.total_input_tokens:,} tokens, {dataset.stats.total_trained_tokens:,} trained")
-    writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard)
+    sampler = GlobalBatchSampler(len(dataset), plan.global_batch_size, cfg.train.seed)
+    layout = {"world_size": info.world_size, **vars(degrees)}
+    checkpoints = CheckpointManager(cfg, info.rank, info.world_size, layout, model, optimizer, tokenizer, log)
+    checkpoints.extra_state = {
+        "sampler": sampler.state_dict(),
+        "schedule": {k: getattr(cfg.train, k) for k in ("lr", "schedule", "warmup_steps", "max_steps", "min_lr_ratio")},
+        "data_fingerprint": Path(dataset.cache_path).name if dataset.cache_path else None,
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+    }
+    checkpoints.clean_leftovers()
+    counters = _resume_counters(checkpoints.resume())
+    run = Run(model, optimizer, dataset, sampler, checkpoints)
+    writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=counters.step)
     try:
-        counters, loss = run_steps(cfg, info, plan, model, optimizer, dataset, tokenizer.pad_token_id, writer, console)
+        loss = run_steps(cfg, info, plan, run, tokenizer.pad_token_id, writer, console, counters)
+        checkpoints.wait()
     finally:
         writer.close()
-    model_dir = output_dir / "model"
-    eval_model = save_final_model(model, tokenizer, model_dir, info)
-    accuracy = _evaluate(cfg, model_dir, eval_model, tokenizer, console) if info.is_main else None
+    model_dir = checkpoints.save_model(output_dir / MODEL_DIR)
+    if cfg.checkpoint.every_steps > 0:
+        log(f"checkpoints in {checkpoints.root} (the loop waited {checkpoints.blocked_s:.2f} s on saves)")
     log(f"wrote {output_dir}: config.yaml, metrics.jsonl ({counters.step} steps), model/ "
         f"(load with AutoModelForCausalLM.from_pretrained({str(model_dir)!r}))")
-    return TrainResult(output_dir, model_dir, counters, loss, accuracy, eval_model, dataset.stats)
+    plain = model if not info.is_distributed else None  # the trained module itself, for evaluation
+    result = TrainResult(output_dir, model_dir, counters, loss, None, plain, dataset.stats)
+    return result, tokenizer

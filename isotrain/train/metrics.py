@@ -32,11 +32,22 @@ def flops_per_token(num_params: int, num_layers: int, hidden_size: int, seq_len:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step; only rank 0 writes."""
+    """One JSON object per logged step; only rank 0 writes.
 
-    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool):
+    A fresh run starts the file anew; a run resumed at step k keeps the rows of steps <= k and
+    drops later ones (written after that checkpoint by the interrupted run), so the file reads as
+    one uninterrupted run.
+    """
+
+    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool, start_step: int = 0):
         self.enabled = enabled
-        self._file = open(output_dir / "metrics.jsonl", "a") if enabled else None
+        self._file = None
+        if enabled:
+            path = output_dir / "metrics.jsonl"
+            kept = _rows_up_to(path, start_step) if start_step > 0 else []
+            self._file = open(path, "w")
+            self._file.writelines(kept)
+            self._file.flush()
         self._tb = None
         if enabled and tensorboard:
             try:
@@ -64,10 +75,23 @@ class MetricsWriter:
             self._tb.close()
 
 
+def _rows_up_to(path: Path, step: int) -> list[str]:
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+    return kept
+
+
 class ProgressBar:
     """Step, loss, tokens/s and ETA on rank 0; silent elsewhere or when disabled."""
 
-    def __init__(self, total_steps: int, enabled: bool, console: Console):
+    def __init__(self, total_steps: int, enabled: bool, console: Console, start_step: int = 0):
         self._progress = None
         if not enabled:
             return
@@ -83,7 +107,7 @@ class ProgressBar:
             console=console,
             transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, loss="-", tok_s="-")
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tok_s="-")
 
     def __enter__(self):
         if self._progress is not None:

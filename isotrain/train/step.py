@@ -119,8 +119,13 @@ def train_step(
     lr: float,
     options: StepOptions,
     device: torch.device,
+    before_update=None,
 ) -> StepResult:
+    """`before_update()`, if given, runs between the backward passes and the update (an async
+    checkpoint may still be copying the weights the update changes)."""
     loss, counts = forward_backward(model, micro_batches, options, device)
+    if before_update is not None:
+        before_update()
     parameters = [p for p in model.parameters() if p.requires_grad]
     norm = optimizer_step(optimizer, parameters, lr, options.grad_clip)
     return StepResult(

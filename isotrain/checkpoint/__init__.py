@@ -1,0 +1,1 @@
+"""Unified checkpoints: Hugging Face model directories plus a layout-free training state."""

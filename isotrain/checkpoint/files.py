@@ -1,0 +1,152 @@
+"""Durable file writing: bytes are hashed as they are written, fsynced, and replaced atomically.
+
+Every checkpoint file goes through `write_chunks`, so its sha256 costs no second read of the data
+and no file is ever reported written before it is on disk (invariant 5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CHUNK_BYTES = 16 << 20  # hash and write in pieces that stay in cache between the two
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    num_bytes: int
+    sha256: str
+
+    def as_json(self) -> dict:
+        return {"bytes": self.num_bytes, "sha256": self.sha256}
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        data = data[os.write(fd, data):]
+
+
+def write_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> FileEntry:
+    """Create `path` (never overwriting), write the chunks, fsync; return size and sha256."""
+    digest = hashlib.sha256()
+    num_bytes = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            for start in range(0, len(view), CHUNK_BYTES):
+                piece = view[start : start + CHUNK_BYTES]
+                digest.update(piece)  # releases the GIL: files written by several threads overlap
+                _write_all(fd, piece)
+            num_bytes += len(view)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return FileEntry(num_bytes, digest.hexdigest())
+
+
+def write_text(path: Path, text: str) -> FileEntry:
+    return write_chunks(path, [text.encode("utf-8")])
+
+
+def write_json(path: Path, value) -> FileEntry:
+    return write_text(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` so that a reader sees the old or the new content, never a mix."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    write_text(tmp, text)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tensor_view(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor, without a copy when it is contiguous."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors header for tensors laid out in the given order (8-byte aligned, as the format asks)."""
+    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, tensor in tensors.items():
+        num_bytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + num_bytes],
+        }
+        offset += num_bytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> FileEntry:
+    """Stream CPU tensors into a safetensors file that `safetensors.safe_open` and transformers read."""
+    header = safetensors_header(tensors, metadata)
+    return write_chunks(path, [header, *(tensor_view(t) for t in tensors.values())])
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The parsed header of a safetensors file; ValueError with the reason when it is not one."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+            raise ValueError(f"header length {header_len} exceeds the file size {size}")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    end = 0
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = spec["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"tensor {name!r} has no valid data_offsets") from None
+        end = max(end, stop)
+    if 8 + header_len + end != size:
+        raise ValueError(f"data ends at byte {8 + header_len + end} but the file has {size} bytes")
+    return header

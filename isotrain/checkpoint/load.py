@@ -1,0 +1,118 @@
+"""Read a committed checkpoint into a model and optimizer of any layout.
+
+Each rank reads only what it holds: whole tensors under DDP or one process, its dim-0 rows under
+FSDP2 (`safe_open(...).get_slice`, memory-mapped), so a checkpoint saved on N ranks loads on M.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX
+from isotrain.checkpoint.save import CheckpointError
+from isotrain.checkpoint.state import OPTIMIZER_STATE_KEYS, local_part, model_tensors, shard_spec
+
+
+class CheckpointReader:
+    """Tensor lookup by name across a checkpoint's model and optimizer files."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._where: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        self._index(MODEL_INDEX, "model.safetensors")
+        self._index(OPTIMIZER_INDEX, "train_state/optimizer.safetensors")
+
+    def _index(self, index_name: str, single_name: str) -> None:
+        index, single = self.directory / index_name, self.directory / single_name
+        if index.is_file():
+            for key, file_name in json.loads(index.read_text())["weight_map"].items():
+                self._where[key] = index.parent / file_name
+        elif single.is_file():
+            for key in self._open(single).keys():
+                self._where[key] = single
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._open(self._where[key]).get_slice(key).get_shape())
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        handle = self._open(self._where[key])
+        if rows is None:
+            return handle.get_tensor(key)
+        return handle.get_slice(key)[rows[0] : rows[1]]
+
+    def state(self) -> dict:
+        return json.loads((self.directory / "train_state" / "state.json").read_text())
+
+
+def _read_into(reader: CheckpointReader, key: str, target: torch.Tensor, rank: int) -> None:
+    """Copy the part of tensor `key` that this rank holds into `target` (a plain tensor or DTensor)."""
+    spec = shard_spec(target)
+    rows = spec.bounds(spec.shard_of_rank[rank]) if spec is not None else None
+    with torch.no_grad():
+        local_part(target).copy_(reader.read(key, rows))
+
+
+def check_model_shapes(reader: CheckpointReader, model: nn.Module, prefix: str = "") -> None:
+    """Refuse a checkpoint whose tensors do not match the model's names and shapes."""
+    tensors = model_tensors(model)
+    missing = [name for name in tensors if f"{prefix}{name}" not in reader]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {reader.directory} has no tensor {prefix}{missing[0]!r} ({len(missing)} missing); "
+            "it was saved from a different model: resume with its model.config or set checkpoint.resume=never"
+        )
+    for name, tensor in tensors.items():
+        saved = reader.shape(f"{prefix}{name}")
+        if saved != tuple(tensor.shape):
+            raise CheckpointError(
+                f"checkpoint {reader.directory} has {name} of shape {list(saved)} but the model has "
+                f"{list(tensor.shape)}; resume with the checkpoint's model.config or set checkpoint.resume=never"
+            )
+
+
+def load_model(reader: CheckpointReader, model: nn.Module, rank: int) -> None:
+    """Weights from the fp32 master copies when the model files are in a lower precision."""
+    tensors = model_tensors(model)
+    use_master = all(f"master.{name}" in reader for name in tensors if tensors[name].is_floating_point())
+    check_model_shapes(reader, model)
+    for name, tensor in tensors.items():
+        source = f"master.{name}" if use_master and tensor.is_floating_point() else name
+        _read_into(reader, source, tensor, rank)
+
+
+def load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """AdamW moments and step per parameter name, each in this rank's layout."""
+    names = {id(p): n for n, p in model_tensors(model).items()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = names[id(param)]
+            if f"step.{name}" not in reader:
+                raise CheckpointError(
+                    f"checkpoint {reader.directory} has no optimizer state for {name!r}; it is not a training "
+                    "checkpoint of this model: set checkpoint.load_only=model to start from its weights only"
+                )
+            state = {}
+            for key in OPTIMIZER_STATE_KEYS:
+                if key == "step":
+                    state[key] = reader.read(f"step.{name}").clone()
+                else:
+                    state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                    _read_into(reader, f"{key}.{name}", state[key], rank)
+            optimizer.state[param] = state

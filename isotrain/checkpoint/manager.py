@@ -1,0 +1,272 @@
+"""The checkpoint manager a training loop uses: resume at start, save (sync or async), rotate.
+
+Async saves (`checkpoint.async=true`) run in one background thread on their own gloo process
+group: it first copies the state to host memory, then writes, hashes and commits. The loop waits
+for the copy only before the next optimizer update (the one thing that would change the state
+being copied), and at most one save is in flight. A failure in the background is raised in the
+loop at its next call into the manager, never swallowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from isotrain.checkpoint.layout import (
+    checkpoints_root,
+    committed,
+    leftovers,
+    remove_leftovers,
+)
+from isotrain.checkpoint.load import CheckpointReader, load_model, load_optimizer
+from isotrain.checkpoint.manifest import verify_checkpoint
+from isotrain.checkpoint.save import CheckpointError, SaveRequest, _broadcast, rotate, save
+from isotrain.checkpoint.state import Item, assign_owners, collect_items, model_tensors, rng_state, set_rng_state, unwrap
+from isotrain.config import Config, dump_config
+from isotrain.errors import ConfigError
+
+MODEL_DIR = "model"
+
+
+@dataclass
+class Resumed:
+    """What a resume restored, for the loop to continue from."""
+
+    path: Path
+    step: int
+    counters: dict
+    weights_only: bool
+
+
+def static_files(model, tokenizer, save_dtype: torch.dtype) -> dict[str, bytes]:
+    """config.json, generation_config.json and tokenizer files: the non-tensor part of an HF directory."""
+    base = unwrap(model)
+    config = copy.deepcopy(base.config)
+    config.dtype = save_dtype
+    config.use_cache = True
+    config.architectures = [type(base).__name__]
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        if getattr(base, "generation_config", None) is not None:
+            base.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def stage(items: list[Item], rank: int) -> None:
+    """Copy what this rank will write (its shards, the whole tensors it owns) to host memory."""
+    pin = torch.cuda.is_available()
+    for item in items:
+        if item.shard is None and item.owner != rank:
+            item.local = None
+            continue
+        host = torch.empty(item.local.shape, dtype=item.local.dtype, device="cpu", pin_memory=pin)
+        host.copy_(item.local)
+        item.local = host
+
+
+class CheckpointManager:
+    def __init__(self, cfg: Config, rank: int, world_size: int, layout: dict, model, optimizer, tokenizer,
+                 log=print):
+        self.cfg, self.rank, self.world_size, self.layout = cfg, rank, world_size, layout
+        self.model, self.optimizer, self.log = model, optimizer, log
+        self.root = checkpoints_root(cfg.output_dir)
+        self.save_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        # Saves talk over their own group so a background save never interleaves with training collectives.
+        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.run_id = _broadcast(uuid.uuid4().hex[:12], rank, self.group)
+        self.static = static_files(model, tokenizer, self.save_dtype) if rank == 0 else {}
+        self.extra_state: dict = {}  # set by the loop: sampler, scheduler, fingerprints
+        self.last_saved_step: int | None = None
+        self.blocked_s = 0.0  # time the loop spent waiting on saves
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._staged = threading.Event()
+        self._staged.set()
+
+    # ----- resume ---------------------------------------------------------------------------
+    def clean_leftovers(self) -> None:
+        if self.rank == 0:
+            removed = remove_leftovers(self.root) + remove_leftovers(Path(self.cfg.output_dir))
+            if removed:
+                names = ", ".join(p.name for p in removed)
+                self.log(f"removed {len(removed)} leftover(s) of an interrupted save: {names}")
+        _broadcast(None, self.rank, self.group)
+
+    def _choose(self) -> Path | None:
+        """Rank 0 picks the checkpoint to resume from (verified), or None to start fresh."""
+        mode = self.cfg.checkpoint.resume
+        if mode == "never":
+            return None
+        if mode != "auto":
+            path = Path(mode)
+            problems = verify_checkpoint(path)
+            if problems:
+                raise CheckpointError(f"checkpoint.resume={mode} is not a valid checkpoint: {problems[0]}; "
+                                      f"run `isotrain ckpt verify {mode}` for every problem")
+            return path
+        candidates = list(reversed(committed(self.root)))
+        for step, path in candidates:
+            problems = verify_checkpoint(path)
+            if not problems:
+                return path
+            self.log(f"[yellow]checkpoint {path.name} is invalid ({problems[0]}); trying the previous one[/]")
+        if candidates:
+            raise CheckpointError(
+                f"no checkpoint in {self.root} is valid; move them away or set checkpoint.resume=never to start fresh"
+            )
+        return None
+
+    def resume(self) -> Resumed | None:
+        choice: str | BaseException | None = None
+        if self.rank == 0:
+            try:
+                path = self._choose()
+                choice = str(path) if path else None
+            except CheckpointError as err:
+                choice = err
+        choice = _broadcast(choice, self.rank, self.group)
+        if isinstance(choice, BaseException):
+            raise choice
+        if choice is None:
+            return None
+        reader = CheckpointReader(Path(choice))
+        state = reader.state()
+        weights_only = self.cfg.checkpoint.load_only == "model"
+        if not weights_only:
+            self._check_compatible(reader.directory, state)
+        load_model(reader, self.model, self.rank)
+        if weights_only:
+            self.log(f"started from the weights of {choice} (step {state['step']}); optimizer and counters are new")
+            return Resumed(Path(choice), 0, {}, True)
+        load_optimizer(reader, self.model, self.optimizer, self.rank)
+        self._restore_rng(reader.directory, state)
+        self.last_saved_step = state["step"]
+        self.log(f"resumed from {choice} at step {state['step']} (saved on {state['layout']['world_size']} "
+                 f"rank(s), now {self.world_size})")
+        counters = {key: state[key] for key in ("tokens_seen", "trained_tokens", "samples_seen")}
+        return Resumed(Path(choice), state["step"], counters, False)
+
+    def _check_compatible(self, directory: Path, state: dict) -> None:
+        allowed = set(self.cfg.checkpoint.allow_changes)
+        saved_sampler, sampler = state["sampler"], self.extra_state["sampler"]
+        checks = [
+            ("global_batch_size", saved_sampler["global_batch_size"], sampler["global_batch_size"],
+             "train.global_batch_size"),
+            ("seed", saved_sampler["seed"], sampler["seed"], "train.seed"),
+            ("data", (saved_sampler["num_samples"], state["data_fingerprint"]),
+             (sampler["num_samples"], self.extra_state["data_fingerprint"]), "data (data.path or its settings)"),
+            ("tokenizer", state["tokenizer_sha256"], self.extra_state["tokenizer_sha256"], "the tokenizer"),
+        ]
+        for name, saved, current, what in checks:
+            if saved != current and name not in allowed:
+                shown = f" ({saved} in the checkpoint, {current} now)" if name in ("global_batch_size", "seed") else ""
+                raise ConfigError(
+                    f"{what} differs from checkpoint {directory}{shown}, which changes the data order or the math; "
+                    f"restore it, start a new output_dir, or add {name} to checkpoint.allow_changes to resume anyway"
+                )
+
+    def _restore_rng(self, directory: Path, state: dict) -> None:
+        path = directory / "train_state" / f"rng-rank-{self.rank:05d}.json"
+        if path.is_file():
+            set_rng_state(json.loads(path.read_text()))
+        elif self.rank == state["layout"]["world_size"]:  # first rank without a saved state says it once
+            print(f"note: ranks >= {state['layout']['world_size']} keep their seeded RNG; "
+                  f"{directory} was saved on {state['layout']['world_size']} rank(s)")
+
+    # ----- save -----------------------------------------------------------------------------
+    def _request(self, step: int, counters: dict, kind: str) -> SaveRequest:
+        items = collect_items(self.model, self.optimizer, self.save_dtype)
+        if kind == "model":
+            items = [item for item in items if item.kind == "model"]
+        assign_owners(items, self.world_size)
+        info = {"kind": kind, "step": step, "layout": self.layout}
+        rank_files, main_files = {}, dict(self.static)
+        if kind == "checkpoint":
+            rank_files[f"train_state/rng-rank-{self.rank:05d}.json"] = json.dumps(rng_state()).encode()
+            if self.rank == 0:
+                main_files["train_state/state.json"] = self._state_json(step, counters)
+                main_files["train_state/config.yaml"] = dump_config(self.cfg).encode()
+        return SaveRequest(step, items, rank_files, main_files if self.rank == 0 else {}, info)
+
+    def _state_json(self, step: int, counters: dict) -> bytes:
+        names = {id(p): n for n, p in model_tensors(self.model).items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+                  for g in self.optimizer.param_groups]
+        state = {
+            "step": step,
+            **counters,
+            "layout": self.layout,
+            "model_dtype": self.cfg.model.dtype,
+            "tensors": {name: list(t.shape) for name, t in model_tensors(self.model).items()},
+            "optimizer": {"type": type(self.optimizer).__name__, "param_groups": groups},
+            **self.extra_state,
+        }
+        return (json.dumps(state, indent=2, default=str) + "\n").encode()
+
+    def save(self, step: int, counters: dict) -> None:
+        """Save a checkpoint of the state after `step` optimizer steps (in the background when async)."""
+        self.wait()
+        start = time.perf_counter()
+        request = self._request(step, counters, "checkpoint")
+        if self.cfg.checkpoint.async_save:
+            self._staged.clear()
+            self._thread = threading.Thread(target=self._background, args=(request,), name="isotrain-ckpt",
+                                            daemon=True)
+            self._thread.start()
+        else:
+            self._write(request)
+        self.last_saved_step = step
+        self.blocked_s += time.perf_counter() - start
+
+    def _write(self, request: SaveRequest) -> None:
+        final = save(self.root, request, self.rank, self.group, self.run_id)
+        if self.rank == 0:
+            removed = rotate(self.root, self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)
+            self.log(f"saved checkpoint {final}" + (f" (removed {', '.join(p.name for p in removed)})" if removed else ""))
+
+    def _background(self, request: SaveRequest) -> None:
+        try:
+            stage(request.items, self.rank)
+            self._staged.set()
+            self._write(request)
+        except BaseException as err:  # handed to the loop by check()/wait()
+            self._failure = err
+        finally:
+            self._staged.set()
+
+    def before_update(self) -> None:
+        """Block until an async save has copied the weights the coming optimizer step will change."""
+        if not self._staged.is_set():
+            start = time.perf_counter()
+            self._staged.wait()
+            self.blocked_s += time.perf_counter() - start
+        self.check()
+
+    def check(self) -> None:
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            start = time.perf_counter()
+            self._thread.join()
+            self._thread = None
+            self.blocked_s += time.perf_counter() - start
+        self.check()
+
+    def save_model(self, directory: Path) -> Path:
+        """The final weights as a plain Hugging Face directory (with a manifest), replaced atomically."""
+        self.wait()
+        request = self._request(0, {}, "model")
+        return save(directory.parent, request, self.rank, self.group, self.run_id, name=directory.name)

@@ -1,0 +1,118 @@
+"""`manifest.json` (size and sha256 of every file, written last) and the full verification of a checkpoint.
+
+Verification trusts nothing but the bytes: every listed file must exist with its size and sha256,
+no unlisted file may exist, every safetensors header must describe exactly its file, and each
+index must map every tensor to a file that holds it.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from isotrain.checkpoint.files import FileEntry, read_safetensors_header, sha256_file, write_json
+
+MANIFEST = "manifest.json"
+FORMAT = "isotrain-checkpoint"
+VERSION = 1
+MODEL_INDEX = "model.safetensors.index.json"
+OPTIMIZER_INDEX = "train_state/optimizer.safetensors.index.json"
+
+
+def write_manifest(directory: Path, entries: dict[str, FileEntry], info: dict) -> FileEntry:
+    """Write the manifest of `directory`; `info` says what it is (kind, step, layout)."""
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        **info,
+        "files": {name: entries[name].as_json() for name in sorted(entries)},
+    }
+    return write_json(directory / MANIFEST, doc)
+
+
+def read_manifest(directory: Path) -> dict:
+    """The manifest of a checkpoint; ValueError with the reason when missing or malformed."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"{path} is missing")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("files"), dict):
+        raise ValueError(f"{path} is not an isotrain checkpoint manifest")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"{path} has format version {doc.get('version')}; this isotrain reads version {VERSION}")
+    return doc
+
+
+def _check_file(directory: Path, name: str, spec: dict, hash_files: bool) -> str | None:
+    path = directory / name
+    if not path.is_file():
+        return f"{path} is listed in the manifest but missing"
+    size = path.stat().st_size
+    if size != spec.get("bytes"):
+        return f"{path} has {size} bytes but the manifest lists {spec.get('bytes')} (truncated or altered)"
+    if hash_files and sha256_file(path) != spec.get("sha256"):
+        return f"{path} does not match its sha256 in the manifest (altered or corrupted)"
+    return None
+
+
+def _check_index(directory: Path, index_name: str, problems: list[str]) -> None:
+    path = directory / index_name
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        problems.append(f"{path} is not a valid index (a JSON object with a 'weight_map')")
+        return
+    by_file: dict[str, set[str]] = {}
+    for tensor, file_name in weight_map.items():
+        by_file.setdefault(file_name, set()).add(tensor)
+    for file_name, names in sorted(by_file.items()):
+        shard = path.parent / file_name
+        try:
+            stored = set(read_safetensors_header(shard)) - {"__metadata__"}
+        except (OSError, ValueError):
+            problems.append(f"{path} maps tensors to {shard}, which is missing or unreadable")
+            continue
+        if names - stored:
+            problems.append(f"{shard} lacks {len(names - stored)} tensors that {path} maps to it, "
+                            f"e.g. {sorted(names - stored)[0]!r}")
+        if stored - names:
+            problems.append(f"{path} does not list {len(stored - names)} tensors of {shard}, "
+                            f"e.g. {sorted(stored - names)[0]!r}")
+
+
+def verify_checkpoint(directory: Path, hash_files: bool = True, threads: int = 2) -> list[str]:
+    """Every problem found in a checkpoint (or model) directory, one sentence each; [] when it is valid."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return [f"{directory} is not a directory"]
+    try:
+        manifest = read_manifest(directory)
+    except ValueError as err:
+        return [str(err)]
+    listed: dict[str, dict] = manifest["files"]
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        results = pool.map(lambda item: _check_file(directory, item[0], item[1], hash_files), sorted(listed.items()))
+        problems = [problem for problem in results if problem]
+    present = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+    for name in sorted(present - set(listed) - {MANIFEST}):
+        problems.append(f"{directory / name} is not listed in the manifest")
+    for name in sorted(n for n in present & set(listed) if n.endswith(".safetensors")):
+        try:
+            read_safetensors_header(directory / name)
+        except ValueError as err:
+            problems.append(f"{directory / name} is not a valid safetensors file: {err}")
+    if (directory / "model.safetensors").is_file() == (directory / MODEL_INDEX).is_file():
+        problems.append(f"{directory} must hold exactly one of model.safetensors and {MODEL_INDEX}")
+    if not (directory / "config.json").is_file():
+        problems.append(f"{directory / 'config.json'} is missing")
+    for index in (MODEL_INDEX, OPTIMIZER_INDEX):
+        if (directory / index).is_file():
+            _check_index(directory, index, problems)
+    if manifest.get("kind") == "checkpoint" and not (directory / "train_state" / "state.json").is_file():
+        problems.append(f"{directory / 'train_state' / 'state.json'} is missing")
+    return problems

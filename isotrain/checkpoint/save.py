@@ -1,0 +1,283 @@
+"""Write a checkpoint directory: every rank writes its share of the tensors, rank 0 commits.
+
+No rank holds the whole model: each tensor has one owner rank (balanced by bytes, `assign_owners`)
+that writes it. A tensor sharded by FSDP2 is gathered to its owner alone (`dist.gather`), one
+tensor at a time, so a rank's extra memory is bounded by the largest tensor it owns. Bytes are
+hashed while they are written, so the manifest costs no extra read.
+
+Commit protocol (invariant 5): write into `step-XXXXXXXX.tmp-<id>/`, fsync every file; gather
+every rank's file list (a barrier); rank 0 writes the indexes, state and manifest, fsyncs the
+directory, renames it to `step-XXXXXXXX/`, fsyncs the parent and only then updates `latest`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from isotrain.checkpoint.files import (
+    CHUNK_BYTES,
+    FileEntry,
+    fsync_dir,
+    safetensors_header,
+    tensor_view,
+    write_chunks,
+    write_json,
+)
+from isotrain.checkpoint.layout import step_dir_name, write_latest
+from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_manifest
+from isotrain.checkpoint.state import Item
+from isotrain.errors import IsotrainError
+
+
+class CheckpointError(IsotrainError):
+    """A checkpoint could not be written, read or trusted."""
+
+
+@dataclass
+class SaveRequest:
+    """Everything one save writes, already collected (and, for async saves, staged in host memory)."""
+
+    step: int
+    items: list[Item]
+    rank_files: dict[str, bytes]  # written by this rank (its RNG state)
+    main_files: dict[str, bytes] = field(default_factory=dict)  # written by rank 0 (config, tokenizer, state)
+    info: dict = field(default_factory=dict)  # manifest fields: kind, step, layout
+
+
+class StreamingFile:
+    """A safetensors file written tensor by tensor, hashing each piece while the previous one is written."""
+
+    def __init__(self, path: Path, header: bytes, hasher: ThreadPoolExecutor):
+        import hashlib
+
+        self.path, self._hasher, self._digest, self.num_bytes = path, hasher, hashlib.sha256(), 0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.append(memoryview(header))
+
+    def append(self, data: memoryview) -> None:
+        data = data.cast("B")
+        for start in range(0, len(data), CHUNK_BYTES):
+            piece = data[start : start + CHUNK_BYTES]
+            hashed = self._hasher.submit(self._digest.update, piece)  # overlaps with the write below
+            view = piece
+            while len(view):
+                view = view[os.write(self._fd, view):]
+            hashed.result()
+        self.num_bytes += len(data)
+
+    def close(self) -> FileEntry:
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+        return FileEntry(self.num_bytes, self._digest.hexdigest())
+
+    def abort(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
+def plan_files(items: list[Item]) -> dict[str, list[Item]]:
+    """Relative file name -> its tensors in write order: one model and one optimizer file per owner rank."""
+    files: dict[str, list[Item]] = {}
+    for kind, prefix in (("model", "model"), ("optimizer", "train_state/optimizer")):
+        owners = sorted({item.owner for item in items if item.kind == kind})
+        for index, owner in enumerate(owners):
+            name = f"{prefix}.safetensors" if len(owners) == 1 else (
+                f"{prefix}-{index + 1:05d}-of-{len(owners):05d}.safetensors")
+            files[name] = [item for item in items if item.kind == kind and item.owner == owner]
+    return files
+
+
+def index_files(files: dict[str, list[Item]]) -> dict[str, bytes]:
+    """`model.safetensors.index.json` when the model spans several files; the optimizer's index always."""
+    out = {}
+    for index_name, prefix in ((MODEL_INDEX, "model"), (OPTIMIZER_INDEX, "train_state/optimizer")):
+        names = [name for name in files if name.startswith(prefix + ".") or name.startswith(prefix + "-")]
+        if not names or (index_name == MODEL_INDEX and len(names) == 1):
+            continue
+        weight_map = {item.key: Path(name).name for name in names for item in files[name]}
+        total = sum(item.num_bytes for name in names for item in files[name])
+        doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        out[index_name] = (json.dumps(doc, indent=2) + "\n").encode()
+    return out
+
+
+def _gather_to_owner(item: Item, rank: int, group) -> torch.Tensor | None:
+    """The whole tensor on its owner (None elsewhere); every rank of the group must call this."""
+    spec = item.shard
+    start, stop = spec.bounds(spec.shard_of_rank[rank])
+    local = item.local
+    assert local.shape[0] == stop - start, f"{item.key}: local rows {local.shape[0]} != {stop - start}"
+    padded = local.new_zeros((spec.chunk, *item.shape[1:]))
+    padded[: local.shape[0]] = local
+    world = dist.get_world_size(group)
+    pieces = [torch.empty_like(padded) for _ in range(world)] if rank == item.owner else None
+    dist.gather(padded, pieces, dst=item.owner, group=group)
+    if rank != item.owner:
+        return None
+    holder = {}
+    for r, shard in enumerate(spec.shard_of_rank):
+        holder.setdefault(shard, r)
+    parts = [pieces[holder[s]][: spec.bounds(s)[1] - spec.bounds(s)[0]] for s in range(spec.num_shards)]
+    return torch.cat(parts)
+
+
+def write_tensor_files(directory: Path, items: list[Item], rank: int, group) -> dict[str, FileEntry]:
+    """Write this rank's files. A write error is raised only after the loop, so that every rank
+    still takes part in every gather and none is left waiting."""
+    files = plan_files(items)
+    mine = {name: its for name, its in files.items() if its[0].owner == rank}
+    file_of = {item.key: name for name, its in mine.items() for item in its}
+    open_files: dict[str, StreamingFile] = {}
+    error: OSError | None = None
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+        try:
+            for name, its in mine.items():
+                (directory / name).parent.mkdir(parents=True, exist_ok=True)
+                open_files[name] = StreamingFile(directory / name, safetensors_header({i.key: _meta(i) for i in its}), hasher)
+        except OSError as err:
+            error = err
+        for item in items:
+            if item.shard is None and item.owner != rank:
+                continue
+            full = _gather_to_owner(item, rank, group) if item.shard is not None else item.local
+            if item.owner != rank or error is not None:
+                continue
+            try:
+                open_files[file_of[item.key]].append(tensor_view(full.to(item.dtype)))
+            except OSError as err:
+                error = err
+        entries = {}
+        for name, handle in open_files.items():
+            if error is not None:
+                handle.abort()
+                continue
+            try:
+                entries[name] = handle.close()
+            except OSError as err:
+                error = err
+    if error is not None:
+        raise error
+    return entries
+
+
+def _meta(item: Item) -> torch.Tensor:
+    """A zero-storage tensor with the item's shape and dtype, for building headers."""
+    return torch.empty(item.shape, dtype=item.dtype, device="meta")
+
+
+def write_request(directory: Path, request: SaveRequest, rank: int, group) -> dict[str, FileEntry]:
+    """This rank's part of a save (tensor shares, its own small files; rank 0 also the shared ones)."""
+    entries = write_tensor_files(directory, request.items, rank, group)
+    small = dict(request.rank_files)
+    if rank == 0:
+        small.update(request.main_files)
+        small.update(index_files(plan_files(request.items)))
+    for name, data in small.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        entries[name] = write_chunks(directory / name, [data])
+    return entries
+
+
+def _exchange(payload, rank: int, group) -> list | None:
+    """Gather one object per rank on rank 0 (this is the save's barrier)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return [payload]
+    gathered = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(payload, gathered, dst=0, group=group)
+    return gathered
+
+
+def _broadcast(value, rank: int, group):
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    box = [value if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def save(root: Path, request: SaveRequest, rank: int, group, run_id: str, name: str | None = None) -> Path:
+    """Write and commit one checkpoint under `root` (as `name`, else `step-XXXXXXXX` and `latest`);
+    returns the committed directory on every rank."""
+    final = root / (name or step_dir_name(request.step))
+    tmp = root / f"{final.name}.tmp-{run_id}"
+    message = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as err:
+            message = f"could not create {tmp}: {err.strerror or err}"
+    message = _broadcast(message, rank, group)  # the directory exists before any rank writes into it
+    if message is None:
+        try:
+            outcome: dict | str = write_request(tmp, request, rank, group)
+        except OSError as err:
+            outcome = f"rank {rank} could not write {err.filename or tmp} ({err.strerror or err})"
+        gathered = _exchange(outcome, rank, group)
+        if rank == 0:
+            failures = [o for o in gathered if isinstance(o, str)]
+            message = failures[0] if failures else _commit(root, tmp, final, gathered, request.info, run_id,
+                                                              latest=name is None)
+            if message:
+                shutil.rmtree(tmp, ignore_errors=True)
+        message = _broadcast(message, rank, group)
+    if message:
+        raise CheckpointError(f"checkpoint step {request.step} was not saved: {message}; "
+                              "free disk space or fix the path (earlier checkpoints are intact)")
+    return final
+
+
+def _commit(root: Path, tmp: Path, final: Path, gathered: list[dict], info: dict, run_id: str,
+            latest: bool) -> str | None:
+    """Rank 0: manifest, fsync, atomic rename, `latest`. Returns an error message or None."""
+    try:
+        entries = {name: entry for part in gathered for name, entry in part.items()}
+        write_manifest(tmp, entries, info)
+        for directory in sorted({(tmp / name).parent for name in entries} | {tmp}, reverse=True):
+            fsync_dir(directory)
+        if final.exists():  # a stale copy of this step (e.g. after resuming from an older one)
+            stale = final.with_name(f"{final.name}.old-{run_id}")
+            os.replace(final, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        if latest:
+            write_latest(root, final.name)
+        return None
+    except OSError as err:
+        return f"could not commit {final} ({err.strerror or err})"
+
+
+def rotate(root: Path, keep_last: int, keep_every: int | None) -> list[Path]:
+    """Delete committed checkpoints beyond the newest `keep_last` (milestones kept); called after a commit.
+
+    Each is first renamed to `.old-` (atomic), so a crash mid-delete never leaves a directory with
+    a committed name and missing files.
+    """
+    from isotrain.checkpoint.layout import committed
+
+    removed = []
+    checkpoints = committed(root)
+    for step, path in checkpoints[: max(0, len(checkpoints) - keep_last)]:
+        if keep_every and step % keep_every == 0:
+            continue
+        doomed = path.with_name(f"{path.name}.old-rotate")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        fsync_dir(root)
+    return removed

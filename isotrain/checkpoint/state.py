@@ -1,0 +1,151 @@
+"""What a checkpoint holds, as a flat list of named tensors plus small JSON-able state.
+
+Every tensor is named by its logical identity, never by rank or layout: model weights by their
+Hugging Face name, optimizer state as `exp_avg.<name>`, `exp_avg_sq.<name>`, `step.<name>` and (for
+bf16 model files) `master.<name>` in full logical shape (invariant 6). A tensor is either held whole
+by every rank (single process, DDP) or sharded along dim 0 over an FSDP2 mesh axis (torch.chunk
+rows); `ShardSpec` describes that split so any rank can find the rows of any other.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Rows [start(c), stop(c)) of dim 0 live on the ranks at coordinate c of one mesh axis."""
+
+    num_shards: int
+    shard_of_rank: tuple[int, ...]  # global rank -> its shard coordinate
+    rows: int
+
+    @property
+    def chunk(self) -> int:  # torch.chunk: every shard but the last holds ceil(rows / num_shards)
+        return -(-self.rows // self.num_shards)
+
+    def bounds(self, shard: int) -> tuple[int, int]:
+        start = min(shard * self.chunk, self.rows)
+        return start, min(start + self.chunk, self.rows)
+
+
+@dataclass
+class Item:
+    """One tensor of the checkpoint, as this rank sees it."""
+
+    key: str
+    kind: str  # "model" or "optimizer"
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # the dtype written to disk
+    local: torch.Tensor  # this rank's whole tensor, or its dim-0 shard
+    shard: ShardSpec | None = None
+    owner: int = 0  # the rank that writes it
+
+    @property
+    def num_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
+    """The dim-0 split of an FSDP2 parameter or optimizer state; None for a whole tensor."""
+    if not isinstance(tensor, DTensor):
+        return None
+    mesh, placements = tensor.device_mesh, tensor.placements
+    shard_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    if len(shard_dims) != 1 or placements[shard_dims[0]].dim != 0 or not all(
+        isinstance(p, (Replicate, Shard)) for p in placements
+    ):
+        raise NotImplementedError(f"checkpointing supports Shard(0) placements only, not {placements}")
+    axis = shard_dims[0]
+    ranks = mesh.mesh  # global ranks laid out by mesh coordinates
+    coordinate = {}
+    for index in np.ndindex(*ranks.shape):
+        coordinate[int(ranks[index])] = index[axis]
+    if sorted(coordinate) != list(range(len(coordinate))):
+        raise NotImplementedError("checkpointing needs the FSDP2 mesh to span every rank")
+    return ShardSpec(mesh.size(axis), tuple(coordinate[r] for r in range(len(coordinate))), tensor.shape[0])
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers under their Hugging Face names (tied weights once)."""
+    base = unwrap(model)
+    persistent = set(base.state_dict().keys())
+    tensors = dict(base.named_parameters())
+    tensors.update((name, buf) for name, buf in base.named_buffers() if name in persistent)
+    return tensors
+
+
+def collect_items(model: nn.Module, optimizer: torch.optim.Optimizer, save_dtype: torch.dtype) -> list[Item]:
+    """Every tensor of model and optimizer state, in a fixed order that every rank shares."""
+    items: list[Item] = []
+    params = model_tensors(model)
+    for name, tensor in params.items():
+        dtype = save_dtype if tensor.is_floating_point() else tensor.dtype
+        items.append(Item(name, "model", tuple(tensor.shape), dtype, local_part(tensor).detach(), shard_spec(tensor)))
+    names = {id(p): n for n, p in params.items()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = names[id(param)]
+            state = optimizer.state.get(param, {})
+            if save_dtype != torch.float32 and param.is_floating_point():
+                items.append(Item(f"master.{name}", "optimizer", tuple(param.shape), param.dtype,
+                                  local_part(param).detach(), shard_spec(param)))
+            for key in OPTIMIZER_STATE_KEYS:
+                if key in state:
+                    value = state[key]
+                    items.append(Item(f"{key}.{name}", "optimizer", tuple(value.shape), value.dtype,
+                                      local_part(value).detach(), shard_spec(value)))
+    return items
+
+
+def assign_owners(items: list[Item], world_size: int) -> None:
+    """Balance the bytes each rank writes: largest tensors first, each to the least-loaded rank.
+
+    Model and optimizer tensors are balanced separately, so every rank writes a share of both.
+    """
+    for kind in ("model", "optimizer"):
+        load = [0] * world_size
+        for item in sorted((i for i in items if i.kind == kind), key=lambda i: (-i.num_bytes, i.key)):
+            rank = min(range(world_size), key=lambda r: (load[r], r))
+            item.owner = rank
+            load[rank] += item.num_bytes
+
+
+def rng_state() -> dict:
+    """Every RNG this process uses, as JSON-able values."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch_cpu": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch_cpu"], dtype=torch.uint8))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["torch_cuda"]])

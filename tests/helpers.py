@@ -37,3 +37,34 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, **kwargs) -> sub
 def isotrain_cli(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "isotrain", *args]
     return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it at once, like a node losing power."""
+    import signal
+
+    for target in [pid, *descendants(pid)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

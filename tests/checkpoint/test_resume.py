@@ -1,0 +1,167 @@
+"""Exact resume after a real SIGKILL (same layout: byte-identical files) and elastic resume
+(other world size or DDP <-> FSDP2: same data order, weights within 1e-6)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import REPO, kill_tree, subprocess_env, torchrun
+from isotrain.checkpoint.layout import write_latest
+from isotrain.checkpoint.manifest import verify_checkpoint
+
+TINY = [
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "train.global_batch_size=16",
+    "train.max_steps=12",
+    "train.deterministic=true",
+    "checkpoint.every_steps=4",
+    "logging.progress=false",
+    "eval.path=null",
+]
+LAYOUTS = {
+    "single": (1, ["train.micro_batch_size=4"]),
+    "ddp2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+    "fsdp2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=2"]),
+    "fsdp4": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=4"]),
+}
+COUNTED = ("step", "loss", "lr", "grad_norm", "tokens_seen", "trained_tokens", "samples_seen")
+
+
+def command(layout: str, run_dir) -> list[str]:
+    nproc, extra = LAYOUTS[layout]
+    args = ["-m", "isotrain", "train", *TINY, *extra, f"output_dir={run_dir}"]
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+def run(layout: str, run_dir) -> subprocess.CompletedProcess:
+    proc = subprocess.run(command(layout, run_dir), env=subprocess_env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tensor_files(checkpoint) -> list[str]:
+    return sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*.safetensors"))
+
+
+def kill_after_checkpoint(layout: str, run_dir, step: int) -> None:
+    """Start a run and SIGKILL every one of its processes as soon as checkpoint `step` is committed."""
+    target = run_dir / "checkpoints" / f"step-{step:08d}"
+    proc = subprocess.Popen(command(layout, run_dir), env=subprocess_env(), cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not target.is_dir():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the run never committed its checkpoint"
+        time.sleep(0.002)
+    kill_tree(proc.pid)
+    proc.wait()
+    proc.stderr.close()
+    later = [p for p in (run_dir / "checkpoints").glob("step-*") if p.name > target.name and "." not in p.name]
+    for path in later:  # the kill came a little late: keep step `step` as the newest committed one
+        shutil.rmtree(path)
+    assert not (run_dir / "model").exists() or later
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["single", "ddp2", "fsdp2"])
+def test_sigkill_then_resume_is_byte_identical(tmp_path, layout):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(layout, straight)
+    kill_after_checkpoint(layout, resumed, 8)
+    proc = run(layout, resumed)
+    assert "resumed from" in proc.stdout and "step-00000008" in proc.stdout
+    final_a, final_b = straight / "checkpoints" / "step-00000012", resumed / "checkpoints" / "step-00000012"
+    assert verify_checkpoint(final_b) == []
+    files = tensor_files(final_a)
+    assert files == tensor_files(final_b) and any("optimizer" in f for f in files)
+    for name in files:
+        assert (final_a / name).read_bytes() == (final_b / name).read_bytes(), name
+    for name in tensor_files(straight / "model"):
+        assert (straight / "model" / name).read_bytes() == (resumed / "model" / name).read_bytes(), name
+    rows_a, rows_b = metrics(straight), metrics(resumed)
+    assert [r["step"] for r in rows_b] == list(range(1, 13))  # rows of the killed run after step 8 dropped
+    assert [[r[k] for k in COUNTED] for r in rows_a[8:]] == [[r[k] for k in COUNTED] for r in rows_b[8:]]
+
+
+def _weights(directory) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(directory.glob("model*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def fsdp2_reference(tmp_path_factory):
+    """12 uninterrupted steps on 2 FSDP2 ranks, checkpoints at 4, 8 and 12."""
+    run_dir = tmp_path_factory.mktemp("fsdp2") / "run"
+    run("fsdp2", run_dir)
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["single", "fsdp4", "ddp2"])
+def test_resume_on_another_layout_continues_the_same_run(tmp_path, fsdp2_reference, layout):
+    run_dir = tmp_path / "run"
+    shutil.copytree(fsdp2_reference, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000012")
+    shutil.rmtree(run_dir / "model")
+    write_latest(run_dir / "checkpoints", "step-00000008")
+    proc = run(layout, run_dir)
+    assert "resumed from" in proc.stdout and "saved on 2 rank(s)" in proc.stdout
+    reference, resumed = metrics(fsdp2_reference), metrics(run_dir)
+    # The same samples form steps 9-12: their exact token and sample counts match.
+    for key in ("tokens_seen", "trained_tokens", "samples_seen", "lr"):
+        assert [r[key] for r in reference[8:]] == [r[key] for r in resumed[8:]], key
+    for a, b in zip(reference[8:], resumed[8:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    expected = _weights(fsdp2_reference / "checkpoints" / "step-00000012")
+    got = _weights(run_dir / "checkpoints" / "step-00000012")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        scale = expected[name].abs().max().clamp_min(1e-12)
+        assert ((got[name] - expected[name]).abs().max() / scale) <= 1e-6, name
+
+
+def test_load_only_model_starts_a_new_run_from_the_weights(tmp_path, fsdp2_reference):
+    source = fsdp2_reference / "checkpoints" / "step-00000008"
+    run_dir = tmp_path / "fresh"
+    proc = torchrun(1, ["-m", "isotrain", "train", *TINY, "train.micro_batch_size=4", "train.max_steps=2",
+                        f"output_dir={run_dir}", f"checkpoint.resume={source}", "checkpoint.load_only=model"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "started from the weights of" in proc.stdout
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["samples_seen"] == 16
+    # Trained weights, not a fresh init: the first loss is far below the fresh run's first loss.
+    assert rows[0]["loss"] < metrics(fsdp2_reference)[0]["loss"] - 0.2
+
+
+def test_a_resume_that_changes_the_math_is_refused(tmp_path, fsdp2_reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(fsdp2_reference / "checkpoints", run_dir / "checkpoints")
+    base = [sys.executable, "-m", "isotrain", "train", *TINY, "train.micro_batch_size=4", f"output_dir={run_dir}"]
+    proc = subprocess.run([*base, "train.global_batch_size=32"], env=subprocess_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "train.global_batch_size differs from checkpoint" in proc.stderr
+    assert "(16 in the checkpoint, 32 now)" in proc.stderr and "checkpoint.allow_changes" in proc.stderr
+    proc = subprocess.run([*base, "train.seed=7", "checkpoint.allow_changes=[seed]", "train.max_steps=13"],
+                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout

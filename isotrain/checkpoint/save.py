@@ -114,7 +114,11 @@ def index_files(files: dict[str, list[Item]]) -> dict[str, bytes]:
 
 
 def _gather_to_owner(item: Item, rank: int, group) -> torch.Tensor | None:
-    """The whole tensor on its owner (None elsewhere); every rank of the group must call this."""
+    """The whole tensor on its owner (None elsewhere); every rank of the group must call this.
+
+    Without replication (plain FSDP2) the shards land directly in one buffer of the whole tensor's
+    size, so the owner needs no memory beyond that tensor.
+    """
     spec = item.shard
     start, stop = spec.bounds(spec.shard_of_rank[rank])
     local = item.local
@@ -122,15 +126,20 @@ def _gather_to_owner(item: Item, rank: int, group) -> torch.Tensor | None:
     padded = local.new_zeros((spec.chunk, *item.shape[1:]))
     padded[: local.shape[0]] = local
     world = dist.get_world_size(group)
-    pieces = [torch.empty_like(padded) for _ in range(world)] if rank == item.owner else None
-    dist.gather(padded, pieces, dst=item.owner, group=group)
     if rank != item.owner:
+        dist.gather(padded, None, dst=item.owner, group=group)
         return None
+    if list(spec.shard_of_rank) == list(range(world)):
+        buffer = padded.new_empty((spec.chunk * world, *item.shape[1:]))
+        dist.gather(padded, list(buffer.split(spec.chunk)), dst=item.owner, group=group)
+        return buffer[: spec.rows]
+    # HSDP: replicas hold the same rows; take each shard from its first holder.
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.gather(padded, pieces, dst=item.owner, group=group)
     holder = {}
     for r, shard in enumerate(spec.shard_of_rank):
         holder.setdefault(shard, r)
-    parts = [pieces[holder[s]][: spec.bounds(s)[1] - spec.bounds(s)[0]] for s in range(spec.num_shards)]
-    return torch.cat(parts)
+    return torch.cat([pieces[holder[s]][: spec.bounds(s)[1] - spec.bounds(s)[0]] for s in range(spec.num_shards)])
 
 
 def write_tensor_files(directory: Path, items: list[Item], rank: int, group) -> dict[str, FileEntry]:

@@ -106,6 +106,13 @@ class CheckpointManager:
         """Rank 0 picks the checkpoint to resume from (verified), or None to start fresh."""
         mode = self.cfg.checkpoint.resume
         if mode == "never":
+            existing = committed(self.root)
+            if existing:
+                # A fresh run here would mix its checkpoints with the old run's (rotation, `latest`).
+                raise CheckpointError(
+                    f"checkpoint.resume=never but {self.root} already holds checkpoints (newest "
+                    f"{existing[-1][1].name}); use a new output_dir or move them away"
+                )
             return None
         if mode != "auto":
             path = Path(mode)

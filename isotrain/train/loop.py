@@ -14,6 +14,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from isotrain.checkpoint.layout import step_dir_name
 from isotrain.checkpoint.manager import MODEL_DIR, CheckpointManager
 from isotrain.config import Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
@@ -47,12 +48,13 @@ class Counters:
 @dataclass
 class TrainResult:
     output_dir: Path
-    model_dir: Path
+    model_dir: Path | None  # None when stopped early
     counters: Counters
     final_loss: float
     accuracy: float | None
     model: object = None  # the trained module itself, single-process runs only
     data_stats: object = None  # the dataset's own totals (DataStats)
+    stopped: bool = False  # stopped early by SIGTERM/SIGINT
 
 
 def plan_table(plan: BatchPlan, degrees) -> Table:
@@ -102,8 +104,10 @@ def _checkpoint_due(cfg: Config, step: int) -> bool:
     return every > 0 and (step % every == 0 or step == cfg.train.max_steps)
 
 
-def run_steps(cfg, info, plan, run: Run, pad_id, writer, console, counters: Counters) -> float:
-    """Steps counters.step .. max_steps - 1; saves checkpoints when due and stops early on SIGTERM/SIGINT."""
+def run_steps(cfg, info, plan, run: Run, pad_id, writer, console, counters: Counters) -> tuple[float, str | None]:
+    """Steps counters.step .. max_steps - 1; saves checkpoints when due and stops early on SIGTERM/SIGINT.
+
+    Returns the last loss and the name of the signal that stopped the run early, if any."""
     options = _step_options(cfg, resolve_degrees(cfg.parallel, info.world_size))
     base = getattr(run.model, "module", run.model).config
     world_peak = peak_tflops(cfg.train.peak_tflops, info.device)
@@ -135,10 +139,8 @@ def run_steps(cfg, info, plan, run: Run, pad_id, writer, console, counters: Coun
             if _checkpoint_due(cfg, counters.step) or (stopping and cfg.checkpoint.every_steps > 0):
                 run.checkpoints.save(counters.step, counters.as_dict())
             if stopping:
-                console.print(f"{stop.signal_name or 'a signal'} received: stopped after step {counters.step}"
-                              if info.is_main else "", end="\n" if info.is_main else "")
-                break
-    return loss
+                return loss, stop.signal_name or "a signal on another rank"
+    return loss, None
 
 
 def _evaluate(cfg: Config, model, tokenizer, console) -> float | None:
@@ -155,7 +157,7 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
         result, tokenizer = _train(cfg, info, console)
     finally:
         shutdown_distributed()
-    if info.is_main and cfg.eval.path is not None:
+    if info.is_main and cfg.eval.path is not None and not result.stopped:
         # Several processes: evaluate the saved directory once the process group is gone
         # (from_pretrained on one rank inside a group can hang in transformers 5).
         model = result.model if result.model is not None else _load_saved(result.model_dir)
@@ -208,10 +210,16 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, 
     run = Run(model, optimizer, dataset, sampler, checkpoints)
     writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=counters.step)
     try:
-        loss = run_steps(cfg, info, plan, run, tokenizer.pad_token_id, writer, console, counters)
+        loss, stopped_by = run_steps(cfg, info, plan, run, tokenizer.pad_token_id, writer, console, counters)
         checkpoints.wait()
     finally:
         writer.close()
+    if stopped_by is not None:
+        # Preemption leaves little time: no final model and no evaluation, just a resumable checkpoint.
+        saved = f"checkpoint {checkpoints.root / step_dir_name(counters.step)} saved; run again to resume" \
+            if cfg.checkpoint.every_steps > 0 else "no checkpoint saved (checkpoint.every_steps=0)"
+        log(f"{stopped_by} received: stopped after step {counters.step}; {saved}")
+        return TrainResult(output_dir, None, counters, loss, None, None, dataset.stats, stopped=True), tokenizer
     model_dir = checkpoints.save_model(output_dir / MODEL_DIR)
     if cfg.checkpoint.every_steps > 0:
         log(f"checkpoints in {checkpoints.root} (the loop waited {checkpoints.blocked_s:.2f} s on saves)")

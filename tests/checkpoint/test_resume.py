@@ -165,3 +165,17 @@ def test_a_resume_that_changes_the_math_is_refused(tmp_path, fsdp2_reference):
                           env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
+
+
+@pytest.mark.slow
+def test_async_saves_write_the_same_bytes_as_sync_saves(tmp_path, fsdp2_reference):
+    run_dir = tmp_path / "async"
+    nproc, extra = LAYOUTS["fsdp2"]
+    proc = torchrun(nproc, ["-m", "isotrain", "train", *TINY, *extra, "checkpoint.async=true", f"output_dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for step in (8, 12):
+        a = fsdp2_reference / "checkpoints" / f"step-{step:08d}"
+        b = run_dir / "checkpoints" / f"step-{step:08d}"
+        assert verify_checkpoint(b) == []
+        for name in tensor_files(a):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name

@@ -179,3 +179,35 @@ def test_async_saves_write_the_same_bytes_as_sync_saves(tmp_path, fsdp2_referenc
         assert verify_checkpoint(b) == []
         for name in tensor_files(a):
             assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_bf16_checkpoints_hold_bf16_weights_and_fp32_masters_and_resume_exactly(tmp_path):
+    from safetensors import safe_open
+
+    bf16 = ["model.dtype=bfloat16", "train.max_steps=8"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for run_dir in (straight, resumed):
+        proc = torchrun(1, ["-m", "isotrain", "train", *TINY, "train.micro_batch_size=8", *bf16,
+                            f"output_dir={run_dir}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.rmtree(resumed / "checkpoints" / "step-00000008")
+    proc = torchrun(1, ["-m", "isotrain", "train", *TINY, "train.micro_batch_size=8", *bf16, f"output_dir={resumed}"])
+    assert "resumed from" in proc.stdout, proc.stderr[-3000:]
+    a, b = straight / "checkpoints" / "step-00000008", resumed / "checkpoints" / "step-00000008"
+    for name in tensor_files(a):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    with safe_open(str(a / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    with safe_open(str(a / "train_state" / "optimizer.safetensors"), "pt") as f:
+        masters = [k for k in f.keys() if k.startswith("master.")]
+        assert masters and {f.get_tensor(k).dtype for k in masters} == {torch.float32}
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path, fsdp2_reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(fsdp2_reference / "checkpoints", run_dir / "checkpoints")
+    proc = subprocess.run([sys.executable, "-m", "isotrain", "train", *TINY, "train.micro_batch_size=4",
+                           "model.config.intermediate_size=96", f"output_dir={run_dir}"],
+                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "model.layers.0.mlp.gate_proj.weight of shape [128, 64] but the model has [96, 64]" in proc.stderr

@@ -1,0 +1,393 @@
+"""Training throughput, side by side: a minimal PyTorch loop, isotrain and the Hugging Face Trainer.
+
+All tools train the same fresh Llama (built by isotrain's `build_model`, seed 0: vocab 8192, hidden
+256, 4 layers, 4 heads / 4 kv heads, intermediate 688, untied embeddings; fp32) on the same token
+ids (isotrain's own tokenized samples of a generated JSONL: every sample is exactly 256 tokens, so
+no padding), 8 sequences per optimizer step, AdamW lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight
+decay 0, constant lr, with the same number of torch threads.
+
+    tokens/s = Σ non-padding input tokens / Σ step wall time, over the timed steps (warm-up excluded)
+
+A step's time spans its forward/backward passes, gradient clipping and the optimizer step; building
+the batch is outside it for every tool (isotrain: `step_s` of metrics.jsonl; HF Trainer: a callback
+from `on_step_begin` to `on_step_end`; minimal loop: the same span by hand).
+
+This machine's speed drifts by ±10 % over tens of seconds, more than the gaps measured, so the tools
+are interleaved step by step: each runs its real loop in its own thread and they take turns (set-up
+or one optimizer step per turn, only one thread running), so all tools sample the same drift. The
+table shows the median over rounds of tokens/s and of each ratio taken within a round.
+
+    python bench/train_throughput.py [--steps 20] [--warmup 3] [--rounds 2] [--threads 2]
+    python bench/train_throughput.py --profile --ga 1   # where one step's time goes, per phase
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+
+from isotrain.config import TrainConfig, build_config
+from isotrain.data import GlobalBatchSampler, collate, prepare_dataset
+from isotrain.models.loading import build_model
+from isotrain.models.tokenizer import train_tokenizer
+from isotrain.train import loop
+from isotrain.train.loop import train
+from isotrain.train.loss import loss_weights, token_losses
+from isotrain.train.optim import build_optimizer
+from isotrain.train.step import StepOptions, global_counts, grad_norm_and_clip, train_step
+
+SEQ_LEN = 256
+GLOBAL_BATCH = 8
+ROW_CHARS = 300  # > SEQ_LEN: every row is truncated to exactly SEQ_LEN tokens (bos + 255 letters)
+LLAMA = {
+    "model_type": "llama", "vocab_size": 8192, "hidden_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 688, "tie_word_embeddings": False,
+}
+LR, BETAS, EPS, SEED = 3e-4, (0.9, 0.95), 1e-8, 0
+TARGET_VS_MINIMAL, TARGET_VS_HF = 0.97, 1.2
+CPU = torch.device("cpu")
+# Optimizer implementation each tool uses (isotrain: train/optim.py; HF: its default `adamw_torch_fused`).
+ADAMW_IMPL = {"minimal loop": "fused", "isotrain": "foreach", "isotrain compile": "foreach", "HF Trainer": "fused"}
+
+
+def write_jsonl(path: Path, num_rows: int) -> None:
+    """Rows of random lowercase letters; with a char tokenizer each is one token per letter."""
+    rng = np.random.default_rng(SEED)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    with path.open("w") as f:
+        for _ in range(num_rows):
+            f.write(json.dumps({"text": "".join(rng.choice(letters, ROW_CHARS))}) + "\n")
+
+
+def isotrain_config(work: Path, name: str, micro: int, steps: int, compile_model: bool):
+    train_section = {
+        "global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro, "max_steps": steps, "seed": SEED,
+        "lr": LR, "schedule": "constant", "weight_decay": 0.0, "betas": list(BETAS), "eps": EPS,
+        "grad_clip": 1.0, "log_every": 1,
+    }
+    if compile_model:
+        train_section["compile"] = True
+    return build_config({
+        "output_dir": str(work / "runs" / name),
+        "model": {"config": dict(LLAMA)},
+        "tokenizer": {"type": "char"},
+        "data": {"path": str(work / "data.jsonl"), "format": "text", "max_seq_len": SEQ_LEN,
+                 "cache_dir": str(work / "cache")},
+        "eval": {"path": None},
+        "train": train_section,
+        "logging": {"progress": False},
+    })
+
+
+def shared_inputs(work: Path):
+    """The tokenizer and samples isotrain trains on, for the other tools to use the same token ids."""
+    cfg = isotrain_config(work, "shared", GLOBAL_BATCH, 1, False)
+    texts = [json.loads(line)["text"] for line in (work / "data.jsonl").read_text().splitlines()]
+    tokenizer = train_tokenizer(texts, "char", cfg.tokenizer.vocab_size)
+    dataset = prepare_dataset(cfg.data, tokenizer, log=lambda *a, **k: None)
+    if any(len(sample) != SEQ_LEN for sample in dataset.samples):
+        raise SystemExit(f"every sample must be {SEQ_LEN} tokens long; the generated rows are too short")
+    return cfg, tokenizer, dataset
+
+
+def rate(tokens: list[int], seconds: list[float], warmup: int) -> float:
+    return sum(tokens[warmup:]) / sum(seconds[warmup:])
+
+
+def run_minimal(cfg, tokenizer, dataset, micro: int, steps: int, warmup: int, after_step) -> float:
+    model = build_model(cfg.model, tokenizer, SEED)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
+    sampler = GlobalBatchSampler(len(dataset), GLOBAL_BATCH, SEED)
+    ga = GLOBAL_BATCH // micro
+    tokens, seconds = [], []
+    for step in range(warmup + steps):
+        batches = [collate([dataset[i] for i in index], tokenizer.pad_token_id)["input_ids"]
+                   for index in sampler.micro_batches(step, 0, 1, micro)]
+        start = time.perf_counter()
+        for input_ids in batches:
+            loss = model(input_ids=input_ids, labels=input_ids).loss / ga  # HF shifts the labels itself
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - start)
+        tokens.append(sum(b.numel() for b in batches))  # no padding: every sample is SEQ_LEN tokens
+        after_step()
+    return rate(tokens, seconds, warmup)
+
+
+_thread_local = threading.local()
+
+
+class TurnTakingWriter(loop.MetricsWriter):
+    """isotrain's metrics writer; after each step's row (log_every=1) it hands the turn on."""
+
+    def write(self, row: dict) -> None:
+        super().write(row)
+        _thread_local.after_step()
+
+
+def run_isotrain(work: Path, name: str, micro: int, steps: int, warmup: int, compile_model: bool, after_step):
+    if compile_model:
+        torch._dynamo.reset()  # a fresh model per run must not run into dynamo's recompile limit
+    cfg = isotrain_config(work, name, micro, warmup + steps, compile_model)
+    _thread_local.after_step = after_step
+    loop.MetricsWriter = TurnTakingWriter  # the only hook the loop offers; the step itself is untouched
+    train(cfg, console=Console(file=io.StringIO()))
+    rows = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    tokens = [row["tokens_seen"] - (rows[i - 1]["tokens_seen"] if i else 0) for i, row in enumerate(rows)]
+    return rate(tokens, [row["step_s"] for row in rows], warmup)
+
+
+def run_hf_trainer(work: Path, name: str, cfg, tokenizer, dataset, micro: int, steps: int, warmup: int, after_step):
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.seconds, self._start = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self._start)
+            after_step()
+
+    model = build_model(cfg.model, tokenizer, SEED)
+    rows = [{"input_ids": torch.from_numpy(s.input_ids), "labels": torch.from_numpy(s.input_ids)}
+            for s in dataset.samples]
+    args = TrainingArguments(
+        output_dir=str(work / "runs" / name), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=GLOBAL_BATCH // micro, max_steps=warmup + steps, learning_rate=LR,
+        lr_scheduler_type="constant", weight_decay=0.0, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
+        adam_epsilon=EPS, max_grad_norm=1.0, report_to=[], logging_steps=10**6, save_strategy="no",
+        use_cpu=True, dataloader_num_workers=0, seed=SEED, disable_tqdm=True,
+    )
+    timer = StepTimer()
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator,
+                      callbacks=[timer])
+    trainer.remove_callback(PrinterCallback)  # its end-of-training summary would break up the table
+    trainer.train()
+    return rate([GLOBAL_BATCH * SEQ_LEN] * len(timer.seconds), timer.seconds, warmup)
+
+
+def has_accelerate() -> bool:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        print("HF Trainer rows skipped: transformers.Trainer needs accelerate (pip install accelerate)")
+        return False
+    return True
+
+
+def run_tool(tool: str, args, work: Path, name: str, shared, micro: int, after_step) -> float:
+    if tool == "minimal loop":
+        return run_minimal(*shared, micro, args.steps, args.warmup, after_step)
+    if tool == "HF Trainer":
+        return run_hf_trainer(work, name, *shared, micro, args.steps, args.warmup, after_step)
+    compiled = tool == "isotrain compile"
+    warmup = args.warmup + (args.compile_warmup if compiled else 0)
+    return run_isotrain(work, name, micro, args.steps, warmup, compiled, after_step)
+
+
+class Turns:
+    """Round-robin turns between tool threads: exactly one of them works at any time."""
+
+    def __init__(self, names: list[str]):
+        self._cond = threading.Condition()
+        self._order, self._index = list(names), 0
+
+    def _is_turn(self, name: str) -> bool:
+        return self._order[self._index] == name
+
+    def wait(self, name: str) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._is_turn(name))
+
+    def pass_on(self, name: str) -> None:
+        with self._cond:
+            self._index = (self._index + 1) % len(self._order)
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._is_turn(name))
+
+    def leave(self, name: str) -> None:
+        with self._cond:  # called on this tool's turn: the index then names the next tool
+            self._order.remove(name)
+            self._index = self._index % len(self._order) if self._order else 0
+            self._cond.notify_all()
+
+
+def run_interleaved(tools: list[str], args, work: Path, shared, ga: int, round_index: int) -> dict[str, float]:
+    """tokens/s of each tool, all trained at once in turns of one optimizer step."""
+    turns, results, errors = Turns(tools), {}, []
+
+    def worker(tool: str) -> None:
+        turns.wait(tool)
+        try:
+            torch.set_num_threads(args.threads)
+            name = f"{tool.replace(' ', '_')}_ga{ga}_r{round_index}"
+            results[tool] = run_tool(tool, args, work, name, shared, GLOBAL_BATCH // ga, lambda: turns.pass_on(tool))
+            if torch.get_num_threads() != args.threads:
+                print(f"warning: {tool} changed torch threads to {torch.get_num_threads()}")
+        except BaseException as err:  # re-raised below, after the other tools finished
+            errors.append(err)
+        finally:
+            turns.leave(tool)
+
+    threads = [threading.Thread(target=worker, args=(tool,), name=tool) for tool in tools]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def run_all(args, work: Path) -> dict[tuple[str, int], list[float]]:
+    write_jsonl(work / "data.jsonl", GLOBAL_BATCH * (args.warmup + args.compile_warmup + args.steps))
+    shared = shared_inputs(work)
+    tools = ["minimal loop", "isotrain"]
+    if args.compile and "compile" in TrainConfig.model_fields:
+        tools.append("isotrain compile")
+    if has_accelerate():
+        tools.append("HF Trainer")
+    results: dict[tuple[str, int], list[float]] = {}
+    for round_index in range(args.rounds):
+        for ga in args.ga:
+            # Odd rounds reverse the turn order, so no tool always follows the same neighbour.
+            order = tools if round_index % 2 == 0 else tools[::-1]
+            for tool, value in run_interleaved(order, args, work, shared, ga, round_index).items():
+                results.setdefault((tool, ga), []).append(value)
+                print(f"round {round_index + 1} GA {ga} {tool:<16} {value:8.0f} tokens/s", flush=True)
+    return results
+
+
+def paired_ratio(values: list[float], reference: list[float] | None) -> str:
+    """Median (min-max) over rounds of value / reference of the same round: pairs cancel slow drift."""
+    if not reference:
+        return "-"
+    ratios = [value / ref for value, ref in zip(values, reference)]
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def print_table(results: dict[tuple[str, int], list[float]], gas: list[int]) -> None:
+    print(f"\ntargets: isotrain >= {TARGET_VS_MINIMAL} x minimal loop and >= {TARGET_VS_HF} x HF Trainer (same GA)")
+    print("ratios: median (min-max) over rounds of the ratio within each round")
+    print("| tool | GA x micro | AdamW | tokens/s median (min-max) | vs minimal loop | vs HF Trainer |")
+    print("|---|---|---|---:|---:|---:|")
+    for (tool, ga), values in sorted(results.items(), key=lambda item: gas.index(item[0][1])):
+        print(f"| {tool} | {ga} x {GLOBAL_BATCH // ga} | {ADAMW_IMPL[tool]} | {statistics.median(values):.0f} "
+              f"({min(values):.0f}-{max(values):.0f}) | {paired_ratio(values, results.get(('minimal loop', ga)))} | "
+              f"{paired_ratio(values, results.get(('HF Trainer', ga)))} |")
+
+
+def _timed(phases: dict, name: str, fn):
+    start = time.perf_counter()
+    out = fn()
+    phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+    return out
+
+
+def isotrain_phases(model, optimizer, micro_samples, pad_id: int, phases: dict) -> None:
+    """isotrain's step (train/step.py) cut into phases, with its own functions, single process."""
+    params = list(model.parameters())
+    micro_batches = _timed(phases, "collate", lambda: [collate(s, pad_id) for s in micro_samples])
+    counts = _timed(phases, "global counts (all-reduce no-op)", lambda: global_counts(micro_batches, "token", CPU))
+    for mb in micro_batches:
+        logits = _timed(phases, "forward", lambda: model(
+            input_ids=mb["input_ids"], position_ids=mb["position_ids"], use_cache=False).logits)
+
+        def loss_fn():
+            weights, _ = loss_weights(mb["labels"], mb["segment_ids"], "token")
+            return (token_losses(logits, mb["labels"]) * weights).sum() / counts[2]
+
+        loss = _timed(phases, "loss (CE none x weights)", loss_fn)
+        _timed(phases, "backward", loss.backward)
+    _timed(phases, "grad norm + clip", lambda: grad_norm_and_clip(params, 1.0))
+    _timed(phases, "AdamW step + zero_grad", lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
+
+
+def minimal_phases(model, optimizer, micro_samples, pad_id: int, phases: dict) -> None:
+    batches = [collate(s, pad_id)["input_ids"] for s in micro_samples]
+    for input_ids in batches:
+        loss = _timed(phases, "forward + HF loss", lambda: model(input_ids=input_ids, labels=input_ids).loss)
+        loss = loss / len(batches)
+        _timed(phases, "backward", loss.backward)
+    _timed(phases, "AdamW step + zero_grad", lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
+
+
+def profile(args, work: Path) -> None:
+    """Median ms per optimizer step of each phase; isotrain, the minimal loop and whole steps interleaved."""
+    write_jsonl(work / "data.jsonl", GLOBAL_BATCH * 4)
+    cfg, tokenizer, dataset = shared_inputs(work)
+    micro, pad_id = GLOBAL_BATCH // args.ga[0], tokenizer.pad_token_id
+    micro_samples = [dataset.samples[i : i + micro] for i in range(0, GLOBAL_BATCH, micro)]
+    model = build_model(cfg.model, tokenizer, SEED)
+    iso_opt = build_optimizer(model, TrainConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0))
+    fused_opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
+    options = StepOptions(loss_reduction="token", grad_clip=1.0)
+
+    def whole_step(optimizer):
+        return lambda ph: _timed(ph, "step", lambda: train_step(
+            model, optimizer, [collate(s, pad_id) for s in micro_samples], LR, options, CPU))
+
+    runs = {  # all on one model: the phases' cost does not depend on the weights' values
+        "isotrain (foreach AdamW)": lambda ph: isotrain_phases(model, iso_opt, micro_samples, pad_id, ph),
+        "isotrain train_step, whole": whole_step(iso_opt),
+        "isotrain train_step, whole, fused AdamW": whole_step(fused_opt),
+        "minimal loop (fused AdamW)": lambda ph: minimal_phases(model, fused_opt, micro_samples, pad_id, ph),
+    }
+    samples: dict[str, list[dict]] = {name: [] for name in runs}
+    for step in range(args.warmup + args.steps):
+        for name, run in runs.items():
+            phases: dict = {}
+            run(phases)
+            if step >= args.warmup:
+                samples[name].append(phases)
+    print(f"\nprofile, GA {args.ga[0]} x micro {micro}: median ms per optimizer step over {args.steps} steps")
+    for name, steps in samples.items():
+        totals = [sum(p.values()) for p in steps]
+        parts = ", ".join(f"{phase} {1e3 * statistics.median(p[phase] for p in steps):.1f}" for phase in steps[0])
+        print(f"{name}: total {1e3 * statistics.median(totals):.1f} = {parts}")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="Timed optimizer steps per run.")
+    parser.add_argument("--warmup", type=int, default=3, help="Untimed optimizer steps at the start of each run.")
+    parser.add_argument("--compile-warmup", type=int, default=2, help="Extra untimed steps for compiled runs.")
+    parser.add_argument("--rounds", type=int, default=2, help="Repetitions; the median is reported.")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for every tool.")
+    parser.add_argument("--ga", type=int, nargs="+", default=[1, 4], help="Gradient-accumulation steps to run.")
+    parser.add_argument("--profile", action="store_true", help="Time the phases of one step (first --ga) instead.")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="Skip the isotrain compile rows.")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads, "
+          f"{args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds")
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="isotrain-bench-") as tmp:
+        if args.profile:
+            return profile(args, Path(tmp))
+        results = run_all(args, Path(tmp))
+    print_table(results, args.ga)
+
+
+if __name__ == "__main__":
+    main()

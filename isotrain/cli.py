@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(show)
     show.add_argument("--world-size", type=int, default=1, help="number of processes to derive sizes for")
     show.set_defaults(func=cmd_config_show)
+
+    from isotrain.checkpoint.commands import add_parser as add_ckpt_parser
+
+    add_ckpt_parser(commands)
     return parser
 
 

@@ -13,9 +13,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from isotrain.checkpoint.files import SAFETENSORS_DTYPES
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX
 from isotrain.checkpoint.save import CheckpointError
 from isotrain.checkpoint.state import OPTIMIZER_STATE_KEYS, local_part, model_tensors, shard_spec
+
+
+_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class CheckpointReader:
@@ -50,6 +54,9 @@ class CheckpointReader:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._open(self._where[key]).get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        return _DTYPES[self._open(self._where[key]).get_slice(key).get_dtype()]
 
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         handle = self._open(self._where[key])

@@ -1,0 +1,149 @@
+"""`isotrain ckpt export`: a checkpoint (or model directory) to a plain Hugging Face model directory.
+
+Tensors are streamed one at a time (read, cast, written, hashed), so exporting needs memory for the
+largest tensor only. With fp32 master weights in the training state (bf16 runs) those are the
+source, so `--dtype float32` gives the exact weights rather than bf16 values widened. The output is
+written like a checkpoint: into a `.tmp-` directory, fsynced, listed in a manifest, renamed into place.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from isotrain.checkpoint.files import (
+    FileEntry,
+    fsync_dir,
+    safetensors_header,
+    tensor_view,
+    write_chunks,
+    write_json,
+)
+from isotrain.checkpoint.load import CheckpointReader
+from isotrain.checkpoint.manifest import MODEL_INDEX, read_manifest, verify_checkpoint, write_manifest
+from isotrain.checkpoint.save import CheckpointError
+from isotrain.checkpoint.state import OPTIMIZER_STATE_KEYS
+from isotrain.checkpoint.tools import directory_bytes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STATE_PREFIXES = tuple(f"{key}." for key in (*OPTIMIZER_STATE_KEYS, "master"))
+_NOT_COPIED = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|manifest\.json)$")
+
+
+@dataclass
+class ExportReport:
+    out: Path
+    num_tensors: int
+    dropped: list[str]
+    dtype: str
+    source_bytes: int  # the whole source directory, training state included
+    source_model_bytes: int  # its model weight files
+    out_bytes: int
+    from_master: bool
+
+
+def _source_dtype(directory: Path) -> str:
+    config = json.loads((directory / "config.json").read_text())
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def _plan_shards(shapes: dict[str, tuple[torch.Size, torch.dtype]], max_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (shape, dtype) in shapes.items():
+        num = shape.numel() * dtype.itemsize
+        if shards[-1] and size + num > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += num
+    return shards
+
+
+def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_keys: str | None = None,
+                      max_shard_bytes: int = 5 << 30) -> ExportReport:
+    source, out = Path(source), Path(out)
+    problems = verify_checkpoint(source)
+    if problems:
+        raise CheckpointError(f"{source} cannot be exported: {problems[0]}; export a valid checkpoint "
+                              f"(`isotrain ckpt list RUN_DIR` shows them)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} already exists; choose a new output directory or remove it")
+    target_name = dtype or _source_dtype(source)
+    if target_name not in DTYPES:
+        raise CheckpointError(f"--dtype {target_name} is not supported; use one of {', '.join(DTYPES)}")
+    target = DTYPES[target_name]
+    try:
+        pattern = re.compile(drop_keys) if drop_keys else None
+    except re.error as err:
+        raise CheckpointError(f"--drop-keys {drop_keys!r} is not a valid regular expression ({err})") from None
+
+    reader = CheckpointReader(source)
+    model_keys = sorted(k for k in reader.keys() if not k.startswith(_STATE_PREFIXES))
+    dropped = [k for k in model_keys if pattern and pattern.search(k)]
+    kept = [k for k in model_keys if not (pattern and pattern.search(k))]
+    if not kept:
+        raise CheckpointError(f"--drop-keys {drop_keys!r} matches every tensor of {source}; nothing would be exported")
+    from_master = any(f"master.{k}" in reader for k in kept)
+
+    def read(key: str) -> torch.Tensor:
+        tensor = reader.read(f"master.{key}" if f"master.{key}" in reader else key)
+        return tensor.to(target) if tensor.is_floating_point() else tensor
+
+    def out_dtype(key: str) -> torch.dtype:
+        stored = reader.dtype(key)
+        return target if stored.is_floating_point else stored
+
+    shapes = {k: (torch.Size(reader.shape(k)), out_dtype(k)) for k in kept}
+    shards = _plan_shards(shapes, max_shard_bytes)
+    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
+    manifest = read_manifest(source)
+    tmp.mkdir(parents=True)
+    try:
+        entries = _write(source, tmp, shards, shapes, read, target_name)
+        info = {"kind": "model", "step": manifest.get("step"), "exported_from": str(source.resolve())}
+        write_manifest(tmp, entries, info)
+        fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    model_files = [n for n in manifest["files"] if n.startswith("model") and "safetensors" in n]
+    return ExportReport(out, len(kept), dropped, target_name, directory_bytes(source),
+                        sum(directory_bytes(source / n) for n in model_files), directory_bytes(out), from_master)
+
+
+def _write(source: Path, tmp: Path, shards: list[list[str]], shapes: dict, read, dtype_name: str) -> dict[str, FileEntry]:
+    entries: dict[str, FileEntry] = {}
+    for path in sorted(source.iterdir()):
+        if path.is_file() and not _NOT_COPIED.match(path.name):
+            if path.name == "config.json":
+                config = json.loads(path.read_text())
+                config["dtype"] = dtype_name
+                config.pop("torch_dtype", None)
+                entries[path.name] = write_json(tmp / path.name, config)
+            else:
+                entries[path.name] = write_chunks(tmp / path.name, [path.read_bytes()])
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, keys in zip(names, shards):
+        meta = {k: torch.empty(shapes[k][0], dtype=shapes[k][1], device="meta") for k in keys}
+        header = safetensors_header(meta)
+        # A generator: one tensor is in memory at a time.
+        entries[name] = write_chunks(tmp / name, itertools.chain([header], (tensor_view(read(k)) for k in keys)))
+    if len(shards) > 1:
+        total = sum(shapes[k][0].numel() * shapes[k][1].itemsize for k in shapes)
+        weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
+        entries[MODEL_INDEX] = write_json(tmp / MODEL_INDEX, {"metadata": {"total_size": total},
+                                                              "weight_map": weight_map})
+    return entries

@@ -17,6 +17,7 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
 _COMMITTED = re.compile(r"^step-(\d{8})$")
 _LEFTOVER = re.compile(r"^(step-\d{8}|model)\.(tmp|old)-[0-9a-z-]+$|^\.latest\.tmp-\d+$")
+_SET_ASIDE = re.compile(r"^step-\d{8}\.skipped-[0-9a-z]+$")
 
 
 def step_dir_name(step: int) -> str:
@@ -54,6 +55,30 @@ def remove_leftovers(root: Path) -> list[Path]:
         else:
             path.unlink(missing_ok=True)
     return removed
+
+
+def set_aside_newer(root: Path, step: int, tag: str) -> list[tuple[Path, Path]]:
+    """Rename committed checkpoints newer than `step` out of the committed namespace.
+
+    After a resume from an older checkpoint (the newer ones were invalid, or the user chose an
+    older one) the newer ones belong to another history: left in place, rotation would keep them
+    and delete the run's own new checkpoints, and the next `resume=auto` would pick them. Renamed,
+    their bytes stay on disk for the user to inspect or delete.
+    """
+    moved = []
+    for found_step, path in committed(root):
+        if found_step > step:
+            target = path.with_name(f"{path.name}.skipped-{tag}")
+            path.rename(target)
+            moved.append((path, target))
+    return moved
+
+
+def set_aside(root: Path) -> list[Path]:
+    """Checkpoints that `set_aside_newer` moved out of the way."""
+    if not root.is_dir():
+        return []
+    return sorted(path for path in root.iterdir() if _SET_ASIDE.match(path.name))
 
 
 def read_latest(root: Path) -> str | None:

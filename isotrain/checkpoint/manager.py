@@ -26,6 +26,8 @@ from isotrain.checkpoint.layout import (
     committed,
     leftovers,
     remove_leftovers,
+    set_aside_newer,
+    write_latest,
 )
 from isotrain.checkpoint.load import CheckpointReader, load_model, load_optimizer
 from isotrain.checkpoint.manifest import verify_checkpoint
@@ -157,6 +159,13 @@ class CheckpointManager:
             return Resumed(Path(choice), 0, {}, True)
         load_optimizer(reader, self.model, self.optimizer, self.rank)
         self._restore_rng(reader.directory, state)
+        if self.rank == 0 and reader.directory.parent.resolve() == self.root.resolve():
+            moved = set_aside_newer(self.root, state["step"], self.run_id)
+            if moved:
+                write_latest(self.root, reader.directory.name)
+            for old, new in moved:
+                self.log(f"[yellow]moved {old.name} aside to {new.name}: this run continues from step "
+                         f"{state['step']} and writes its own later checkpoints (delete it when not needed)[/]")
         self.last_saved_step = state["step"]
         self.log(f"resumed from {choice} at step {state['step']} (saved on {state['layout']['world_size']} "
                  f"rank(s), now {self.world_size})")

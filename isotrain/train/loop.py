@@ -6,6 +6,7 @@ train_step -> counters and metrics -> checkpoint when due -> save the final mode
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from isotrain.checkpoint.files import atomic_write_text
 from isotrain.checkpoint.layout import step_dir_name
 from isotrain.checkpoint.manager import MODEL_DIR, CheckpointManager
 from isotrain.config import Config, dump_config
@@ -180,13 +182,13 @@ def _resume_counters(resumed) -> Counters:
 
 
 def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, object]:
-    log = console.print if info.is_main else (lambda *a, **k: None)
+    # soft_wrap: a line names paths whole, in a terminal and in a log file alike
+    log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
     degrees = resolve_degrees(cfg.parallel, info.world_size)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
     output_dir = Path(cfg.output_dir)
     if info.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(dump_config(cfg))
         console.print(plan_table(plan, degrees))
     barrier()
     seed_everything(cfg.train.seed, cfg.train.deterministic)
@@ -207,6 +209,8 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, 
     }
     checkpoints.clean_leftovers()
     counters = _resume_counters(checkpoints.resume())
+    if info.is_main:  # only now: a run refused above leaves the previous run's config.yaml as it was
+        atomic_write_text(output_dir / "config.yaml", dump_config(cfg))
     run = Run(model, optimizer, dataset, sampler, checkpoints)
     writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=counters.step)
     try:

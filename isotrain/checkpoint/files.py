@@ -42,6 +42,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def with_path(err: OSError, path: Path) -> OSError:
+    """`os.write` and `os.fsync` errors name no file; a user needs to know which one failed."""
+    if err.filename is not None:
+        return err
+    named = OSError(err.errno, err.strerror or str(err), str(path))
+    named.__cause__ = err
+    return named
+
+
 def _write_all(fd: int, data: memoryview) -> None:
     while len(data):
         data = data[os.write(fd, data):]
@@ -61,6 +70,8 @@ def write_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> FileEntry:
                 _write_all(fd, piece)
             num_bytes += len(view)
         os.fsync(fd)
+    except OSError as err:
+        raise with_path(err, path) from None
     finally:
         os.close(fd)
     return FileEntry(num_bytes, digest.hexdigest())

@@ -28,6 +28,7 @@ from isotrain.checkpoint.files import (
     fsync_dir,
     safetensors_header,
     tensor_view,
+    with_path,
     write_chunks,
     write_json,
 )
@@ -68,14 +69,20 @@ class StreamingFile:
             piece = data[start : start + CHUNK_BYTES]
             hashed = self._hasher.submit(self._digest.update, piece)  # overlaps with the write below
             view = piece
-            while len(view):
-                view = view[os.write(self._fd, view):]
+            try:
+                while len(view):
+                    view = view[os.write(self._fd, view):]
+            except OSError as err:
+                hashed.result()
+                raise with_path(err, self.path) from None
             hashed.result()
         self.num_bytes += len(data)
 
     def close(self) -> FileEntry:
         try:
             os.fsync(self._fd)
+        except OSError as err:
+            raise with_path(err, self.path) from None
         finally:
             os.close(self._fd)
         return FileEntry(self.num_bytes, self._digest.hexdigest())

@@ -149,10 +149,16 @@ def load_entry(entry: Path) -> tuple[list[Sample], dict] | None:
 
 
 def _write_file(path: Path, write) -> None:
-    with path.open("wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        with path.open("wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        # numpy reports a short write without errno or file ("N requested and M written").
+        raise OSError(err.errno, f"{err.strerror or err}: the disk may be full", str(path)) from None
 
 
 def save_entry(entry: Path, samples: list[Sample], stats: dict) -> None:

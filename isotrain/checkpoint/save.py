@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,9 @@ class SaveRequest:
     rank_files: dict[str, bytes]  # written by this rank (its RNG state)
     main_files: dict[str, bytes] = field(default_factory=dict)  # written by rank 0 (config, tokenizer, state)
     info: dict = field(default_factory=dict)  # manifest fields: kind, step, layout
+    # Tensors moving to their owners at once: 2 overlaps network and disk; 1 keeps an async save,
+    # which already holds a host copy of the rank's shard, within one extra tensor.
+    in_flight: int = 2
 
 
 class StreamingFile:
@@ -120,43 +124,77 @@ def index_files(files: dict[str, list[Item]]) -> dict[str, bytes]:
     return out
 
 
-def _gather_to_owner(item: Item, rank: int, group) -> torch.Tensor | None:
-    """The whole tensor on its owner (None elsewhere); every rank of the group must call this.
+@dataclass
+class _Transfer:
+    """One tensor on its way to its owner: the whole tensor there (once `works` are done), None elsewhere."""
 
-    Without replication (plain FSDP2) the shards land directly in one buffer of the whole tensor's
-    size, so the owner needs no memory beyond that tensor.
-    """
-    spec = item.shard
-    start, stop = spec.bounds(spec.shard_of_rank[rank])
-    local = item.local
-    assert local.shape[0] == stop - start, f"{item.key}: local rows {local.shape[0]} != {stop - start}"
-    padded = local.new_zeros((spec.chunk, *item.shape[1:]))
-    padded[: local.shape[0]] = local
-    world = dist.get_world_size(group)
-    if rank != item.owner:
-        dist.gather(padded, None, dst=item.owner, group=group)
-        return None
-    if list(spec.shard_of_rank) == list(range(world)):
-        buffer = padded.new_empty((spec.chunk * world, *item.shape[1:]))
-        dist.gather(padded, list(buffer.split(spec.chunk)), dst=item.owner, group=group)
-        return buffer[: spec.rows]
-    # HSDP: replicas hold the same rows; take each shard from its first holder.
-    pieces = [torch.empty_like(padded) for _ in range(world)]
-    dist.gather(padded, pieces, dst=item.owner, group=group)
-    holder = {}
+    item: Item
+    full: torch.Tensor | None
+    works: list
+    sent: torch.Tensor | None = None  # kept alive until the send completes
+
+
+def _holders(spec) -> dict[int, int]:
+    """Shard coordinate -> the first rank holding it (under HSDP, replicas hold the same rows)."""
+    holder: dict[int, int] = {}
     for r, shard in enumerate(spec.shard_of_rank):
         holder.setdefault(shard, r)
-    return torch.cat([pieces[holder[s]][: spec.bounds(s)[1] - spec.bounds(s)[0]] for s in range(spec.num_shards)])
+    return holder
 
 
-def write_tensor_files(directory: Path, items: list[Item], rank: int, group) -> dict[str, FileEntry]:
-    """Write this rank's files. A write error is raised only after the loop, so that every rank
-    still takes part in every gather and none is left waiting."""
+def _start_transfer(item: Item, rank: int, group) -> _Transfer:
+    """Start moving `item` to its owner; every rank calls this for every item, in the same order.
+
+    Sharded rows travel point to point, each straight into its place in the owner's buffer of the
+    whole tensor: no padding, no staging copy, so the owner's extra memory is that one tensor.
+    """
+    spec = item.shard
+    if spec is None:  # every rank holds it whole
+        return _Transfer(item, item.local if rank == item.owner else None, [])
+    holder = _holders(spec)
+    owner_shard = spec.shard_of_rank[item.owner]
+    if rank != item.owner:
+        mine = spec.shard_of_rank[rank]
+        start, stop = spec.bounds(mine)
+        if holder[mine] != rank or mine == owner_shard or stop <= start:
+            return _Transfer(item, None, [])
+        sent = item.local.contiguous()
+        return _Transfer(item, None, [dist.isend(sent, dst=item.owner, group=group)], sent)
+    full = torch.empty(item.shape, dtype=item.local.dtype)
+    works = []
+    for shard, source in sorted(holder.items()):
+        start, stop = spec.bounds(shard)
+        if stop <= start:
+            continue
+        if shard == owner_shard:
+            full[start:stop].copy_(item.local)
+        else:
+            works.append(dist.irecv(full[start:stop], src=source, group=group))
+    return _Transfer(item, full, works)
+
+
+def write_tensor_files(directory: Path, items: list[Item], rank: int, group, in_flight: int = 2) -> dict[str, FileEntry]:
+    """Write this rank's files. Transfers run ahead of the writes (`in_flight` tensors at a time), so
+    a rank's disk writes and the network overlap. A write error is raised only after the loop, so
+    that every rank still takes part in every transfer and none is left waiting."""
     files = plan_files(items)
     mine = {name: its for name, its in files.items() if its[0].owner == rank}
     file_of = {item.key: name for name, its in mine.items() for item in its}
     open_files: dict[str, StreamingFile] = {}
     error: OSError | None = None
+
+    def finish(transfer: _Transfer) -> None:
+        nonlocal error
+        for work in transfer.works:
+            work.wait()
+        if transfer.full is None or error is not None:
+            return
+        try:
+            item = transfer.item
+            open_files[file_of[item.key]].append(tensor_view(transfer.full.to(item.dtype)))
+        except OSError as err:
+            error = err
+
     with ThreadPoolExecutor(max_workers=1) as hasher:
         try:
             for name, its in mine.items():
@@ -164,16 +202,13 @@ def write_tensor_files(directory: Path, items: list[Item], rank: int, group) -> 
                 open_files[name] = StreamingFile(directory / name, safetensors_header({i.key: _meta(i) for i in its}), hasher)
         except OSError as err:
             error = err
+        pending: deque[_Transfer] = deque()
         for item in items:
-            if item.shard is None and item.owner != rank:
-                continue
-            full = _gather_to_owner(item, rank, group) if item.shard is not None else item.local
-            if item.owner != rank or error is not None:
-                continue
-            try:
-                open_files[file_of[item.key]].append(tensor_view(full.to(item.dtype)))
-            except OSError as err:
-                error = err
+            pending.append(_start_transfer(item, rank, group))
+            while len(pending) >= in_flight:
+                finish(pending.popleft())
+        while pending:
+            finish(pending.popleft())
         entries = {}
         for name, handle in open_files.items():
             if error is not None:
@@ -195,7 +230,7 @@ def _meta(item: Item) -> torch.Tensor:
 
 def write_request(directory: Path, request: SaveRequest, rank: int, group) -> dict[str, FileEntry]:
     """This rank's part of a save (tensor shares, its own small files; rank 0 also the shared ones)."""
-    entries = write_tensor_files(directory, request.items, rank, group)
+    entries = write_tensor_files(directory, request.items, rank, group, request.in_flight)
     small = dict(request.rank_files)
     if rank == 0:
         small.update(request.main_files)

@@ -33,6 +33,7 @@ LAYOUTS = {
     "ddp2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
     "fsdp2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=2"]),
     "fsdp4": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=4"]),
+    "hsdp4": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=2"]),
 }
 COUNTED = ("step", "loss", "lr", "grad_norm", "tokens_seen", "trained_tokens", "samples_seen")
 
@@ -116,7 +117,7 @@ def fsdp2_reference(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "fsdp4", "ddp2"])
+@pytest.mark.parametrize("layout", ["single", "fsdp4", "ddp2", "hsdp4"])
 def test_resume_on_another_layout_continues_the_same_run(tmp_path, fsdp2_reference, layout):
     run_dir = tmp_path / "run"
     shutil.copytree(fsdp2_reference, run_dir)

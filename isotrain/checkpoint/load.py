@@ -1,7 +1,7 @@
 """Read a committed checkpoint into a model and optimizer of any layout.
 
 Each rank reads only what it holds: whole tensors under DDP or one process, its dim-0 rows under
-FSDP2 (`safe_open(...).get_slice`, memory-mapped), so a checkpoint saved on N ranks loads on M.
+FSDP2 (a pread of those bytes into the rank's own tensor), so a checkpoint saved on N ranks loads on M.
 """
 
 from __future__ import annotations

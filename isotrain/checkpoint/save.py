@@ -1,9 +1,10 @@
 """Write a checkpoint directory: every rank writes its share of the tensors, rank 0 commits.
 
 No rank holds the whole model: each tensor has one owner rank (balanced by bytes, `assign_owners`)
-that writes it. A tensor sharded by FSDP2 is gathered to its owner alone (`dist.gather`), one
-tensor at a time, so a rank's extra memory is bounded by the largest tensor it owns. Bytes are
-hashed while they are written, so the manifest costs no extra read.
+that writes it. A tensor sharded by FSDP2 travels to its owner alone, rows sent point to point
+into the owner's buffer of that tensor, a tensor or two in flight, so a rank's extra memory is
+bounded by the tensors it owns that are in transit. Bytes are hashed while they are written, so
+the manifest costs no extra read.
 
 Commit protocol (invariant 5): write into `step-XXXXXXXX.tmp-<id>/`, fsync every file; gather
 every rank's file list (a barrier); rank 0 writes the indexes, state and manifest, fsyncs the

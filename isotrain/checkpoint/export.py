@@ -118,6 +118,8 @@ def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_ke
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        reader.close()
     model_files = [n for n in manifest["files"] if n.startswith("model") and "safetensors" in n]
     return ExportReport(out, len(kept), dropped, target_name, directory_bytes(source),
                         sum(directory_bytes(source / n) for n in model_files), directory_bytes(out), from_master)

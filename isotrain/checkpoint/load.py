@@ -12,7 +12,6 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from isotrain.checkpoint.files import SAFETENSORS_DTYPES, read_safetensors_header, tensor_view
@@ -25,12 +24,15 @@ _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
 class CheckpointReader:
-    """Tensor lookup by name across a checkpoint's model and optimizer files."""
+    """Tensor lookup by name across a checkpoint's model and optimizer files.
+
+    Reads go through the safetensors headers and `pread`, never a memory map: each read lands
+    directly in the tensor that keeps it.
+    """
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
         self._where: dict[str, Path] = {}
-        self._handles: dict[Path, object] = {}
         self._files: dict[Path, tuple[int, int, dict]] = {}  # fd, first data byte, header
         self._index(MODEL_INDEX, "model.safetensors")
         self._index(OPTIMIZER_INDEX, "train_state/optimizer.safetensors")
@@ -41,13 +43,24 @@ class CheckpointReader:
             for key, file_name in json.loads(index.read_text())["weight_map"].items():
                 self._where[key] = index.parent / file_name
         elif single.is_file():
-            for key in self._open(single).keys():
-                self._where[key] = single
+            for key in self._file(single)[2]:
+                if key != "__metadata__":
+                    self._where[key] = single
 
-    def _open(self, path: Path):
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path]
+    def _file(self, path: Path) -> tuple[int, int, dict]:
+        if path not in self._files:
+            try:
+                header = read_safetensors_header(path)
+            except ValueError as err:
+                raise CheckpointError(f"{path} is not a valid safetensors file ({err}); "
+                                      f"run `isotrain ckpt verify {self.directory}`") from None
+            with open(path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+            self._files[path] = (os.open(path, os.O_RDONLY), 8 + header_len, header)
+        return self._files[path]
+
+    def _spec(self, key: str) -> dict:
+        return self._file(self._where[key])[2][key]
 
     def __contains__(self, key: str) -> bool:
         return key in self._where
@@ -56,24 +69,16 @@ class CheckpointReader:
         return set(self._where)
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._open(self._where[key]).get_slice(key).get_shape())
+        return tuple(self._spec(key)["shape"])
 
     def dtype(self, key: str) -> torch.dtype:
-        return _DTYPES[self._open(self._where[key]).get_slice(key).get_dtype()]
-
-    def _file(self, path: Path) -> tuple[int, int, dict]:
-        if path not in self._files:
-            header = read_safetensors_header(path)
-            with open(path, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-            self._files[path] = (os.open(path, os.O_RDONLY), 8 + header_len, header)
-        return self._files[path]
+        return _DTYPES[self._spec(key)["dtype"]]
 
     def read_into(self, key: str, target: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """Read tensor `key` (or its dim-0 rows) from its file straight into `target`'s memory.
 
         One pread per tensor and no intermediate tensor: loading is bound by the disk, not by
-        copies, and resident memory does not grow by memory-mapped file pages.
+        copies. A target of another dtype or device goes through a CPU tensor.
         """
         path = self._where[key]
         fd, data_start, header = self._file(path)
@@ -84,7 +89,7 @@ class CheckpointReader:
             begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
         direct = (target.device.type == "cpu" and target.is_contiguous() and target.dtype == _DTYPES[spec["dtype"]]
                   and target.numel() * target.element_size() == end - begin)
-        if not direct:  # another dtype or device: go through a tensor
+        if not direct:
             target.copy_(self.read(key, rows))
             return
         view, done = tensor_view(target), 0
@@ -94,17 +99,19 @@ class CheckpointReader:
                 raise CheckpointError(f"{path} ends inside tensor {key!r}; run `isotrain ckpt verify {self.directory}`")
             done += got
 
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `key` (or its dim-0 rows) as a new CPU tensor in its stored dtype."""
+        shape = list(self.shape(key))
+        if rows is not None and shape:
+            shape[0] = rows[1] - rows[0]
+        tensor = torch.empty(shape, dtype=self.dtype(key))
+        self.read_into(key, tensor, rows)
+        return tensor
+
     def close(self) -> None:
         for fd, _, _ in self._files.values():
             os.close(fd)
         self._files.clear()
-        self._handles.clear()
-
-    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        handle = self._open(self._where[key])
-        if rows is None:
-            return handle.get_tensor(key)
-        return handle.get_slice(key)[rows[0] : rows[1]]
 
     def state(self) -> dict:
         return json.loads((self.directory / "train_state" / "state.json").read_text())

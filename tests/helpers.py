@@ -19,6 +19,17 @@ TINY_LLAMA = {
     "max_position_embeddings": 64,
 }
 
+# Overrides for a tiny, quiet training run (a few seconds on CPU); tests add what they exercise.
+TINY_RUN = [
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "logging.progress=false",
+    "eval.path=null",
+]
+
 
 def subprocess_env() -> dict:
     env = dict(os.environ)

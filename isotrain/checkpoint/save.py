@@ -287,7 +287,9 @@ def save(root: Path, request: SaveRequest, rank: int, group, run_id: str, name: 
                 shutil.rmtree(tmp, ignore_errors=True)
         message = _broadcast(message, rank, group)
     if message:
-        raise CheckpointError(f"checkpoint step {request.step} was not saved: {message}; "
+        # The final model/ is saved here too (with step 0): the sentence names what was not saved.
+        what = f"checkpoint step {request.step}" if name is None else f"the model directory {final}"
+        raise CheckpointError(f"{what} was not saved: {message}; "
                               "free disk space or fix the path (earlier checkpoints are intact)")
     return final
 

@@ -8,20 +8,10 @@ import shutil
 
 import pytest
 
-from helpers import isotrain_cli
+from helpers import TINY_RUN, isotrain_cli
 from isotrain.checkpoint.manifest import verify_checkpoint
 
-TINY = [
-    "model.config.hidden_size=64",
-    "model.config.intermediate_size=128",
-    "model.config.num_hidden_layers=2",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=4",
-    "train.deterministic=true",
-    "checkpoint.every_steps=2",
-    "logging.progress=false",
-    "eval.path=null",
-]
+TINY = [*TINY_RUN, "train.deterministic=true", "checkpoint.every_steps=2"]
 
 
 def train(run_dir, *overrides: str):

@@ -1,105 +1,246 @@
-"""Crash safety with real kills and a real full disk.
+"""Crash safety with real kills and a real full disk (invariants 5 and 8).
 
-A run that saves at every step (keep_last=1) is SIGKILLed again and again at random instants, most
-of them in the middle of a save, and restarted each time with `checkpoint.resume=auto`. After every
-kill, every committed checkpoint verifies, `latest` names one of them, and there is always one once
-the first was committed; each restart resumes from the newest. The run finally completes with the
-same bytes as a run that was never interrupted. A file-size limit (RLIMIT_FSIZE) stands in for a
-full disk: the save fails with one sentence, and the earlier checkpoints stay valid.
+A run that saves at every step (`keep_last=1`) is SIGKILLed again and again at seeded random
+instants of its saves and restarted each time with `checkpoint.resume=auto`: on 1 process and on
+2 FSDP2 ranks, with sync and async saves. What each kill left on disk tells which part of a save it
+hit (writing the files, committing, rotating), and the kills go on until 10 per case have hit a
+save. After every kill, every committed checkpoint verifies, `latest` names one of them, there is
+one as soon as the first was committed, and the next start reports and removes what the kill left
+and resumes from the newest committed checkpoint. Finally a run started the ordinary way
+(`python -m isotrain`, `torchrun`) completes with the same bytes and metrics as a run that was
+never interrupted.
+
+Start-up (importing torch and transformers) takes seconds, so the runs to be killed are forked
+from one process that has done those imports, with torchrun's environment for each rank (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT): real processes, real gloo collectives, real files, real SIGKILL.
+
+A file-size limit (RLIMIT_FSIZE: unprivileged, and exact about which file fails) stands in for a
+full disk, on the one process or on one of two ranks: the save fails with one sentence on every
+rank, nothing is committed or left behind, the earlier checkpoints stay valid, and the next start
+resumes from them.
 """
 
 from __future__ import annotations
 
+import collections
+import json
+import os
 import random
 import resource
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from helpers import REPO, kill_tree, subprocess_env
+from helpers import REPO, TINY_RUN, subprocess_env
 from isotrain.checkpoint.layout import committed, leftovers, read_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
 
-TINY = [
-    "model.config.hidden_size=64",
-    "model.config.intermediate_size=128",
-    "model.config.num_hidden_layers=2",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=4",
-    "train.deterministic=true",
-    "checkpoint.every_steps=1",
-    "checkpoint.keep_last=1",
-    "logging.progress=false",
-    "eval.path=null",
-]
-MAX_STEPS = 24
+TINY = [*TINY_RUN, "train.deterministic=true", "checkpoint.every_steps=1", "checkpoint.keep_last=1",
+        "checkpoint.resume=auto"]
+KILLS_IN_SAVES = 10  # per layout and mode: 40 kills inside a save in all
+MAX_STEPS = 64  # a killed run gets at most 3 steps further, and there are at most 2 * KILLS_IN_SAVES of them
 LAYOUTS = {"single": (1, []), "fsdp2": (2, ["parallel.dp_replicate=1", "parallel.dp_shard=2"])}
+COUNTED = ("step", "loss", "lr", "grad_norm", "tokens_seen", "trained_tokens", "samples_seen")
+SEED = int(os.environ.get("ISOTRAIN_CRASH_SEED", "20260522"))  # every failure message names it
 
 
-def command(layout: str, run_dir, *extra: str) -> list[str]:
-    nproc, overrides = LAYOUTS[layout]
-    args = ["-m", "isotrain", "train", *TINY, *overrides, f"train.max_steps={MAX_STEPS}", f"output_dir={run_dir}",
-            *extra]
+def overrides(layout: str, run_dir, cache, *extra: str) -> list[str]:
+    # One tokenized-data cache for the module: tokenizing once is enough.
+    return ["train", *TINY, *LAYOUTS[layout][1], f"train.max_steps={MAX_STEPS}", f"output_dir={run_dir}",
+            f"data.cache_dir={cache}", *extra]
+
+
+def save_mode(mode: str) -> str:
+    return f"checkpoint.async={'true' if mode == 'async' else 'false'}"
+
+
+def command(layout: str, args: list[str]) -> list[str]:
+    """The ordinary launch: `python -m isotrain` or torchrun."""
+    nproc = LAYOUTS[layout][0]
     if nproc == 1:
-        return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+        return [sys.executable, "-m", "isotrain", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "isotrain", *args]
 
 
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300, **kwargs)
+    return subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=600, **kwargs)
 
 
-def check_disk(root, ever_committed: bool, context: str) -> list[tuple[int, object]]:
-    """The invariants that must hold at any instant: returns the committed checkpoints."""
-    found = committed(root)
-    for _, path in found:
-        assert verify_checkpoint(path) == [], f"{context}: committed {path.name} does not verify"
-    if ever_committed:
-        assert found, f"{context}: no committed checkpoint is left (keep_last=1)"
-    latest = read_latest(root)
-    if latest is not None:
-        assert latest in {path.name for _, path in found}, f"{context}: latest names {latest}, not committed"
-    return found
+def metrics(run_dir) -> list[list]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [[row[key] for key in COUNTED] for row in rows]
 
 
-def kill_during_save(cmd, root, log_path, rng: random.Random) -> tuple[bool, str]:
-    """Start the run, wait until it has begun its k-th save (k random), kill it after a random delay.
+# ----- runs forked from a process that has imported everything --------------------------------
 
-    Returns whether the kill left a save unfinished, and what the run printed.
-    """
-    saves_to_see, delay = rng.randint(1, 3), rng.uniform(0, 0.015)
-    old = {p.name for p in leftovers(root)}  # the previous kill's; this run's saves have a new run id
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=subprocess_env(), cwd=REPO, start_new_session=True, stdout=log,
-                                stderr=subprocess.STDOUT)
-    seen: set[str] = set()
-    deadline = time.monotonic() + 240
-    while len(seen) < saves_to_see:
-        if proc.poll() is not None:  # finished (or failed) before the kill
-            return False, log_path.read_text()
-        assert time.monotonic() < deadline, "the run never started saving"
-        seen.update(p.name for p in leftovers(root) if ".tmp-" in p.name and p.name not in old)
-        time.sleep(0.001)
-    time.sleep(delay)
-    kill_tree(proc.pid)
-    proc.wait()
-    interrupted = any(".tmp-" in p.name for p in leftovers(root))
-    return interrupted, log_path.read_text()
+ZYGOTE = r"""
+import json, os, resource, signal, sys, traceback
+import isotrain.cli, isotrain.train.loop  # the seconds of start-up, paid once
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # else imported by every run
+
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the runs; the test watches them by pidfd
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.setsid()  # like torchrun's workers: a session of its own
+            null, log = os.open(os.devnull, os.O_RDONLY), os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            for source, target in ((null, 0), (log, 1), (log, 2)):
+                os.dup2(source, target)
+            os.close(null)
+            os.close(log)
+            os.environ.clear()
+            os.environ.update(job["env"])
+            os.chdir(job["cwd"])
+            if job["max_file_bytes"] is not None:  # a full disk: writes past it fail with EFBIG
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (job["max_file_bytes"],) * 2)
+            try:
+                isotrain.cli.main(job["argv"])
+            except SystemExit as done:
+                code = done.code if isinstance(done.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                with open(job["log"] + ".exit", "w") as f:  # a killed run leaves none
+                    f.write(str(code))
+            finally:
+                os._exit(code)
+    print(pid, flush=True)
+"""
+
+
+class Zygote:
+    """A Python process that imported isotrain, torch and transformers once and forks a run on request."""
+
+    def __init__(self, log_path):
+        self.log_path = log_path
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], env=subprocess_env(), cwd=REPO, text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+
+    def fork(self, argv: list[str], log_path, env: dict, max_file_bytes: int | None = None) -> int:
+        job = {"argv": argv, "log": str(log_path), "env": env, "cwd": str(REPO), "max_file_bytes": max_file_bytes}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, f"the zygote died: {self.log_path.read_text()[-3000:]}"
+        return int(reply)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Forked:
+    """The rank processes of one run, watched and killed through pidfds (no pid can be reused under us)."""
+
+    pidfds: list[int]
+    logs: list
+
+    def running(self) -> bool:
+        ready, _, _ = select.select(self.pidfds, [], [], 0)
+        return len(ready) < len(self.pidfds)
+
+    def kill(self) -> None:
+        """SIGKILL every rank at once, like a node losing power."""
+        for fd in self.pidfds:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:  # this rank had already ended
+                pass
+        self.wait(60)
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for fd in self.pidfds:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"a rank did not end within {timeout} s"
+
+    def close(self) -> None:
+        if self.running():
+            self.kill()
+        for fd in self.pidfds:
+            os.close(fd)
+
+    def output(self) -> str:
+        return "\n".join(path.read_text() for path in self.logs if path.exists())
+
+    def exit_codes(self) -> list[int | None]:
+        """Each rank's exit status; None for a rank that was killed."""
+        files = [path.with_name(path.name + ".exit") for path in self.logs]
+        return [int(path.read_text()) if path.exists() else None for path in files]
+
+
+def fork_run(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_file_bytes: dict | None = None) -> Forked:
+    """Start a run of `layout`; `max_file_bytes` maps a rank to the largest file it can write."""
+    nproc = LAYOUTS[layout][0]
+    env, port = subprocess_env(), free_port()
+    pidfds, logs = [], []
+    for rank in range(nproc):
+        rank_env = dict(env)
+        if nproc > 1:  # what torchrun gives each worker
+            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        logs.append(log_prefix.with_name(f"{log_prefix.name}-rank{rank}.txt"))
+        limit = (max_file_bytes or {}).get(rank)
+        pidfds.append(os.pidfd_open(zygote.fork(argv, logs[-1], rank_env, limit)))
+    return Forked(pidfds, logs)
+
+
+def run_forked(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_file_bytes: dict | None = None) -> Forked:
+    """A forked run, waited for to its end (a hang fails the test)."""
+    forked = fork_run(zygote, layout, argv, log_prefix, max_file_bytes)
+    try:
+        forked.wait(300)
+    finally:
+        forked.close()
+    return forked
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """A reference run per layout, never killed."""
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    started = Zygote(tmp_path_factory.mktemp("zygote") / "log.txt")
+    yield started
+    started.close()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache):
+    """A reference run per layout, started the ordinary way and never killed."""
     made = {}
 
     def get(layout: str):
         if layout not in made:
             run_dir = tmp_path_factory.mktemp(f"straight-{layout}") / "run"
-            proc = run(command(layout, run_dir))
+            proc = run(command(layout, overrides(layout, run_dir, cache)))
             assert proc.returncode == 0, proc.stderr[-3000:]
             made[layout] = run_dir
         return made[layout]
@@ -107,45 +248,156 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
+# ----- what must hold on disk after any kill ----------------------------------------------------
+
+def check_disk(root, ever_committed: bool, context: str) -> list[tuple[int, object]]:
+    """Invariant 5 at any instant; returns the committed checkpoints, oldest first."""
+    found = committed(root)
+    for _, path in found:
+        assert verify_checkpoint(path) == [], f"{context}: committed {path.name} does not verify"
+    if ever_committed:
+        assert found, f"{context}: no committed checkpoint is left (keep_last=1)"
+    latest = read_latest(root)
+    if latest is not None:
+        assert latest in {path.name for _, path in found}, f"{context}: latest names {latest}, not a committed one"
+    return found
+
+
+def phase_of_kill(root, found, newest_before: int) -> str:
+    """Which part of a save the kill interrupted, read from what it left on disk."""
+    names = [path.name for path in leftovers(root)]
+    newest = found[-1][0] if found else 0
+    if any(name.startswith("step-") and ".tmp-" in name for name in names):
+        return "writing"  # step-N.tmp-<id>/ exists: files, manifest or fsyncs, before the rename
+    if any(name.startswith(".latest.tmp-") for name in names) or (
+            newest > newest_before and read_latest(root) != found[-1][1].name):
+        return "committing"  # renamed, `latest` not replaced yet
+    if any(".old-" in name for name in names) or len(found) > 1:
+        return "rotating"  # committed, the older checkpoint not deleted yet
+    return "between saves"
+
+
+def step_started(root, step: int, stale: set[str]) -> tuple[bool, object]:
+    """Whether the save of `step` has begun (its .tmp- directory, or already committed), and the .tmp- path.
+
+    `stale` are the previous kill's leftovers, which the run removes when it starts.
+    """
+    prefix = f"step-{step:08d}"
+    tmp = None
+    for path in root.iterdir() if root.is_dir() else []:
+        if path.name == prefix:
+            return True, None
+        if path.name.startswith(prefix + ".tmp-") and path.name not in stale:
+            tmp = path
+    return tmp is not None, tmp
+
+
+def kill_during_save(forked: Forked, root, step: int, stale: set[str], rng: random.Random, context: str) -> str:
+    """Wait until the save of `step` begins, then SIGKILL the run at a random instant of it.
+
+    Half of the kills land within 10 ms of the start (a save takes 11-100 ms here: 1 or 2 ranks,
+    sync or async); the other half wait for manifest.json, the save's last file, and land within
+    2 ms of it, in the short commit phase (fsync, rename, `latest`, rotation). Returns the aim.
+    """
+    aim = rng.choice(["start", "commit"])
+    delay = rng.uniform(0, 0.010) if aim == "start" else rng.uniform(0, 0.002)
+    deadline = time.monotonic() + 240
+    while True:
+        assert forked.running(), f"{context}: the run ended before the kill:\n{forked.output()[-3000:]}"
+        assert time.monotonic() < deadline, f"{context}: the save of step {step} never began"
+        started, tmp = step_started(root, step, stale)
+        if started:
+            break
+        time.sleep(0.0005)
+    while aim == "commit" and tmp is not None and tmp.exists() and not (tmp / "manifest.json").exists():
+        assert time.monotonic() < deadline, f"{context}: the save of step {step} never ended"
+        time.sleep(0.0002)
+    time.sleep(delay)
+    forked.kill()
+    return f"{aim} +{delay * 1000:.1f} ms"
+
+
+@dataclass
+class Harness:
+    """One run directory killed again and again; what each kill left is checked by the next start."""
+
+    layout: str
+    mode: str
+    args: list[str]
+    root: Path
+    history: list[str]  # one line per kill, shown with every failure: enough to replay it
+    newest: tuple | None = None  # (step, path) of the newest committed checkpoint: where the next start resumes
+    left: tuple[str, ...] = ()  # the last kill's leftovers, which the next start must report and remove
+
+    def context(self) -> str:
+        return f"{self.layout}/{self.mode}, seed {SEED}, kills so far:\n  " + "\n  ".join(self.history)
+
+    def check_start(self, output: str) -> None:
+        """The start after a kill removed what the kill left, saying so, and resumed from the newest
+        committed checkpoint, never from a partial one."""
+        where = f"{self.context()}\n{output[-3000:]}"
+        if self.left:
+            removed = f"removed {len(self.left)} leftover(s) of an interrupted save: {', '.join(self.left)}"
+            assert removed in output, where
+        if self.newest:
+            assert f"resumed from {self.newest[1]} at step {self.newest[0]} " in output, where
+        else:
+            assert "resumed from" not in output, where
+
+    def kill_once(self, zygote: Zygote, rng: random.Random, log_prefix) -> str:
+        """Start the run, kill it during its 1st, 2nd or 3rd save; returns the phase the kill hit."""
+        start_step = self.newest[0] if self.newest else 0
+        target = start_step + rng.randint(1, 3)
+        assert target < MAX_STEPS, f"the killed runs got too close to the end\n{self.context()}"
+        forked = fork_run(zygote, self.layout, self.args, log_prefix)
+        try:
+            aimed = kill_during_save(forked, self.root, target, set(self.left), rng, self.context())
+        finally:
+            forked.close()
+        self.history.append(f"kill {len(self.history)}: during the save of step {target}, {aimed}")
+        self.check_start(forked.output())
+        found = check_disk(self.root, self.newest is not None, self.context())
+        phase = phase_of_kill(self.root, found, start_step)
+        self.history[-1] += f": {phase}"
+        self.newest = found[-1] if found else None
+        self.left = tuple(path.name for path in leftovers(self.root))
+        return phase
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("layout", "mode", "kills"),
-                         [("single", "sync", 8), ("single", "async", 8), ("fsdp2", "sync", 7), ("fsdp2", "async", 7)])
-def test_random_sigkills_during_saves_never_leave_a_bad_checkpoint(tmp_path, uninterrupted, layout, mode, kills):
-    rng = random.Random(f"{layout}-{mode}")
+@pytest.mark.parametrize(("layout", "mode"), [("single", "sync"), ("single", "async"), ("fsdp2", "sync"),
+                                              ("fsdp2", "async")])
+def test_random_sigkills_during_saves_never_leave_a_bad_checkpoint(tmp_path, zygote, cache, uninterrupted, layout,
+                                                                   mode):
+    rng = random.Random(f"{SEED}-{layout}-{mode}")
     run_dir = tmp_path / "run"
-    root = run_dir / "checkpoints"
-    cmd = command(layout, run_dir, f"checkpoint.async={'true' if mode == 'async' else 'false'}")
-    ever_committed, newest, interrupted_saves = False, None, 0
-    for kill in range(kills):
-        context = f"{layout}/{mode} kill {kill}"
-        interrupted, output = kill_during_save(cmd, root, tmp_path / f"log-{kill}.txt", rng)
-        if newest is not None:  # the restart resumed from the newest committed checkpoint of the previous kill
-            assert f"resumed from {root / newest}" in output, f"{context}: {output[-2000:]}"
-        interrupted_saves += interrupted
-        found = check_disk(root, ever_committed, context)
-        ever_committed = ever_committed or bool(found)
-        newest = found[-1][1].name if found else None
-        if interrupted:  # what the kill left is reported and cleaned by the next start
-            left = [p.name for p in leftovers(root)]
-            assert left, context
-    print(f"{layout}/{mode}: {interrupted_saves} of {kills} kills interrupted a save")
-    # Many kills must land inside a save, or this test would prove little.
-    assert interrupted_saves >= kills // 3, f"only {interrupted_saves} of {kills} kills interrupted a save"
+    args = overrides(layout, run_dir, cache, save_mode(mode))
+    harness = Harness(layout, mode, args, run_dir / "checkpoints", [])
+    phases: collections.Counter = collections.Counter()
+    # Kill until KILLS_IN_SAVES kills have hit a save: a kill between two saves proves little.
+    while len(harness.history) - phases["between saves"] < KILLS_IN_SAVES:
+        assert len(harness.history) < 2 * KILLS_IN_SAVES, f"too few kills hit a save: {phases}\n{harness.context()}"
+        phases[harness.kill_once(zygote, rng, tmp_path / f"log-{len(harness.history)}")] += 1
+    print(f"\n{layout}/{mode}: {len(harness.history)} kills: " + ", ".join(f"{n} {p}" for p, n in phases.items()))
+    print("  " + "\n  ".join(harness.history))
 
-    proc = run(cmd)
+    # Started the ordinary way, the run finishes as if it had never been interrupted.
+    proc = run(command(layout, args))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not leftovers(root)
-    final = check_disk(root, True, f"{layout}/{mode} final")
-    assert [step for step, _ in final] == [MAX_STEPS]
-    # Exact resume through every kill: the same bytes as a run that was never interrupted.
+    harness.check_start(proc.stdout)
+    final = check_disk(harness.root, True, f"{harness.context()}\nafter the final run")
+    assert [step for step, _ in final] == [MAX_STEPS] and read_latest(harness.root) == final[0][1].name
+    assert not leftovers(harness.root) and verify_checkpoint(run_dir / "model") == []
     straight = uninterrupted(layout)
-    for name in sorted(p.relative_to(run_dir).as_posix() for p in (run_dir / "model").glob("*.safetensors")):
+    assert metrics(run_dir) == metrics(straight)
+    files = sorted(p.relative_to(run_dir).as_posix() for p in [*(run_dir / "model").glob("*.safetensors"),
+                                                                *final[0][1].rglob("*.safetensors")])
+    assert any("optimizer" in name for name in files)
+    for name in files:
         assert (run_dir / name).read_bytes() == (straight / name).read_bytes(), name
-    ours = final[0][1] / "train_state"
-    for path in sorted(ours.glob("optimizer*.safetensors")):
-        theirs = straight / "checkpoints" / final[0][1].name / "train_state" / path.name
-        assert path.read_bytes() == theirs.read_bytes(), path.name
 
+
+# ----- a full disk -----------------------------------------------------------------------------
 
 def limit_file_size(num_bytes: int):
     def apply() -> None:
@@ -156,39 +408,137 @@ def limit_file_size(num_bytes: int):
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory):
-    """Checkpoints at steps 1 and 2, and the run's tokenized data in a cache of its own."""
+def two_checkpoints(tmp_path_factory, cache):
+    """Checkpoints at steps 1 and 2."""
     run_dir = tmp_path_factory.mktemp("full") / "run"
-    proc = run(command("single", run_dir, "train.max_steps=2", "checkpoint.keep_last=2",
-                       f"data.cache_dir={run_dir / 'cache'}"))
+    proc = run(command("single", overrides("single", run_dir, cache, "train.max_steps=2", "checkpoint.keep_last=2")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_full_disk_stops_the_run_with_one_sentence_and_keeps_earlier_checkpoints(two_checkpoints, tmp_path, mode):
+def test_a_full_disk_stops_the_run_with_one_sentence_and_keeps_earlier_checkpoints(two_checkpoints, tmp_path, cache,
+                                                                                   mode):
     run_dir = tmp_path / "run"
     shutil.copytree(two_checkpoints, run_dir)
     root = run_dir / "checkpoints"
-    before = {path.name: verify_checkpoint(path) for _, path in committed(root)}
-    assert before == {"step-00000001": [], "step-00000002": []}
+    before = {path.name: path.stat().st_mtime_ns for _, path in committed(root)}
+    assert list(before) == ["step-00000001", "step-00000002"]
+    assert all(verify_checkpoint(root / name) == [] for name in before)
+    # The limit lies between the two big files of a save: model.safetensors still fits,
+    # train_state/optimizer.safetensors (Adam's two moments: twice the weights) does not.
+    model_bytes = (root / "step-00000002" / "model.safetensors").stat().st_size
     optimizer_bytes = (root / "step-00000002" / "train_state" / "optimizer.safetensors").stat().st_size
-    cmd = command("single", run_dir, "train.max_steps=4", "checkpoint.keep_last=2", f"data.cache_dir={run_dir / 'cache'}",
-                  f"checkpoint.async={'true' if mode == 'async' else 'false'}")
+    limit = (model_bytes + optimizer_bytes) // 2
+    assert model_bytes < limit < optimizer_bytes
+    model_manifest = (run_dir / "model" / "manifest.json").read_bytes()
+    args = overrides("single", run_dir, cache, "train.max_steps=4", "checkpoint.keep_last=2",
+                     save_mode(mode))
 
-    # Every file but the optimizer state fits: step 3's save fails halfway through its files.
-    proc = run(cmd, preexec_fn=limit_file_size(optimizer_bytes // 2))
+    proc = run(command("single", args), preexec_fn=limit_file_size(limit))
     assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    message = proc.stderr.strip().splitlines()[-1]
-    assert message.startswith("error: checkpoint step 3 was not saved: ") and "earlier checkpoints are intact" in message
-    assert "train_state/optimizer.safetensors (File too large)" in message, message
-    assert {path.name: verify_checkpoint(path) for _, path in committed(root)} == before
-    assert read_latest(root) == "step-00000002"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and proc.stderr.strip().endswith(errors[0]), proc.stderr  # one sentence, said once
+    failed = root / "step-00000003.tmp-"
+    assert errors[0].startswith("error: checkpoint step 3 was not saved: rank 0 could not write "), errors[0]
+    assert f"{failed}" in errors[0] and "/train_state/optimizer.safetensors (File too large)" in errors[0], errors[0]
+    assert errors[0].endswith("; free disk space or fix the path (earlier checkpoints are intact)"), errors[0]
+    assert f"resumed from {root / 'step-00000002'} at step 2 " in proc.stdout
+    # Nothing committed, nothing touched: the failed save removed its partial directory itself.
+    assert {path.name: path.stat().st_mtime_ns for _, path in committed(root)} == before
+    assert all(verify_checkpoint(root / name) == [] for name in before)
+    assert read_latest(root) == "step-00000002" and not leftovers(root)
+    assert (run_dir / "model" / "manifest.json").read_bytes() == model_manifest  # the earlier run's, untouched
 
-    proc = run(cmd)  # space again: the run picks up where it was
+    proc = run(command("single", args))  # space again: the run picks up where it was
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resumed from {root / 'step-00000002'} at step 2" in proc.stdout
+    assert f"resumed from {root / 'step-00000002'} at step 2 " in proc.stdout
+    assert "leftover" not in proc.stdout  # the failed save had removed its directory
     assert [path.name for _, path in committed(root)] == ["step-00000003", "step-00000004"]
     assert all(verify_checkpoint(path) == [] for _, path in committed(root)) and not leftovers(root)
+    assert [row[0] for row in metrics(run_dir)] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_the_final_model_names_it_and_keeps_the_previous_one(two_checkpoints, tmp_path, cache):
+    """A run whose steps are all done still writes model/ last, through the same commit."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run_dir)
+    root, model_dir = run_dir / "checkpoints", run_dir / "model"
+    before = {path.name: path.stat().st_mtime_ns for _, path in committed(root)}
+    model_manifest = (model_dir / "manifest.json").read_bytes()
+    args = overrides("single", run_dir, cache, "train.max_steps=2", "checkpoint.keep_last=2")
+
+    limit = (model_dir / "model.safetensors").stat().st_size // 2  # no step to save: the model file is the first
+    proc = run(command("single", args), preexec_fn=limit_file_size(limit))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and proc.stderr.strip().endswith(errors[0]), proc.stderr
+    assert errors[0].startswith(f"error: the model directory {model_dir} was not saved: rank 0 could not write "
+                                f"{run_dir}/model.tmp-"), errors[0]
+    assert errors[0].endswith("/model.safetensors (File too large); free disk space or fix the path (earlier "
+                              "checkpoints are intact)"), errors[0]
+    assert (model_dir / "manifest.json").read_bytes() == model_manifest and verify_checkpoint(model_dir) == []
+    assert {path.name: path.stat().st_mtime_ns for _, path in committed(root)} == before
+    assert not leftovers(run_dir) and not leftovers(root)
+
+    proc = run(command("single", args))  # space again
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {root / 'step-00000002'} at step 2 " in proc.stdout
+    assert verify_checkpoint(model_dir) == [] and not leftovers(run_dir)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints_on_two_ranks(tmp_path_factory, zygote, cache):
+    """Checkpoints at steps 1 and 2, saved by 2 FSDP2 ranks."""
+    run_dir = tmp_path_factory.mktemp("full-fsdp2") / "run"
+    args = overrides("fsdp2", run_dir, cache, "train.max_steps=2", "checkpoint.keep_last=2")
+    forked = run_forked(zygote, "fsdp2", args, run_dir.parent / "log")
+    assert forked.exit_codes() == [0, 0], forked.output()[-3000:]
+    return run_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "failing_rank"), [("sync", 0), ("sync", 1), ("async", 0), ("async", 1)])
+def test_a_full_disk_on_one_rank_stops_every_rank_with_the_same_sentence(two_checkpoints_on_two_ranks, tmp_path, zygote,
+                                                                         cache, mode, failing_rank):
+    """The rank whose write fails still takes part in every transfer: no rank hangs, none commits."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_checkpoints_on_two_ranks, run_dir)
+    root = run_dir / "checkpoints"
+    before = {path.name: path.stat().st_mtime_ns for _, path in committed(root)}
+    assert list(before) == ["step-00000001", "step-00000002"]
+    # Rank r writes model file r+1 and optimizer file r+1; only the latter is too big for the limit.
+    shard = f"{failing_rank + 1:05d}-of-00002.safetensors"
+    model_bytes = (root / "step-00000002" / f"model-{shard}").stat().st_size
+    optimizer_bytes = (root / "step-00000002" / "train_state" / f"optimizer-{shard}").stat().st_size
+    limit = (model_bytes + optimizer_bytes) // 2
+    assert model_bytes < limit < optimizer_bytes
+    args = overrides("fsdp2", run_dir, cache, "train.max_steps=4", "checkpoint.keep_last=2", save_mode(mode))
+
+    # A hang here would be a rank waiting for the one that failed.
+    forked = run_forked(zygote, "fsdp2", args, tmp_path / "log-full", max_file_bytes={failing_rank: limit})
+    assert forked.exit_codes() == [2, 2], forked.output()[-3000:]
+    for rank, path in enumerate(forked.logs):
+        text = path.read_text()
+        assert "Traceback" not in text, text[-3000:]
+        errors = [line for line in text.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1, text[-3000:]
+        prefix = "error: " if rank == 0 else f"[rank {rank}] error: "
+        assert errors[0].startswith(f"{prefix}checkpoint step 3 was not saved: rank {failing_rank} could not write "
+                                    f"{root}/step-00000003.tmp-"), errors[0]
+        assert errors[0].endswith(f"/train_state/optimizer-{shard} (File too large); free disk space or fix the "
+                                  "path (earlier checkpoints are intact)"), errors[0]
+    assert {path.name: path.stat().st_mtime_ns for _, path in committed(root)} == before
+    assert all(verify_checkpoint(root / name) == [] for name in before)
+    assert read_latest(root) == "step-00000002" and not leftovers(root)
+
+    forked = run_forked(zygote, "fsdp2", args, tmp_path / "log-resumed")  # space again
+    assert forked.exit_codes() == [0, 0], forked.output()[-3000:]
+    assert f"resumed from {root / 'step-00000002'} at step 2 " in forked.output()
+    assert "leftover" not in forked.output()  # the failed save had removed its directory
+    assert [path.name for _, path in committed(root)] == ["step-00000003", "step-00000004"]
+    assert all(verify_checkpoint(path) == [] for _, path in committed(root)) and not leftovers(root)
+    assert [row[0] for row in metrics(run_dir)] == [1, 2, 3, 4]

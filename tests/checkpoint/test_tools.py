@@ -10,20 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import isotrain_cli, torchrun
+from helpers import TINY_RUN, isotrain_cli, torchrun
 from isotrain.cli import main
 
-TINY = [
-    "model.config.hidden_size=64",
-    "model.config.intermediate_size=128",
-    "model.config.num_hidden_layers=2",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=4",
-    "train.max_steps=4",
-    "checkpoint.every_steps=2",
-    "logging.progress=false",
-    "eval.path=null",
-]
+TINY = [*TINY_RUN, "train.max_steps=4", "checkpoint.every_steps=2"]
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:

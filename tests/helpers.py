@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -29,6 +30,25 @@ TINY_RUN = [
     "logging.progress=false",
     "eval.path=null",
 ]
+
+# The metrics.jsonl fields that must match exactly between equivalent runs (timings excluded).
+COUNTED = ("step", "loss", "lr", "grad_norm", "tokens_seen", "trained_tokens", "samples_seen")
+
+
+def counted_metrics(run_dir) -> list[dict]:
+    """metrics.jsonl rows of a run, without the timings."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [{key: row[key] for key in COUNTED} for row in rows]
+
+
+def model_weights(directory) -> dict:
+    """Every model tensor of a Hugging Face directory, from its one or several safetensors files."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(Path(directory).glob("model*.safetensors")):
+        tensors.update(load_file(path))
+    return tensors
 
 
 def subprocess_env() -> dict:

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from isotrain.checkpoint.layout import (
     checkpoints_root,
     committed,
-    leftovers,
     remove_leftovers,
     set_aside_newer,
     write_latest,

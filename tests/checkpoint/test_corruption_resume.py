@@ -3,12 +3,11 @@ says so, a damaged `resume=PATH` is refused, and nothing on disk is deleted alon
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
 
-from helpers import TINY_RUN, isotrain_cli
+from helpers import TINY_RUN, counted_metrics, isotrain_cli
 from isotrain.checkpoint.manifest import verify_checkpoint
 
 TINY = [*TINY_RUN, "train.deterministic=true", "checkpoint.every_steps=2"]
@@ -18,13 +17,6 @@ def train(run_dir, *overrides: str):
     return isotrain_cli(["train", *TINY, f"output_dir={run_dir}", *overrides])
 
 
-COUNTED = ("step", "loss", "lr", "grad_norm", "tokens_seen", "trained_tokens", "samples_seen")
-
-
-def metrics(run_dir) -> list[dict]:
-    """metrics.jsonl without the timings."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{key: row[key] for key in COUNTED} for row in rows]
 
 
 def snapshot(run_dir) -> dict[str, bytes]:
@@ -66,8 +58,8 @@ def test_auto_resume_falls_back_to_the_previous_valid_checkpoint(reference, run_
     assert "trying the previous one" in output
     assert f"resumed from {root / 'step-00000002'} at step 2" in output
     # The run redoes steps 3 and 4 exactly as the first time, then goes on.
-    assert metrics(run_dir)[:4] == metrics(reference)
-    assert [row["step"] for row in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert counted_metrics(run_dir)[:4] == counted_metrics(reference)
+    assert [row["step"] for row in counted_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
 
     # The damaged checkpoint is kept aside, byte for byte; rotation (keep_last=1) never counted it.
     aside = list(root.glob("step-00000004.skipped-*"))

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TINY_RUN, subprocess_env
+from helpers import REPO, TINY_RUN, counted_metrics, subprocess_env
 from isotrain.checkpoint.layout import committed, leftovers, read_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -48,7 +48,6 @@ TINY = [*TINY_RUN, "train.deterministic=true", "checkpoint.every_steps=1", "chec
 KILLS_IN_SAVES = 10  # per layout and mode: 40 kills inside a save in all
 MAX_STEPS = 64  # a killed run gets at most 3 steps further, and there are at most 2 * KILLS_IN_SAVES of them
 LAYOUTS = {"single": (1, []), "fsdp2": (2, ["parallel.dp_replicate=1", "parallel.dp_shard=2"])}
-COUNTED = ("step", "loss", "lr", "grad_norm", "tokens_seen", "trained_tokens", "samples_seen")
 SEED = int(os.environ.get("ISOTRAIN_CRASH_SEED", "20260522"))  # every failure message names it
 
 
@@ -73,11 +72,6 @@ def command(layout: str, args: list[str]) -> list[str]:
 
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=600, **kwargs)
-
-
-def metrics(run_dir) -> list[list]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [[row[key] for key in COUNTED] for row in rows]
 
 
 # ----- runs forked from a process that has imported everything --------------------------------
@@ -389,7 +383,7 @@ def test_random_sigkills_during_saves_never_leave_a_bad_checkpoint(tmp_path, zyg
     assert [step for step, _ in final] == [MAX_STEPS] and read_latest(harness.root) == final[0][1].name
     assert not leftovers(harness.root) and verify_checkpoint(run_dir / "model") == []
     straight = uninterrupted(layout)
-    assert metrics(run_dir) == metrics(straight)
+    assert counted_metrics(run_dir) == counted_metrics(straight)
     files = sorted(p.relative_to(run_dir).as_posix() for p in [*(run_dir / "model").glob("*.safetensors"),
                                                                 *final[0][1].rglob("*.safetensors")])
     assert any("optimizer" in name for name in files)
@@ -458,7 +452,7 @@ def test_a_full_disk_stops_the_run_with_one_sentence_and_keeps_earlier_checkpoin
     assert "leftover" not in proc.stdout  # the failed save had removed its directory
     assert [path.name for _, path in committed(root)] == ["step-00000003", "step-00000004"]
     assert all(verify_checkpoint(path) == [] for _, path in committed(root)) and not leftovers(root)
-    assert [row[0] for row in metrics(run_dir)] == [1, 2, 3, 4]
+    assert [row["step"] for row in counted_metrics(run_dir)] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
@@ -541,4 +535,4 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_the_same_sentence(two_che
     assert "leftover" not in forked.output()  # the failed save had removed its directory
     assert [path.name for _, path in committed(root)] == ["step-00000003", "step-00000004"]
     assert all(verify_checkpoint(path) == [] for _, path in committed(root)) and not leftovers(root)
-    assert [row[0] for row in metrics(run_dir)] == [1, 2, 3, 4]
+    assert [row["step"] for row in counted_metrics(run_dir)] == [1, 2, 3, 4]

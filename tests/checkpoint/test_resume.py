@@ -11,9 +11,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from helpers import REPO, kill_tree, subprocess_env, torchrun
+from helpers import COUNTED, REPO, kill_tree, model_weights, subprocess_env, torchrun
 from isotrain.checkpoint.layout import write_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -35,7 +34,6 @@ LAYOUTS = {
     "fsdp4": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=4"]),
     "hsdp4": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=2"]),
 }
-COUNTED = ("step", "loss", "lr", "grad_norm", "tokens_seen", "trained_tokens", "samples_seen")
 
 
 def command(layout: str, run_dir) -> list[str]:
@@ -101,13 +99,6 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, layout):
     assert [[r[k] for k in COUNTED] for r in rows_a[8:]] == [[r[k] for k in COUNTED] for r in rows_b[8:]]
 
 
-def _weights(directory) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(directory.glob("model*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
-
-
 @pytest.fixture(scope="module")
 def fsdp2_reference(tmp_path_factory):
     """12 uninterrupted steps on 2 FSDP2 ranks, checkpoints at 4, 8 and 12."""
@@ -132,15 +123,15 @@ def test_resume_on_another_layout_continues_the_same_run(tmp_path, fsdp2_referen
         assert [r[key] for r in reference[8:]] == [r[key] for r in resumed[8:]], key
     for a, b in zip(reference[8:], resumed[8:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-    expected = _weights(fsdp2_reference / "checkpoints" / "step-00000012")
-    got = _weights(run_dir / "checkpoints" / "step-00000012")
+    expected = model_weights(fsdp2_reference / "checkpoints" / "step-00000012")
+    got = model_weights(run_dir / "checkpoints" / "step-00000012")
     assert expected.keys() == got.keys()
     for name in expected:
         scale = expected[name].abs().max().clamp_min(1e-12)
         assert ((got[name] - expected[name]).abs().max() / scale) <= 1e-6, name
 
 
-def test_load_only_model_starts_a_new_run_from_the_weights(tmp_path, fsdp2_reference):
+def test_load_only_model_starts_a_new_run_from_themodel_weights(tmp_path, fsdp2_reference):
     source = fsdp2_reference / "checkpoints" / "step-00000008"
     run_dir = tmp_path / "fresh"
     proc = torchrun(1, ["-m", "isotrain", "train", *TINY, "train.micro_batch_size=4", "train.max_steps=2",

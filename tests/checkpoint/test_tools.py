@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import TINY_RUN, isotrain_cli, torchrun
+from helpers import TINY_RUN, isotrain_cli, model_weights, torchrun
 from isotrain.cli import main
 
 TINY = [*TINY_RUN, "train.max_steps=4", "checkpoint.every_steps=2"]
@@ -133,13 +133,6 @@ def test_inspect_shows_tensors_and_the_layout_saved_from(checkpoint, capsys):
     assert f"{sum(t.numel() for t in weights.values()):,} parameters" in out
     for state in ("exp_avg", "exp_avg_sq", "step"):
         assert any(line.split()[1:2] == [state] for line in out.splitlines()), state
-
-
-def model_weights(directory) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for path in sorted(directory.glob("model*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
 
 
 @pytest.mark.slow

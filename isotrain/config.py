@@ -199,6 +199,100 @@ class CheckpointConfig(Section):
         return self
 
 
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class RLConfig(Section):
+    algorithm: Literal["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo", description="RL method; it sets the defaults of every rl field left unset (docs/rl.md lists them)."
+    )
+    prompts_per_step: int = Field(16, gt=0, description="P: prompts per rollout (one RL step), over all ranks.")
+    group_size: int = Field(8, gt=0, description="n: responses sampled per prompt; a rollout has P × n samples.")
+    mini_batch_prompts: int | None = Field(
+        None, gt=0,
+        description="M: prompts per optimizer step (M × n sequences); P / M optimizer steps per rollout and epoch. "
+        "Default: P (one optimizer step per rollout).",
+    )
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each rollout's mini-batches.")
+    clip_low: float | None = Field(None, ge=0, lt=1, description="PPO ratio clip below: 1 - clip_low. Default: preset.")
+    clip_high: float | None = Field(None, ge=0, description="PPO ratio clip above: 1 + clip_high (clip-higher). Default: preset.")
+    dual_clip: float | None = Field(
+        None, gt=1, description="Dual-clip constant c: the loss of a negative-advantage token is at most -A·c."
+    )
+    kl_coef: float | None = Field(None, ge=0, description="Weight of the KL to the frozen reference; 0 loads no reference. Default: preset.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (k3: exp(r) - r - 1, r = ref - logp).")
+    kl_in_reward: bool | None = Field(
+        None, description="Subtract kl_coef × KL from the token rewards instead of adding it to the loss. Default: preset."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus weight (subtracted from the loss).")
+    loss_agg: LossAgg | None = Field(
+        None, description="How token losses become the mini-batch loss, over all ranks and micro-batches. Default: preset."
+    )
+    norm_adv_by_std: bool | None = Field(None, description="GRPO: divide group-centred rewards by the group std. Default: preset.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of token-level returns (reinforce_pp).")
+    dynamic_sampling: bool | None = Field(
+        None, description="Drop groups whose rewards are all equal and generate more until P groups remain. Default: preset."
+    )
+    max_generation_rounds: int = Field(
+        4, gt=0, description="Dynamic sampling generates at most this many batches of P prompts per step."
+    )
+    overlong_buffer: int | None = Field(
+        None, ge=0, description="Soft overlong penalty: responses longer than max_new_tokens - buffer lose up to 1 "
+        "reward linearly; 0 disables. Default: preset.",
+    )
+    mask_truncated: bool = Field(False, description="Leave responses cut at max_new_tokens out of the loss.")
+    max_new_tokens: int = Field(16, gt=0, description="Response budget per sample.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts (log-probs use it too).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the rollouts.")
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance-sampling correction min(π_trainer/π_engine, cap) of each token; "
+        "off when null (the mismatch is logged either way).",
+    )
+    reward: str = Field(
+        "exact_match",
+        description="Reward: `exact_match`, `math` (`#### answer`), `boxed` (`\\boxed{}`), or `module:function` "
+        "called as f(prompt, completion, answer) -> float.",
+    )
+    format_pattern: str | None = Field(
+        None, description="Regex a completion must match in full; others get format_penalty instead of the reward."
+    )
+    format_penalty: float = Field(0.0, description="Reward of a completion that fails format_pattern.")
+    eval_every: int = Field(0, ge=0, description="Score the held-out prompts (eval.path) every this many steps; 0: at start and end only.")
+
+    @model_validator(mode="after")
+    def _apply_preset(self) -> RLConfig:
+        from isotrain.rl.presets import PRESETS
+
+        for name, value in PRESETS[self.algorithm].items():
+            if name in type(self).model_fields and getattr(self, name) is None:
+                object.__setattr__(self, name, value(self) if callable(value) else value)
+        return self
+
+    @property
+    def advantage(self) -> str:
+        from isotrain.rl.presets import PRESETS
+
+        return PRESETS[self.algorithm]["advantage"]
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "process"] = Field(
+        "hf",
+        description="`hf`: transformers generate in the trainer's process on its own copy of the weights; "
+        "`process`: the same in a separate process, weights synced after every update.",
+    )
+    batch_size: int = Field(64, gt=0, description="Sequences per generate call.")
+
+
+class LoraConfig(Section):
+    r: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight.")
+    alpha: int = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], description="Names of the linear modules that get adapters."
+    )
+
+
 class Config(Section):
     output_dir: str = Field("runs/default", description="Run directory: config, metrics, checkpoints, final model.")
     model: ModelConfig
@@ -209,6 +303,9 @@ class Config(Section):
     parallel: ParallelConfig = ParallelConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    rl: RLConfig = RLConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 def set_dotted(tree: dict, dotted_key: str, value: Any) -> None:

@@ -106,3 +106,91 @@ def plan_batches(cfg: Config, degrees: ParallelDegrees) -> BatchPlan:
         grad_accum_steps=global_bs // per_pass,
         samples_per_rank_per_step=global_bs // dp,
     )
+
+
+@dataclass(frozen=True)
+class RLBatchPlan:
+    """Sizes of one RL step (a rollout and the optimizer steps that learn from it).
+
+        samples per rollout         = P × n
+        optimizer steps per rollout = P / M × ppo_epochs
+        samples per optimizer step  = M × n               (the RL global batch)
+        GA steps per rank           = M × n / (DP × micro)
+    """
+
+    world_size: int
+    dp_size: int
+    prompts_per_step: int
+    group_size: int
+    samples_per_rollout: int
+    prompts_per_rank_per_rollout: int
+    mini_batch_prompts: int
+    ppo_epochs: int
+    optimizer_steps_per_rollout: int
+    samples_per_optimizer_step: int
+    micro_batch_size: int
+    grad_accum_steps: int
+
+    def as_rows(self) -> list[tuple[str, int]]:
+        return list(asdict(self).items())
+
+
+def _check_rl_global_batch(cfg: Config, samples_per_update: int) -> None:
+    # In RL the global batch is derived; a value set by hand that disagrees would mean something else silently.
+    if "global_batch_size" in cfg.train.model_fields_set and cfg.train.global_batch_size != samples_per_update:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not used by RL: the global batch is "
+            f"rl.mini_batch_prompts × rl.group_size = {samples_per_update} sequences; remove it or set it to "
+            f"{samples_per_update}"
+        )
+
+
+def plan_rl_batches(cfg: Config, degrees: ParallelDegrees) -> RLBatchPlan:
+    """Every RL size, or a ConfigError naming the fields and valid values (invariant 7)."""
+    from isotrain.rl.presets import GROUP_BASELINES
+
+    rl, dp, micro = cfg.rl, degrees.dp_size, cfg.train.micro_batch_size
+    prompts, group = rl.prompts_per_step, rl.group_size
+    mini = rl.mini_batch_prompts if rl.mini_batch_prompts is not None else prompts
+    if group == 1 and rl.advantage in GROUP_BASELINES:
+        raise ConfigError(
+            f"rl.group_size=1 gives every sample an advantage of 0 with rl.algorithm={rl.algorithm} (the baseline "
+            "is the group's own reward); use rl.group_size of 2 or more"
+        )
+    if prompts % dp:
+        options = [v for v in (prompts // dp * dp, prompts // dp * dp + dp) if v > 0]
+        raise ConfigError(
+            f"rl.prompts_per_step={prompts} cannot be split over {dp} data-parallel ranks (each rank generates whole "
+            f"groups); use rl.prompts_per_step in {options}"
+        )
+    if mini > prompts or prompts % mini:
+        raise ConfigError(
+            f"rl.mini_batch_prompts={mini} does not divide rl.prompts_per_step={prompts} into whole mini-batches; "
+            f"use rl.mini_batch_prompts in {divisors(prompts)}"
+        )
+    samples_per_update = mini * group
+    _check_rl_global_batch(cfg, samples_per_update)
+    if samples_per_update % (micro * dp):
+        per_rank_ok = samples_per_update % dp == 0
+        micro_options = divisors(samples_per_update // dp) if per_rank_ok else []
+        hint = (f"use train.micro_batch_size in {micro_options}" if micro_options else
+                f"use rl.mini_batch_prompts × rl.group_size divisible by the DP size {dp}")
+        raise ConfigError(
+            f"rl.mini_batch_prompts × rl.group_size = {mini} × {group} = {samples_per_update} sequences per optimizer "
+            f"step do not split into micro-batches of train.micro_batch_size={micro} on {dp} data-parallel ranks; "
+            f"{hint}"
+        )
+    return RLBatchPlan(
+        world_size=degrees.world_size,
+        dp_size=dp,
+        prompts_per_step=prompts,
+        group_size=group,
+        samples_per_rollout=prompts * group,
+        prompts_per_rank_per_rollout=prompts // dp,
+        mini_batch_prompts=mini,
+        ppo_epochs=rl.ppo_epochs,
+        optimizer_steps_per_rollout=prompts // mini * rl.ppo_epochs,
+        samples_per_optimizer_step=samples_per_update,
+        micro_batch_size=micro,
+        grad_accum_steps=samples_per_update // (micro * dp),
+    )

@@ -60,33 +60,49 @@ def _sync_context(model: nn.Module, is_last: bool):
     return contextlib.nullcontext()
 
 
+def _autocast(options: StepOptions, device: torch.device):
+    if options.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=options.autocast_dtype)
+
+
+def accumulate_gradients(model: nn.Module, micro_batches: list, loss_sum, denominator: float,
+                         options: StepOptions, device: torch.device) -> float:
+    """Backpropagate Σ_mb loss_sum(mb) / denominator; return the global value of that loss.
+
+    `loss_sum(mb, autocast)` gives one micro-batch's weighted token-loss sum (a scalar with grad),
+    running the model forward (only) inside `autocast`, so losses stay in fp32. The
+    denominator is already global (all-reduced over DP before any backward), so every micro-batch
+    backpropagates its exact share of the global loss and the summed gradient does not depend on
+    the split (invariant 1). SFT and RL differ only in `loss_sum` and in how they count.
+    """
+    denominator = max(denominator, 1)  # an all-masked global batch gives zero gradients, not NaN
+    local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, mb in enumerate(micro_batches):
+        with _sync_context(model, i == len(micro_batches) - 1):
+            weighted_sum = loss_sum(mb, _autocast(options, device))
+            (weighted_sum / denominator).backward()
+        local_loss_sum += weighted_sum.detach().double()
+    return float(all_reduce_sum(local_loss_sum, options.dp_group)) / denominator
+
+
 def forward_backward(
     model: nn.Module, micro_batches: list[dict], options: StepOptions, device: torch.device
 ) -> tuple[float, list[int]]:
     """Accumulate gradients of the global-batch loss; return (global loss, global counts)."""
     counts = global_counts(micro_batches, options.loss_reduction, device, options.dp_group)
-    # An all-masked global batch gives zero gradients rather than NaN.
-    denominator = max(counts[2], 1)
-    local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for i, mb in enumerate(micro_batches):
+
+    def loss_sum(mb: dict, autocast) -> torch.Tensor:
         labels = mb["labels"].to(device)
         weights, _ = loss_weights(labels, mb["segment_ids"].to(device), options.loss_reduction)
-        autocast = (
-            torch.autocast(device.type, dtype=options.autocast_dtype)
-            if options.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with _sync_context(model, i == len(micro_batches) - 1):
-            with autocast:
-                # use_cache=False: with a KV cache, transformers stops detecting packed documents.
-                logits = model(
-                    input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device), use_cache=False
-                ).logits
-            weighted_sum = (token_losses(logits, labels) * weights).sum()
-            (weighted_sum / denominator).backward()
-        local_loss_sum += weighted_sum.detach().double()
-    global_loss_sum = all_reduce_sum(local_loss_sum, options.dp_group)
-    return float(global_loss_sum) / denominator, counts
+        with autocast:
+            # use_cache=False: with a KV cache, transformers stops detecting packed documents.
+            logits = model(
+                input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device), use_cache=False
+            ).logits
+        return (token_losses(logits, labels) * weights).sum()
+
+    return accumulate_gradients(model, micro_batches, loss_sum, counts[2], options, device), counts
 
 
 def grad_norm_and_clip(parameters: list[nn.Parameter], max_norm: float) -> float:

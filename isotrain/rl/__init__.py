@@ -1,0 +1,1 @@
+"""Reinforcement-learning post-training: algorithms, rollout, rewards and the loop."""

@@ -35,15 +35,53 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_rl(args) -> int:
+    from isotrain.config import load_config
+    from isotrain.recipes import default_rl_recipe_path
+
+    path, overrides = _split_config_and_overrides(args)
+    cfg = load_config(path, overrides, default=default_rl_recipe_path())
+    if path is None:
+        _warm_start(cfg)
+    from isotrain.rl.loop import rl_train
+
+    rl_train(cfg)
+    return 0
+
+
+def _warm_start(cfg) -> None:
+    """The bundled RL example starts from a briefly trained SFT model; train it when it is absent."""
+    from pathlib import Path
+
+    from isotrain.config import load_config
+    from isotrain.errors import ConfigError
+    from isotrain.recipes import RL_WARM_START
+
+    model_dir, sft_overrides = RL_WARM_START
+    if cfg.model.name_or_path != model_dir or (Path(model_dir) / "config.json").is_file():
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"{model_dir} does not exist yet; run `isotrain rl` once on one process to train it, "
+                          "or set model.name_or_path to a model directory")
+    print(f"{model_dir} is absent: training it first with the bundled SFT recipe ({' '.join(sft_overrides)})")
+    from isotrain.train.loop import train
+
+    train(load_config(None, sft_overrides))
+
+
 def cmd_config_show(args) -> int:
     from isotrain.config import dump_config, load_config
-    from isotrain.sizes import plan_batches, resolve_degrees
+    from isotrain.sizes import pin_rl_global_batch, plan_batches, plan_rl_batches, resolve_degrees
 
     path, overrides = _split_config_and_overrides(args)
     cfg = load_config(path, overrides)
     world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
     degrees = resolve_degrees(cfg.parallel, world_size)
-    plan = plan_batches(cfg, degrees)
+    if "rl" in cfg.model_fields_set:  # an RL config: its global batch is derived from the rl section
+        plan = plan_rl_batches(cfg, degrees)
+        pin_rl_global_batch(cfg, plan)
+    else:
+        plan = plan_batches(cfg, degrees)
     print(dump_config(cfg), end="")
     print("# derived sizes")
     for name, value in [*vars(degrees).items(), *plan.as_rows()]:
@@ -59,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="pre-train or fine-tune a causal LM")
     _add_config_args(train)
     train.set_defaults(func=cmd_train)
+
+    rl = commands.add_parser("rl", help="RL post-training (GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++)")
+    _add_config_args(rl)
+    rl.set_defaults(func=cmd_rl)
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)

@@ -118,7 +118,9 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(
         8, gt=0, description="Sequences per rank per forward/backward; GA steps are derived from it."
     )
-    max_steps: int = Field(100, gt=0, description="Optimizer steps to run.")
+    max_steps: int = Field(
+        100, gt=0, description="Optimizer steps to run; for `isotrain rl`, RL steps (each a rollout and its updates)."
+    )
     seed: int = Field(0, description="Seed of model initialisation, data order and every RNG.")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
     schedule: Literal["constant", "linear", "cosine"] = Field(
@@ -387,15 +389,16 @@ def read_yaml(path: str | Path) -> dict:
     return tree
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a YAML config (or the bundled default when `path` is None) and apply `a.b=value` overrides.
+def load_config(path: str | Path | None, overrides: list[str] = (), default: Path | None = None) -> Config:
+    """Read a YAML config (or `default`, the bundled SFT recipe unless given, when `path` is None) and apply
+    `a.b=value` overrides.
 
     Relative paths resolve against the working directory, except in bundled recipes, whose data
     ships inside the package.
     """
     from isotrain.recipes import RECIPES_DIR, default_recipe_path, resolve_recipe_paths
 
-    source = Path(path) if path is not None else default_recipe_path()
+    source = Path(path) if path is not None else (default or default_recipe_path())
     tree = read_yaml(source)
     if source.resolve().parent == RECIPES_DIR.resolve():
         resolve_recipe_paths(tree)

@@ -163,18 +163,28 @@ def plan_rl_batches(cfg: Config, degrees: ParallelDegrees) -> RLBatchPlan:
             f"rl.prompts_per_step={prompts} cannot be split over {dp} data-parallel ranks (each rank generates whole "
             f"groups); use rl.prompts_per_step in {options}"
         )
-    if mini > prompts or prompts % mini:
+    # Mini-batch sizes that satisfy every later check too, so a suggestion is never rejected next.
+    valid_minis = [m for m in divisors(prompts) if (m * group) % (micro * dp) == 0]
+    if mini > prompts:
+        raise ConfigError(
+            f"rl.mini_batch_prompts={mini} is larger than rl.prompts_per_step={prompts}; "
+            f"use rl.mini_batch_prompts in {valid_minis or divisors(prompts)}"
+        )
+    if prompts % mini:
         raise ConfigError(
             f"rl.mini_batch_prompts={mini} does not divide rl.prompts_per_step={prompts} into whole mini-batches; "
-            f"use rl.mini_batch_prompts in {divisors(prompts)}"
+            f"use rl.mini_batch_prompts in {valid_minis or divisors(prompts)}"
         )
     samples_per_update = mini * group
     _check_rl_global_batch(cfg, samples_per_update)
     if samples_per_update % (micro * dp):
-        per_rank_ok = samples_per_update % dp == 0
-        micro_options = divisors(samples_per_update // dp) if per_rank_ok else []
-        hint = (f"use train.micro_batch_size in {micro_options}" if micro_options else
-                f"use rl.mini_batch_prompts × rl.group_size divisible by the DP size {dp}")
+        micro_options = divisors(samples_per_update // dp) if samples_per_update % dp == 0 else []
+        if micro_options:
+            hint = f"use train.micro_batch_size in {micro_options}"
+        elif valid_minis:
+            hint = f"use rl.mini_batch_prompts in {valid_minis}"
+        else:
+            hint = f"use rl.group_size × rl.mini_batch_prompts divisible by the DP size {dp}"
         raise ConfigError(
             f"rl.mini_batch_prompts × rl.group_size = {mini} × {group} = {samples_per_update} sequences per optimizer "
             f"step do not split into micro-batches of train.micro_batch_size={micro} on {dp} data-parallel ranks; "
@@ -194,3 +204,8 @@ def plan_rl_batches(cfg: Config, degrees: ParallelDegrees) -> RLBatchPlan:
         micro_batch_size=micro,
         grad_accum_steps=samples_per_update // (micro * dp),
     )
+
+
+def pin_rl_global_batch(cfg: Config, plan: RLBatchPlan) -> None:
+    """Write the derived RL global batch into the config, so the saved config.yaml plans the same sizes again."""
+    cfg.train.global_batch_size = plan.samples_per_optimizer_step

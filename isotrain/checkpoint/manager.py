@@ -94,6 +94,8 @@ class CheckpointManager:
         self.run_id = _broadcast(uuid.uuid4().hex[:12], rank, self.group)
         self.static = static_files(model, tokenizer, self.save_dtype) if rank == 0 else {}
         self.extra_state: dict = {}  # set by the loop: sampler, scheduler, fingerprints
+        self.counter_keys: tuple[str, ...] = ("tokens_seen", "trained_tokens", "samples_seen")
+        self.batch_field = "train.global_batch_size"  # the setting behind the sampler's batch size
         self.last_saved_step: int | None = None
         self.blocked_s = 0.0  # time the loop spent waiting on saves
         self._thread: threading.Thread | None = None
@@ -160,6 +162,10 @@ class CheckpointManager:
             state = reader.state()
             weights_only = self.cfg.checkpoint.load_only == "model"
             if not weights_only:
+                missing = [key for key in self.counter_keys if key not in state]
+                if missing:  # e.g. an SFT checkpoint given to an RL run
+                    raise CheckpointError(f"checkpoint {choice} was saved by another kind of run (no {missing[0]} "
+                                          "counter); set checkpoint.load_only=model to start from its weights only")
                 self._check_compatible(reader.directory, state)
             load_model(reader, self.model, self.rank)
             if weights_only:
@@ -179,7 +185,7 @@ class CheckpointManager:
         self.last_saved_step = state["step"]
         self.log(f"resumed from {choice} at step {state['step']} (saved on {state['layout']['world_size']} "
                  f"rank(s), now {self.world_size})")
-        counters = {key: state[key] for key in ("tokens_seen", "trained_tokens", "samples_seen")}
+        counters = {key: state[key] for key in self.counter_keys}
         return Resumed(Path(choice), state["step"], counters, False)
 
     def _check_compatible(self, directory: Path, state: dict) -> None:
@@ -187,7 +193,7 @@ class CheckpointManager:
         saved_sampler, sampler = state["sampler"], self.extra_state["sampler"]
         checks = [
             ("global_batch_size", saved_sampler["global_batch_size"], sampler["global_batch_size"],
-             "train.global_batch_size"),
+             self.batch_field),
             ("seed", saved_sampler["seed"], sampler["seed"], "train.seed"),
             ("data", (saved_sampler["num_samples"], state["data_fingerprint"]),
              (sampler["num_samples"], self.extra_state["data_fingerprint"]), "data (data.path or its settings)"),

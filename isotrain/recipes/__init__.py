@@ -11,6 +11,16 @@ def default_recipe_path() -> Path:
     return RECIPES_DIR / "default.yaml"
 
 
+def default_rl_recipe_path() -> Path:
+    return RECIPES_DIR / "rl_default.yaml"
+
+
+# The bundled RL example starts from the bundled SFT recipe stopped early, while the model still
+# gets most sums wrong, so that RL has something to improve: (model directory, SFT overrides).
+RL_WARM_START = ("runs/rl-default/sft/model",
+                 ["output_dir=runs/rl-default/sft", "train.max_steps=300", "checkpoint.every_steps=0"])
+
+
 def resolve_recipe_paths(tree: dict) -> None:
     """Bundled recipes name their data relative to this package, so they run from any directory."""
     for section, key in (("data", "path"), ("eval", "path")):

@@ -31,7 +31,7 @@ from isotrain.train.evaluate import exact_match
 from isotrain.train.metrics import MetricsWriter, ProgressBar, flops_per_token, peak_tflops
 from isotrain.train.schedule import lr_at
 from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer, seed_everything
-from isotrain.train.step import StepOptions, train_step
+from isotrain.train.step import step_options, train_step
 from isotrain.train.stop import GracefulStop
 
 
@@ -64,12 +64,6 @@ def plan_table(plan: BatchPlan, degrees) -> Table:
     for name, value in [*vars(degrees).items(), *plan.as_rows()]:
         table.add_row(name, str(value))
     return table
-
-
-def _step_options(cfg: Config, degrees) -> StepOptions:
-    # FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16.
-    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and degrees.dp_shard == 1 else None
-    return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast)
 
 
 def _metrics_row(cfg, counters: Counters, result, lr: float, step_s: float, flops_tok: float, peak) -> dict:
@@ -110,7 +104,7 @@ def run_steps(cfg, info, plan, run: Run, pad_id, writer, console, counters: Coun
     """Steps counters.step .. max_steps - 1; saves checkpoints when due and stops early on SIGTERM/SIGINT.
 
     Returns the last loss and the name of the signal that stopped the run early, if any."""
-    options = _step_options(cfg, resolve_degrees(cfg.parallel, info.world_size))
+    options = step_options(cfg, resolve_degrees(cfg.parallel, info.world_size))
     base = getattr(run.model, "module", run.model).config
     world_peak = peak_tflops(cfg.train.peak_tflops, info.device)
     world_peak = world_peak * info.world_size if world_peak else None

@@ -40,6 +40,12 @@ class StepOptions:
     dp_group: object = None
 
 
+def step_options(cfg, degrees) -> StepOptions:
+    """The step settings of a run: FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16."""
+    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and degrees.dp_shard == 1 else None
+    return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast)
+
+
 def global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> list[int]:
     """[input tokens, trained tokens, loss denominator, samples] summed over micro-batches and DP ranks."""
     local = [0, 0, 0, 0]

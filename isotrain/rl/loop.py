@@ -1,0 +1,315 @@
+"""The RL post-training loop, top to bottom.
+
+set up (every size checked first) -> build the policy, its engine copy and the frozen reference ->
+resume -> for each RL step: generate and score a rollout (generate.py) -> trainer log-probs ->
+advantages and optimizer steps (update.py) -> sync the new weights to the engine -> metrics and
+checkpoints -> final model and held-out evaluation.
+
+It shares with SFT the config tree, tokenizer and model set-up, the globally normalised gradient
+step, the optimizer step, metrics, graceful stop and the checkpoint manager.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from rich.console import Console
+
+from isotrain.checkpoint.files import atomic_write_text
+from isotrain.checkpoint.manager import MODEL_DIR, CheckpointManager
+from isotrain.config import Config, dump_config
+from isotrain.data.cache import tokenizer_fingerprint
+from isotrain.errors import ConfigError
+from isotrain.models.loading import build_model, count_parameters
+from isotrain.parallel.apply import parallelize
+from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
+from isotrain.parallel.mesh import build_mesh
+from isotrain.rl.experience import all_gather_lists, response_logprobs
+from isotrain.rl.generate import collect, evaluate
+from isotrain.rl.prompts import PromptSet, PromptStream, read_prompts
+from isotrain.rl.rewards import format_gated, load_reward
+from isotrain.rl.update import UpdateTotals, advantages, run_updates, step_options
+from isotrain.rl.weights import sync_named_tensors
+from isotrain.sizes import pin_rl_global_batch, plan_rl_batches, resolve_degrees
+from isotrain.train.loop import plan_table
+from isotrain.train.metrics import MetricsWriter, ProgressBar
+from isotrain.train.optim import build_optimizer
+from isotrain.train.schedule import lr_at
+from isotrain.train.setup import prepare_tokenizer, seed_everything
+from isotrain.train.stop import GracefulStop
+
+RL_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen", "prompt_rounds", "optimizer_steps")
+
+
+@dataclass
+class RLResult:
+    output_dir: Path
+    model_dir: Path | None
+    counters: dict
+    accuracy_before: float | None = None
+    accuracy_after: float | None = None
+    stopped: bool = False
+    model: object = None  # the trained module, single-process runs only
+
+
+def make_engine(cfg: Config, plain_model, tokenizer, output_dir: Path):
+    """The rollout engine, holding its own copy of the weights (synced after every update)."""
+    if cfg.rollout.engine == "process":
+        from isotrain.rl.engine_process import ProcessEngine
+
+        # The child process starts from the config and tokenizer files only; weights come by update_weights.
+        tokenizer_dir = output_dir / "engine_tokenizer"
+        tokenizer.save_pretrained(tokenizer_dir)
+        return ProcessEngine(plain_model.config, tokenizer_dir, seed=cfg.train.seed, batch_size=cfg.rollout.batch_size,
+                             num_threads=torch.get_num_threads())
+    from isotrain.rl.rollout import HFEngine
+
+    return HFEngine(plain_model, tokenizer, batch_size=cfg.rollout.batch_size)
+
+
+def _reward_fn(cfg: Config):
+    fn = load_reward(cfg.rl.reward)
+    return format_gated(fn, cfg.rl.format_pattern, cfg.rl.format_penalty) if cfg.rl.format_pattern else fn
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _start_fingerprint(cfg: Config) -> str:
+    """What the frozen reference is rebuilt from on resume: the starting weights' files, or the seeded config."""
+    if cfg.model.name_or_path is None:
+        return hashlib.sha256(json.dumps([cfg.model.config, cfg.train.seed], sort_keys=True).encode()).hexdigest()
+    files = sorted(Path(cfg.model.name_or_path).glob("model*.safetensors"))
+    return hashlib.sha256("".join(_file_sha256(str(f)) for f in files).encode()).hexdigest()
+
+
+def build_policy(cfg: Config, info: DistInfo, tokenizer, degrees):
+    """Policy (parallelised), a plain copy for the engine and the frozen reference (when KL is used).
+
+    The copies are taken before parallelising: the engine needs whole weights, and so does the reference.
+    """
+    model = build_model(cfg.model, tokenizer, cfg.train.seed).to(info.device)
+    engine_copy = copy.deepcopy(model)
+    reference = None
+    if cfg.rl.kl_coef > 0:
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    mesh = build_mesh(degrees, info.device)
+    model = parallelize(model, mesh, degrees, torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
+    return model, build_optimizer(model, cfg.train), engine_copy, reference
+
+
+def rl_train(cfg: Config, console: Console | None = None) -> RLResult:
+    info = init_distributed()
+    console = console or Console(stderr=False)
+    try:
+        return _rl(cfg, info, console)
+    finally:
+        shutdown_distributed()
+
+
+def _evaluate(cfg, info, engine, tokenizer, held_out: PromptSet | None, reward_fn, log, when: str) -> float | None:
+    if held_out is None:
+        return None
+    value = None
+    if info.is_main:
+        value = evaluate(engine, tokenizer, held_out, reward_fn, cfg.eval.max_new_tokens)
+        what = "exact-match accuracy" if cfg.rl.reward == "exact_match" else "mean greedy reward"
+        log(f"{when}: {what} on {len(held_out.prompts)} held-out prompts: {value:.1%}")
+    barrier()
+    return value
+
+
+def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
+    log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
+    degrees = resolve_degrees(cfg.parallel, info.world_size)
+    plan = plan_rl_batches(cfg, degrees)  # invariant 7: every size checked before any work
+    pin_rl_global_batch(cfg, plan)
+    reward_fn = _reward_fn(cfg)
+    output_dir = Path(cfg.output_dir)
+    if info.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        console.print(plan_table(plan, degrees))
+    barrier()
+    seed_everything(cfg.train.seed, cfg.train.deterministic)
+    tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
+    prompts = read_prompts(cfg.data.path)
+    held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples) if cfg.eval.path else None
+    stream = PromptStream(len(prompts.prompts), plan.prompts_per_step, cfg.train.seed)
+    model, optimizer, engine_copy, reference = build_policy(cfg, info, tokenizer, degrees)
+    log(f"policy: {count_parameters(model):,} parameters; {len(prompts.prompts)} prompts"
+        + (f" ({prompts.num_skipped} malformed rows skipped)" if prompts.num_skipped else "")
+        + ("; frozen reference for the KL" if reference is not None else ""))
+    checkpoints = CheckpointManager(cfg, info.rank, info.world_size, {"world_size": info.world_size, **vars(degrees)},
+                                    model, optimizer, tokenizer, log)
+    checkpoints.counter_keys = RL_COUNTERS
+    checkpoints.batch_field = "rl.prompts_per_step"
+    checkpoints.extra_state = {
+        "sampler": stream.state_dict(),
+        "schedule": {k: getattr(cfg.train, k) for k in ("lr", "schedule", "warmup_steps", "max_steps", "min_lr_ratio")},
+        "data_fingerprint": _file_sha256(cfg.data.path),
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "start_model_sha256": _start_fingerprint(cfg),
+    }
+    checkpoints.clean_leftovers()
+    resumed = checkpoints.resume()
+    _check_reference(cfg, resumed, checkpoints.extra_state["start_model_sha256"])
+    counters = {"step": 0, **{k: 0 for k in RL_COUNTERS}}
+    if resumed is not None and not resumed.weights_only:
+        counters = {"step": resumed.step, **resumed.counters}
+    if info.is_main:
+        atomic_write_text(output_dir / "config.yaml", dump_config(cfg))
+    engine = make_engine(cfg, engine_copy, tokenizer, output_dir)
+    del engine_copy
+    try:
+        engine.update_weights(sync_named_tensors(model))  # the resumed weights, or a no-op copy
+        before = _evaluate(cfg, info, engine, tokenizer, held_out, reward_fn, log, "before RL")
+        ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=info.rank // degrees.tp, device=info.device,
+                              options=step_options(cfg, degrees), pad_id=tokenizer.pad_token_id,
+                              before_update=checkpoints.before_update, reward_fn=reward_fn, tokenizer=tokenizer,
+                              prompts=prompts, stream=stream, reference=reference, engine=engine, info=info,
+                              held_out=held_out, log=log)
+        writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=counters["step"])
+        try:
+            stopped_by = run_rl_steps(ctx, model, optimizer, checkpoints, writer, console, counters)
+            checkpoints.wait()
+        finally:
+            writer.close()
+        if stopped_by is not None:
+            log(f"{stopped_by} received: stopped after step {counters['step']}; run again to resume")
+            return RLResult(output_dir, None, counters, before, stopped=True)
+        model_dir = checkpoints.save_model(output_dir / MODEL_DIR)
+        after = _evaluate(cfg, info, engine, tokenizer, held_out, reward_fn, log, "after RL")
+    finally:
+        engine.close()
+    log(f"wrote {output_dir}: config.yaml, metrics.jsonl ({counters['step']} steps), model/")
+    plain = model if not info.is_distributed else None
+    return RLResult(output_dir, model_dir, counters, before, after, model=plain)
+
+
+def _check_reference(cfg: Config, resumed, fingerprint: str) -> None:
+    """The frozen reference is rebuilt from the starting model: refuse a resume whose start has changed."""
+    if resumed is None or resumed.weights_only or cfg.rl.kl_coef == 0:
+        return
+    state = json.loads((resumed.path / "train_state" / "state.json").read_text())
+    saved = state.get("start_model_sha256")
+    if saved is not None and saved != fingerprint:
+        raise ConfigError(
+            f"the starting model {cfg.model.name_or_path or 'model.config'} differs from the one checkpoint "
+            f"{resumed.path} started from, so the KL reference would change; restore it or start a new output_dir"
+        )
+
+
+def _trainer_logprobs(ctx, model, batch) -> tuple[list | None, list | None, float]:
+    """Old (pre-update) and reference log-probs of every sample: each rank scores its own slice, then all share."""
+    rl, plan = ctx.cfg.rl, ctx.plan
+    start = time.perf_counter()
+    per_rank = len(batch) // plan.dp_size
+    mine = batch.select(range(ctx.rank * per_rank, (ctx.rank + 1) * per_rank))
+    # On-policy shortcut: with one optimizer step per rollout the old policy is the current one.
+    need_old = plan.optimizer_steps_per_rollout > 1 or (rl.kl_coef > 0 and rl.kl_in_reward)
+    score = functools.partial(response_logprobs, batch=mine, pad_id=ctx.pad_id,
+                              micro_batch_size=plan.micro_batch_size, temperature=rl.temperature,
+                              device=ctx.device, autocast_dtype=ctx.options.autocast_dtype)
+    old = all_gather_lists(score(model)) if need_old else None
+    ref = all_gather_lists(score(ctx.reference)) if ctx.reference is not None else None
+    return old, ref, time.perf_counter() - start
+
+
+def rl_step(ctx, model, optimizer, counters: dict) -> dict:
+    """One RL step: rollout, log-probs, advantages, updates, weight sync; returns its metrics row."""
+    cfg, rl, plan = ctx.cfg, ctx.cfg.rl, ctx.plan
+    start = time.perf_counter()
+    batch, rounds = collect(ctx.engine, ctx.tokenizer, ctx.prompts, ctx.stream, counters["prompt_rounds"], rl,
+                            ctx.reward_fn, cfg.train.seed, ctx.rank, plan.dp_size)
+    generate_s = time.perf_counter() - start
+    old, ref, logprob_s = _trainer_logprobs(ctx, model, batch)
+    per_token = {"advantages": advantages(batch, rl, old, ref), "old_logprobs": old, "ref_logprobs": ref,
+                 "engine_logprobs": batch.engine_logprobs}
+    total_updates = cfg.train.max_steps * plan.optimizer_steps_per_rollout
+    first = counters["optimizer_steps"]
+
+    def lr_of(k: int) -> float:
+        return lr_at(first + k, lr=cfg.train.lr, schedule=cfg.train.schedule, warmup_steps=cfg.train.warmup_steps,
+                     max_steps=total_updates, min_lr_ratio=cfg.train.min_lr_ratio)
+
+    update_start = time.perf_counter()
+    totals = run_updates(model, optimizer, batch, per_token, ctx, counters["step"], lr_of)
+    update_s = time.perf_counter() - update_start
+    sync_start = time.perf_counter()
+    ctx.engine.update_weights(sync_named_tensors(model))
+    sync_s = time.perf_counter() - sync_start
+    counters["step"] += 1
+    counters["prompt_rounds"] += rounds.rounds
+    counters["optimizer_steps"] += totals.num_updates
+    counters["tokens_seen"] += totals.input_tokens
+    counters["trained_tokens"] += int(totals.stats[0])
+    counters["samples_seen"] += totals.samples
+    return _metrics_row(counters, batch, rounds, totals, time.perf_counter() - start,
+                        {"generate_s": generate_s, "logprob_s": logprob_s, "update_s": update_s, "sync_s": sync_s})
+
+
+def _metrics_row(counters: dict, batch, rounds, totals: UpdateTotals, step_s: float, timings: dict) -> dict:
+    rewards = torch.tensor(batch.rewards, dtype=torch.float64)
+    return {
+        "step": counters["step"],
+        "loss": totals.loss_sum / totals.num_updates,
+        "lr": totals.lr,
+        "grad_norm": totals.grad_norm_sum / totals.num_updates,
+        **{k: counters[k] for k in ("tokens_seen", "trained_tokens", "samples_seen")},
+        "tokens_per_s": totals.input_tokens / step_s,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "score_mean": sum(batch.scores) / len(batch.scores),
+        "response_len_mean": sum(len(r) for r in batch.response_ids) / len(batch),
+        "truncated_frac": sum(batch.truncated) / len(batch),
+        "kl": totals.stat("kl"),
+        "clip_frac": totals.stat("clipped"),
+        "entropy": totals.stat("entropy"),
+        "pg_loss": totals.stat("pg_loss"),
+        "logprob_diff": totals.stat("logprob_diff"),
+        "filtered_groups": rounds.filtered_groups,
+        "filler_groups": rounds.filler_groups,
+        "generation_rounds": rounds.rounds,
+        "reward_errors": rounds.reward_errors,
+        "optimizer_steps": counters["optimizer_steps"],
+        "step_s": step_s,
+        **timings,
+    }
+
+
+def run_rl_steps(ctx, model, optimizer, checkpoints, writer, console, counters: dict) -> str | None:
+    cfg, info = ctx.cfg, ctx.info
+    enabled = info.is_main and cfg.logging.progress
+    with GracefulStop() as stop, ProgressBar(cfg.train.max_steps, enabled, console, counters["step"]) as bar:
+        for _ in range(counters["step"], cfg.train.max_steps):
+            row = rl_step(ctx, model, optimizer, counters)
+            if cfg.rl.eval_every and row["step"] % cfg.rl.eval_every == 0 and row["step"] < cfg.train.max_steps:
+                row["eval_reward"] = _evaluate(cfg, info, ctx.engine, ctx.tokenizer, ctx.held_out, ctx.reward_fn,
+                                               ctx.log, f"step {row['step']}")
+            if row["reward_errors"] and info.is_main:
+                ctx.log(f"[yellow]step {row['step']}: the reward function failed on {row['reward_errors']} "
+                        f"sample(s), scored 0[/]")
+            if row["step"] % cfg.train.log_every == 0 or row["step"] == cfg.train.max_steps:
+                writer.write(row)
+            bar.update(row["step"], row["loss"], row["tokens_per_s"])
+            stopping = stop.requested(info.device)
+            every = cfg.checkpoint.every_steps
+            if (every > 0 and (row["step"] % every == 0 or row["step"] == cfg.train.max_steps)) or \
+                    (stopping and every > 0):
+                checkpoints.save(row["step"], {k: counters[k] for k in RL_COUNTERS})
+            if stopping:
+                return stop.signal_name or "a signal on another rank"
+    return None

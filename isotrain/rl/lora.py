@@ -1,0 +1,94 @@
+"""LoRA via peft: adapters on the trainer's model, the frozen base as the KL reference, merged sync.
+
+With LoRA the reference policy of the KL term needs no second model: disabling the adapters
+turns the trained model back into the frozen base, W x instead of (W + scale * B A) x.
+peft is an optional dependency, imported inside each function that needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from isotrain.errors import ConfigError
+from isotrain.rl.weights import sync_named_tensors
+
+
+def _import_peft():
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("LoRA (lora.r) needs the peft package; install it with: pip install peft") from None
+    return peft
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Last name component of every nn.Linear in `model` (q_proj, k_proj, ..., lm_head), sorted."""
+    return sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
+
+
+def apply_lora(model: nn.Module, r: int, alpha: int, target_modules: list[str], dropout: float = 0.0):
+    """A peft `PeftModel` with LoRA adapters (rank r, scale alpha / r) on the named linear layers.
+
+    Only the adapters train; the base weights are frozen. A target name must equal a linear
+    module's full name or its last component(s) (peft's rule), e.g. "q_proj".
+    """
+    peft = _import_peft()
+    if r < 1:
+        raise ConfigError(f"lora.r={r} must be a positive rank, e.g. 8")
+    if not target_modules:
+        raise ConfigError(f"lora.target_modules is empty; choose from {linear_module_names(model)}")
+    linear_names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for target in target_modules:
+        if not any(name == target or name.endswith("." + target) for name in linear_names):
+            raise ConfigError(
+                f"lora.target_modules entry {target!r} matches no linear layer of the model; "
+                f"available linear module names: {', '.join(linear_module_names(model))}"
+            )
+    config = peft.LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=list(target_modules),
+        lora_dropout=dropout,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, config)
+
+
+def _peft_model(model: nn.Module):
+    model = getattr(model, "module", model)  # DDP
+    if not hasattr(model, "disable_adapter"):
+        raise TypeError(f"{type(model).__name__} has no LoRA adapters; build it with apply_lora")
+    return model
+
+
+@contextlib.contextmanager
+def reference_logits_context(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block the model computes the frozen reference policy (adapters disabled).
+
+    No second copy of the model exists: the same parameters serve policy and reference.
+    """
+    peft_model = _peft_model(model)
+    with peft_model.disable_adapter():
+        yield model
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain causal LM's weights with W + scale * B @ A merged, by Hugging Face name (fp32, CPU)."""
+    return dict(sync_named_tensors(model))
+
+
+def save_adapter(model: nn.Module, directory: str | Path) -> Path:
+    """The adapter alone (adapter_config.json + adapter_model.safetensors), loadable by peft.
+
+    Single-process models only: under FSDP2 gather or merge the weights first.
+    """
+    _import_peft()
+    directory = Path(directory)
+    _peft_model(model).save_pretrained(str(directory))
+    return directory

@@ -1,0 +1,86 @@
+"""The RL loss of one micro-batch, and the token statistics logged with it.
+
+Per response token t (all algorithms; terms switched off by their settings):
+
+    ℓ_t = w_IS,t · policy_loss_t(ratio, A_t) + kl_coef · KL_t − entropy_coef · H_t
+
+and the mini-batch loss is Σ_{ranks, micro-batches} Σ_t a_t ℓ_t / D, where (a_t, D) come from
+`aggregation_weights` for `rl.loss_agg` and D is summed over every rank and micro-batch *before*
+any backward — the same global normalisation as SFT, so the loss and gradient of every
+aggregation mode do not depend on the DP size or the micro-batch size (invariant 1).
+Logged statistics are token sums over the same global mini-batch, divided once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from isotrain.config import RLConfig
+from isotrain.rl.algos import (
+    aggregation_weights,
+    entropy_from_logits,
+    kl_penalty,
+    policy_loss,
+    token_logprobs,
+    truncated_is_weights,
+)
+
+# Token sums all-reduced with every mini-batch; divided by "tokens" when logged.
+STAT_NAMES = ("tokens", "pg_loss", "clipped", "kl", "entropy", "logprob_diff")
+
+
+@dataclass(frozen=True)
+class RLObjective:
+    rl: RLConfig
+
+    @property
+    def norm_length(self) -> int:
+        return self.rl.max_new_tokens
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.rl.kl_coef > 0 and not self.rl.kl_in_reward
+
+    def denominator(self, mb: dict) -> float:
+        return aggregation_weights(mb["mask"], self.rl.loss_agg, self.norm_length)[1]
+
+    def loss_sum(self, model, mb: dict, autocast, device: torch.device, stats: torch.Tensor) -> torch.Tensor:
+        """Σ_t a_t ℓ_t of one micro-batch; adds its token statistics into `stats` (float64, STAT_NAMES order)."""
+        rl = self.rl
+        mask = mb["mask"].to(device)
+        weights, _ = aggregation_weights(mask, rl.loss_agg, self.norm_length)
+        with autocast:
+            logits = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
+                           use_cache=False).logits
+        logits = logits.float() / rl.temperature
+        logp = token_logprobs(logits, mb["targets"].to(device))
+        # On-policy (one optimizer step per rollout): the old policy is the current one, ratio = 1.
+        old = mb["old_logprobs"].to(device) if mb.get("old_logprobs") is not None else logp.detach()
+        engine = mb["engine_logprobs"].to(device)
+        pg, clipped = policy_loss(logp, old, mb["advantages"].to(device), rl.clip_low, rl.clip_high, rl.dual_clip)
+        if rl.tis_cap is not None:
+            pg = pg * truncated_is_weights(old, engine, mask, rl.tis_cap)
+        loss = pg
+        kl = torch.zeros_like(logp)
+        if mb.get("ref_logprobs") is not None:
+            kl = kl_penalty(logp, mb["ref_logprobs"].to(device), rl.kl_estimator)
+            if self.kl_in_loss:
+                loss = loss + rl.kl_coef * kl
+        entropy_needed = rl.entropy_coef > 0
+        with torch.set_grad_enabled(entropy_needed and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_needed else logits.detach())
+        if entropy_needed:
+            loss = loss - rl.entropy_coef * entropy
+        on = mask > 0
+        with torch.no_grad():  # summed in fp64: the GRPO loss cancels to ~0, so fp32 sums would be noise
+            stats += torch.stack([
+                on.sum().double(),
+                torch.where(on, pg, 0.0).double().sum(),
+                (clipped & on).sum().double(),
+                torch.where(on, kl, 0.0).double().sum(),
+                torch.where(on, entropy, 0.0).double().sum(),
+                torch.where(on, (old - engine).abs(), 0.0).double().sum(),
+            ])
+        return torch.where(on, loss * weights, 0.0).sum()

@@ -1,0 +1,46 @@
+"""The prompt stream of an RL run: which prompts generation round k draws.
+
+Round k draws the k-th batch of `rl.prompts_per_step` prompts of a `GlobalBatchSampler` over the
+prompt rows, so the stream is a function of (seed, data, P) only (invariant 3): a run resumed on
+any number of ranks draws exactly the next prompts. Rank r generates for the contiguous slice
+[r·P/DP, (r+1)·P/DP) of each round. Dynamic sampling may use several rounds per RL step, so the
+checkpoint counts rounds, not steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from isotrain.data.sampler import GlobalBatchSampler
+from isotrain.data.sources import read_rows
+from isotrain.errors import DataError
+
+
+@dataclass
+class PromptSet:
+    prompts: list[str]
+    answers: list[str]  # the reference the reward compares with (`completion` of a prompt_completion row)
+    num_skipped: int
+
+
+def read_prompts(path: str, max_rows: int | None = None) -> PromptSet:
+    """Prompt rows of a prompt_completion file: `prompt` is generated from, `completion` is the reference answer."""
+    if not path:
+        raise DataError("RL needs prompts: set data.path to a prompt_completion file ({prompt, completion} rows)")
+    result = read_rows(path, "prompt_completion")
+    rows = result.rows[:max_rows] if max_rows is not None else result.rows
+    if not rows:
+        raise DataError(f"data.path={path!r} has no valid prompt rows; each row needs prompt and completion strings")
+    return PromptSet([row["prompt"] for row in rows], [row["completion"] for row in rows], len(result.skipped))
+
+
+class PromptStream:
+    def __init__(self, num_prompts: int, prompts_per_round: int, seed: int):
+        self.sampler = GlobalBatchSampler(num_prompts, prompts_per_round, seed)
+
+    def round_indices(self, round_index: int, dp_rank: int, dp_size: int) -> list[int]:
+        """This rank's prompt indices in generation round `round_index`."""
+        return [int(i) for i in self.sampler.rank_slice(round_index, dp_rank, dp_size)]
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()

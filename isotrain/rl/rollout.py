@@ -1,0 +1,242 @@
+"""The rollout engine interface and the default in-process engine (transformers `generate`).
+
+An engine is anything that samples responses and accepts new weights; the RL loop talks to it
+only through `RolloutEngine`, so an external engine (vLLM, SGLang) can replace `HFEngine`
+later. The weight contract is the one of `isotrain.rl.weights.sync_named_tensors`: Hugging Face
+names of the plain causal LM, full logical shapes.
+
+Log-probs: the engine reports, for each response token y_t,
+
+    log p_engine(y_t) = log_softmax(logits_t / T)[y_t]        (T = 1 for greedy)
+
+computed in fp32 from the unprocessed logits, i.e. *before* top-p truncation (what vLLM reports
+too). The trainer recomputes the same quantity with its own forward; the two differ only by
+numerics (or by stale weights, which is what importance ratios measure).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+
+from isotrain.rl.weights import tensor_sha256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int  # samples per prompt
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False  # evaluation: argmax decoding, log-probs at temperature 1
+    seed: int | None = None  # sampling seed of this call; a resumed run then redraws exactly the same samples
+
+    def __post_init__(self):
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"n={self.n} and max_new_tokens={self.max_new_tokens} must both be at least 1")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 for sampling; use greedy=True instead")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+@dataclass
+class Rollout:
+    """One row per sample, prompt-major: prompt 0's n samples, then prompt 1's, ..."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]  # cut after (and including) the first EOS; no padding
+    response_logprobs: list[list[float]]  # engine log-prob of each response token; same lengths
+    truncated: list[bool]  # True when no EOS was produced within max_new_tokens
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Rollout: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face parameter names of the plain causal LM, full logical shapes."""
+
+    def checksums(self) -> dict[str, str]:
+        """sha256 hex of each weight (bytes of the fp32 contiguous CPU tensor), by name."""
+
+    def release_memory(self) -> None:
+        """Free the weights; generate() raises until update_weights() restored all of them."""
+
+    def close(self) -> None: ...
+
+
+class HFEngine:
+    """transformers `generate` on the engine's own plain copy of the model: batched, KV cache, CPU OK.
+
+    Sampling draws from torch's global RNG, so a seeded run is reproducible.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer, batch_size: int = 64):
+        # Its own copy: the trainer keeps training while the engine's weights only change on sync.
+        self._setup(_plain_copy(model), tokenizer, batch_size)
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, tokenizer, batch_size: int = 64) -> HFEngine:
+        """An engine with no usable weights yet (all stale): call update_weights before generate."""
+        engine = cls.__new__(cls)
+        engine._setup(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer, batch_size)
+        engine.release_memory()  # the random initialisation must never produce a rollout
+        return engine
+
+    def _setup(self, model: PreTrainedModel, tokenizer, batch_size: int) -> None:
+        self._model = model.eval().requires_grad_(False)
+        for param in self._model.parameters():
+            param.grad = None
+        self._batch_size = batch_size
+        self._pad_id, self._eos_id = _special_ids(tokenizer)
+        # A clean generation config: a checkpoint's generation_config.json (repetition penalty,
+        # top_k, ...) must not change the distribution the log-probs describe.
+        self._model.generation_config = GenerationConfig(pad_token_id=self._pad_id, eos_token_id=self._eos_id)
+        # Tied weights are one Parameter under several names (named_parameters() lists it once,
+        # under its first name); every alias maps to that name.
+        self._params = dict(self._model.named_parameters())
+        first_name = {id(p): name for name, p in self._params.items()}
+        self._aliases = {
+            name: first_name[id(p)] for name, p in self._model.named_parameters(remove_duplicate=False)
+        }
+        self._shapes = {name: p.shape for name, p in self._params.items()}
+        self._stale: set[str] = set()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Rollout:
+        if self._stale:
+            raise RuntimeError(
+                f"{len(self._stale)} of {len(self._shapes)} engine weights are stale or released "
+                f"(e.g. {sorted(self._stale)[0]}); call update_weights first"
+            )
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate got an empty prompt; every prompt needs at least one token (e.g. bos)")
+        rows = [list(p) for p in prompt_ids for _ in range(params.n)]  # prompt-major order
+        rollout = Rollout(rows, [], [], [])
+        # A call seed samples from its own RNG stream and leaves the caller's global RNG untouched.
+        with torch.random.fork_rng(enabled=params.seed is not None):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            for start in range(0, len(rows), self._batch_size):
+                responses, logprobs, truncated = self._generate_batch(rows[start : start + self._batch_size], params)
+                rollout.response_ids += responses
+                rollout.response_logprobs += logprobs
+                rollout.truncated += truncated
+        return rollout
+
+    def _generate_batch(self, rows: list[list[int]], params: SamplingParams):
+        # Left padding: generation appends on the right; position ids follow the attention mask.
+        width = max(len(r) for r in rows)
+        input_ids = torch.tensor([[self._pad_id] * (width - len(r)) + r for r in rows])
+        attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
+        out = self._model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not params.greedy,
+            **sampling,
+            use_cache=True,
+            pad_token_id=self._pad_id,
+            eos_token_id=self._eos_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens = out.sequences[:, width:]
+        temperature = 1.0 if params.greedy else params.temperature
+        chosen = _chosen_logprobs(out.logits, tokens, temperature)
+        responses, logprobs, truncated = [], [], []
+        for row_tokens, row_logprobs in zip(tokens.tolist(), chosen.tolist()):
+            length = row_tokens.index(self._eos_id) + 1 if self._eos_id in row_tokens else None
+            responses.append(row_tokens[:length] if length else row_tokens)
+            logprobs.append(row_logprobs[:length] if length else row_logprobs)
+            truncated.append(length is None)
+        return responses, logprobs, truncated
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the engine's parameters in place; names may be any alias of a tied weight.
+
+        A bad name or shape stops the update and leaves every weight stale (a half-applied update
+        must never produce rollouts) until every weight has been sent again.
+        """
+        try:
+            for name, tensor in named_tensors:
+                self._copy_one(name, tensor)
+        except BaseException:
+            self._stale = set(self._shapes)
+            raise
+
+    def _copy_one(self, name: str, tensor: torch.Tensor) -> None:
+        target = self._aliases.get(name)
+        if target is None:
+            raise ValueError(
+                f"update_weights got unknown weight {name!r}; the engine has e.g. {next(iter(self._shapes))!r} "
+                "(Hugging Face names of the plain causal LM, as sync_named_tensors yields them)"
+            )
+        if tuple(tensor.shape) != tuple(self._shapes[target]):
+            raise ValueError(
+                f"update_weights got {name!r} of shape {tuple(tensor.shape)}, the engine expects "
+                f"{tuple(self._shapes[target])} (send full logical shapes, not shards)"
+            )
+        param = self._params[target]
+        if param.shape != self._shapes[target]:
+            # Released: rebuild the storage. Assigning .data keeps tied aliases one Parameter.
+            param.data = torch.empty(self._shapes[target], dtype=param.dtype, device=param.device)
+        param.copy_(tensor)
+        self._stale.discard(target)
+
+    def checksums(self) -> dict[str, str]:
+        """sha256 of each weight that holds storage (released ones are left out), by name."""
+        return {
+            name: tensor_sha256(p) for name, p in self._params.items() if p.shape == self._shapes[name]
+        }
+
+    def release_memory(self) -> None:
+        for param in self._params.values():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._stale = set(self._shapes)
+
+    def close(self) -> None:
+        self.release_memory()
+
+
+def _chosen_logprobs(logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits_t / T)[token_t] in fp32: (batch, new_tokens), from one (batch, vocab) tensor per step.
+
+    generate's `logits` already hold batch x new_tokens x vocab values (batch_size bounds that
+    memory); gathering step by step avoids a second, stacked copy.
+    """
+    columns = [
+        torch.log_softmax(step.float() / temperature, dim=-1).gather(-1, tokens[:, t, None]).squeeze(-1)
+        for t, step in enumerate(logits)
+    ]
+    return torch.stack(columns, dim=1)
+
+
+def _special_ids(tokenizer) -> tuple[int, int]:
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise ValueError("the tokenizer has no eos token; rollouts need one to know where a response ends")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    return pad_id, eos_id
+
+
+def _plain_copy(model: torch.nn.Module) -> PreTrainedModel:
+    """A deep copy of the plain causal LM behind DDP / peft wrappers (LoRA merged into the copy)."""
+    model = getattr(model, "module", model)  # DDP
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+        raise ValueError(
+            "HFEngine cannot copy an FSDP2-sharded model; build it with HFEngine.from_config and "
+            "send the weights with update_weights(sync_named_tensors(model))"
+        )
+    if hasattr(model, "merge_and_unload"):
+        return copy.deepcopy(model).merge_and_unload()  # a peft model: merge on the copy only
+    if any(".base_layer." in name for name, _ in model.named_parameters()):
+        raise ValueError("HFEngine got a model with injected LoRA layers; pass the PeftModel or a plain model")
+    return copy.deepcopy(model)

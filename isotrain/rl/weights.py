@@ -1,0 +1,116 @@
+"""What the trainer sends to a rollout engine: the plain causal LM's weights, one tensor at a time.
+
+Whatever wraps the trainer's model (DDP, FSDP2 shards, a peft LoRA model), the engine receives
+the weights of the equivalent *plain* Hugging Face model: full logical shapes, fp32, CPU, under
+the names `AutoModelForCausalLM.from_config(config).named_parameters()` would give. For LoRA
+that is the merged weight
+
+    W' = W + sum over active adapters a of  scaling_a * B_a @ A_a      (transposed for fan_in_fan_out)
+
+computed on copies, so the trainer's model is never modified.
+
+The tensors are yielded one by one so that no process ever needs a second copy of the whole
+model; FSDP2's `full_tensor()` is a collective, so every rank must consume the iterator to the
+end, in the same order (it is deterministic: `named_parameters()` order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+# Parameter names of a peft LoRA layer: `<module>.base_layer.<leaf>` holds the frozen weight,
+# `<module>.lora_A.<adapter>.weight` / `lora_B` the adapters, merged into `<module>.<leaf>`.
+_BASE_LAYER = ".base_layer."
+_ADAPTER_MARKERS = (".lora_", ".original_module.")
+_MODULES_TO_SAVE = ".modules_to_save."
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 hex of the bytes of the tensor as a contiguous fp32 CPU tensor (the one checksum definition)."""
+    data = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    return hashlib.sha256(memoryview(data.numpy()).cast("B")).hexdigest()
+
+
+def checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """{name: tensor_sha256(tensor)}, e.g. of `sync_named_tensors(model)` to compare with an engine's."""
+    return {name: tensor_sha256(tensor) for name, tensor in named_tensors}
+
+
+def plain_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside DDP and/or a peft wrapper (LoRA layers, if any, still injected)."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        model = model.get_base_model()  # PeftModel -> the HF model with LoRA layers injected
+    elif hasattr(model, "peft_config") and hasattr(model, "model"):
+        model = model.model  # a bare LoraModel
+    return model
+
+
+def full_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A fresh fp32 CPU copy of the full logical tensor; gathers a DTensor (collective)."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    # copy=True: the caller owns the result (it may be moved into shared memory or freed) and
+    # must never alias a trainer parameter.
+    return tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
+
+
+def sync_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain causal LM's parameters by Hugging Face name, full logical shape, fp32, CPU.
+
+    Unwraps DDP (`.module`), gathers FSDP2 DTensors with `.full_tensor()` (a collective: every
+    rank must iterate to the end, in the same order), and for a peft LoRA model yields the
+    merged weights W + scale * B @ A under the base names (no `base_model.model.` prefix, no
+    lora_* tensors) without modifying the trainer's model. Tied weights appear once, under the
+    first name (`named_parameters()` de-duplicates them).
+    """
+    model = plain_model(model)
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        if any(marker in name for marker in _ADAPTER_MARKERS):
+            continue  # adapters are merged into their base weight; original_module is shadowed
+        if _BASE_LAYER in name:
+            module_name, _, leaf = name.rpartition(_BASE_LAYER)
+            yield f"{module_name}.{leaf}", _merged(modules[module_name], leaf, full_cpu(param))
+        elif _MODULES_TO_SAVE in name:
+            module_name, _, rest = name.partition(_MODULES_TO_SAVE)
+            adapter, _, leaf = rest.partition(".")
+            if adapter in _active_adapters(modules[module_name]):
+                yield f"{module_name}.{leaf}", full_cpu(param)
+        else:
+            yield name, full_cpu(param)
+
+
+def _active_adapters(layer: nn.Module) -> list[str]:
+    active = layer.active_adapters if hasattr(layer, "active_adapters") else []
+    return [active] if isinstance(active, str) else list(active)
+
+
+def _merged(layer: nn.Module, leaf: str, base: torch.Tensor) -> torch.Tensor:
+    """`base` (the frozen weight or bias of a LoRA layer) plus the deltas its forward adds."""
+    if getattr(layer, "disable_adapters", False):
+        if getattr(layer, "merged", False):
+            raise NotImplementedError(f"{layer.__class__.__name__} has merged but disabled adapters; unmerge first")
+        return base  # disabled adapters: the forward is the base layer alone
+    lora_a = getattr(layer, "lora_A", None)
+    if lora_a is None:
+        raise NotImplementedError(f"weight sync supports LoRA on linear layers only, not {layer.__class__.__name__}")
+    merged_already = set(getattr(layer, "merged_adapters", []))
+    for adapter in _active_adapters(layer):
+        if adapter not in lora_a or adapter in merged_already:
+            continue  # not on this layer, or already inside the base weight
+        if adapter in getattr(layer, "lora_variant", {}):
+            raise NotImplementedError(f"weight sync supports plain LoRA only, not the variant of adapter {adapter!r}")
+        scaling = layer.scaling[adapter]
+        if leaf == "weight":
+            delta = full_cpu(layer.lora_B[adapter].weight) @ full_cpu(lora_a[adapter].weight)
+            base = base + scaling * (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)
+        elif leaf == "bias" and layer.lora_bias.get(adapter, False):
+            base = base + scaling * full_cpu(layer.lora_B[adapter].bias)
+    return base

@@ -172,3 +172,16 @@ def load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch.
                     state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     _read_into(reader, f"{key}.{name}", state[key], rank)
             optimizer.state[param] = state
+
+
+def load_adapter(reader: CheckpointReader, model: nn.Module, rank: int) -> None:
+    """The trainable LoRA tensors of a LoRA run (its base weights come from model.name_or_path)."""
+    for name, tensor in model_tensors(model).items():
+        if not tensor.requires_grad:
+            continue
+        if f"adapter.{name}" not in reader:
+            raise CheckpointError(
+                f"checkpoint {reader.directory} has no LoRA adapter tensor {name!r}; it was not saved by a LoRA run "
+                "with these lora settings: start from its weights with model.name_or_path set to it"
+            )
+        _read_into(reader, f"adapter.{name}", tensor, rank)

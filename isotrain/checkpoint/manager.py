@@ -28,10 +28,19 @@ from isotrain.checkpoint.layout import (
     set_aside_newer,
     write_latest,
 )
-from isotrain.checkpoint.load import CheckpointReader, load_model, load_optimizer
+from isotrain.checkpoint.load import CheckpointReader, load_adapter, load_model, load_optimizer
 from isotrain.checkpoint.manifest import verify_checkpoint
 from isotrain.checkpoint.save import CheckpointError, SaveRequest, _broadcast, rotate, save
-from isotrain.checkpoint.state import Item, assign_owners, collect_items, model_tensors, rng_state, set_rng_state, unwrap
+from isotrain.checkpoint.state import (
+    Item,
+    assign_owners,
+    collect_items,
+    hf_model,
+    is_lora,
+    model_tensors,
+    rng_state,
+    set_rng_state,
+)
 from isotrain.config import Config, dump_config
 from isotrain.errors import ConfigError
 
@@ -50,7 +59,7 @@ class Resumed:
 
 def static_files(model, tokenizer, save_dtype: torch.dtype) -> dict[str, bytes]:
     """config.json, generation_config.json and tokenizer files: the non-tensor part of an HF directory."""
-    base = unwrap(model)
+    base = hf_model(model)
     config = copy.deepcopy(base.config)
     config.dtype = save_dtype
     config.use_cache = True
@@ -167,7 +176,14 @@ class CheckpointManager:
                     raise CheckpointError(f"checkpoint {choice} was saved by another kind of run (no {missing[0]} "
                                           "counter); set checkpoint.load_only=model to start from its weights only")
                 self._check_compatible(reader.directory, state)
-            load_model(reader, self.model, self.rank)
+            if is_lora(self.model):
+                if weights_only:
+                    raise CheckpointError(
+                        f"checkpoint.load_only=model cannot load {choice} under LoRA adapters; set model.name_or_path "
+                        f"to {choice} (an HF model directory) instead")
+                load_adapter(reader, self.model, self.rank)  # the frozen base comes from model.name_or_path
+            else:
+                load_model(reader, self.model, self.rank)
             if weights_only:
                 self.log(f"started from the weights of {choice} (step {state['step']}); optimizer and counters are new")
                 return Resumed(Path(choice), 0, {}, True)

@@ -91,11 +91,37 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def is_lora(model: nn.Module) -> bool:
+    return hasattr(unwrap(model), "peft_config")
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model itself, inside DDP and a peft wrapper."""
+    base = unwrap(model)
+    return base.get_base_model() if is_lora(base) else base
+
+
+def _lora_items(model: nn.Module, params: dict[str, torch.Tensor], save_dtype: torch.dtype) -> list[Item]:
+    """A LoRA model's files hold the merged weights W + scale·B@A under Hugging Face names, so the
+    directory loads in transformers as the trained policy (invariant 6); the adapters themselves,
+    which resume needs, go to train_state as `adapter.<peft name>` beside their optimizer state."""
+    from isotrain.rl.weights import sync_named_tensors
+
+    items = [Item(name, "model", tuple(t.shape), save_dtype if t.is_floating_point() else t.dtype, t, None)
+             for name, t in sync_named_tensors(model)]
+    items += [Item(f"adapter.{name}", "optimizer", tuple(t.shape), t.dtype, local_part(t).detach(), shard_spec(t))
+              for name, t in params.items() if t.requires_grad]
+    return items
+
+
 def collect_items(model: nn.Module, optimizer: torch.optim.Optimizer, save_dtype: torch.dtype) -> list[Item]:
     """Every tensor of model and optimizer state, in a fixed order that every rank shares."""
     items: list[Item] = []
     params = model_tensors(model)
-    for name, tensor in params.items():
+    lora = is_lora(model)
+    if lora:
+        items = _lora_items(model, params, save_dtype)
+    for name, tensor in ({} if lora else params).items():
         dtype = save_dtype if tensor.is_floating_point() else tensor.dtype
         items.append(Item(name, "model", tuple(tensor.shape), dtype, local_part(tensor).detach(), shard_spec(tensor)))
     names = {id(p): n for n, p in params.items()}
@@ -103,7 +129,7 @@ def collect_items(model: nn.Module, optimizer: torch.optim.Optimizer, save_dtype
         for param in group["params"]:
             name = names[id(param)]
             state = optimizer.state.get(param, {})
-            if save_dtype != torch.float32 and param.is_floating_point():
+            if save_dtype != torch.float32 and param.is_floating_point() and not lora:
                 items.append(Item(f"master.{name}", "optimizer", tuple(param.shape), param.dtype,
                                   local_part(param).detach(), shard_spec(param)))
             for key in OPTIMIZER_STATE_KEYS:

@@ -104,7 +104,16 @@ def build_policy(cfg: Config, info: DistInfo, tokenizer, degrees):
     model = build_model(cfg.model, tokenizer, cfg.train.seed).to(info.device)
     engine_copy = copy.deepcopy(model)
     reference = None
-    if cfg.rl.kl_coef > 0:
+    if cfg.lora.r > 0:
+        if degrees.dp_shard > 1:
+            raise ConfigError(f"lora.r={cfg.lora.r} runs on one process or with DDP; LoRA under FSDP2 "
+                              f"(parallel.dp_shard={degrees.dp_shard}) is not supported yet: set parallel.dp_shard=1")
+        from isotrain.rl.lora import apply_lora
+
+        # Seeded: every rank initialises the same adapters. The reference is this model with adapters off.
+        torch.manual_seed(cfg.train.seed)
+        model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
+    elif cfg.rl.kl_coef > 0:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
     mesh = build_mesh(degrees, info.device)
     model = parallelize(model, mesh, degrees, torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
@@ -200,15 +209,17 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
 
 
 def _check_reference(cfg: Config, resumed, fingerprint: str) -> None:
-    """The frozen reference is rebuilt from the starting model: refuse a resume whose start has changed."""
-    if resumed is None or resumed.weights_only or cfg.rl.kl_coef == 0:
+    """The frozen reference (and, with LoRA, the base weights) is rebuilt from the starting model: refuse a
+    resume whose start has changed."""
+    if resumed is None or resumed.weights_only or (cfg.rl.kl_coef == 0 and cfg.lora.r == 0):
         return
     state = json.loads((resumed.path / "train_state" / "state.json").read_text())
     saved = state.get("start_model_sha256")
     if saved is not None and saved != fingerprint:
         raise ConfigError(
             f"the starting model {cfg.model.name_or_path or 'model.config'} differs from the one checkpoint "
-            f"{resumed.path} started from, so the KL reference would change; restore it or start a new output_dir"
+            f"{resumed.path} started from, so the KL reference or LoRA base would change; restore it or start a new "
+            "output_dir"
         )
 
 
@@ -224,7 +235,14 @@ def _trainer_logprobs(ctx, model, batch) -> tuple[list | None, list | None, floa
                               micro_batch_size=plan.micro_batch_size, temperature=rl.temperature,
                               device=ctx.device, autocast_dtype=ctx.options.autocast_dtype)
     old = all_gather_lists(score(model)) if need_old else None
-    ref = all_gather_lists(score(ctx.reference)) if ctx.reference is not None else None
+    ref = None
+    if ctx.reference is not None:
+        ref = all_gather_lists(score(ctx.reference))
+    elif rl.kl_coef > 0:  # LoRA: the reference is the policy with its adapters disabled
+        from isotrain.rl.lora import reference_logits_context
+
+        with reference_logits_context(model):
+            ref = all_gather_lists(score(model))
     return old, ref, time.perf_counter() - start
 
 

@@ -205,7 +205,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 
 class RLConfig(Section):
-    algorithm: Literal["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+    algorithm: Literal["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = Field(
         "grpo", description="RL method; it sets the defaults of every rl field left unset (docs/rl.md lists them)."
     )
     prompts_per_step: int = Field(16, gt=0, description="P: prompts per rollout (one RL step), over all ranks.")
@@ -231,7 +231,12 @@ class RLConfig(Section):
         None, description="How token losses become the mini-batch loss, over all ranks and micro-batches. Default: preset."
     )
     norm_adv_by_std: bool | None = Field(None, description="GRPO: divide group-centred rewards by the group std. Default: preset.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount of token-level returns (reinforce_pp).")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount of token-level returns (reinforce_pp, ppo).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ of PPO's advantages.")
+    value_clip: float | None = Field(
+        0.2, gt=0, description="PPO critic: new values stay within ± this of the rollout's values in the loss; null: no clip."
+    )
+    critic_lr: float | None = Field(None, gt=0, description="PPO critic learning rate. Default: train.lr.")
     dynamic_sampling: bool | None = Field(
         None, description="Drop groups whose rewards are all equal and generate more until P groups remain. Default: preset."
     )

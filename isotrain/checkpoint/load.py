@@ -153,12 +153,13 @@ def load_model(reader: CheckpointReader, model: nn.Module, rank: int) -> None:
         _read_into(reader, source, tensor, rank)
 
 
-def load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+def load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                   prefix: str = "") -> None:
     """AdamW moments and step per parameter name, each in this rank's layout."""
     names = {id(p): n for n, p in model_tensors(model).items()}
     for group in optimizer.param_groups:
         for param in group["params"]:
-            name = names[id(param)]
+            name = prefix + names[id(param)]
             if f"step.{name}" not in reader:
                 raise CheckpointError(
                     f"checkpoint {reader.directory} has no optimizer state for {name!r}; it is not a training "
@@ -185,3 +186,12 @@ def load_adapter(reader: CheckpointReader, model: nn.Module, rank: int) -> None:
                 "with these lora settings: start from its weights with model.name_or_path set to it"
             )
         _read_into(reader, f"adapter.{name}", tensor, rank)
+
+
+def load_component(reader: CheckpointReader, prefix: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   rank: int) -> None:
+    """Another trained model of the run (PPO's critic) and its optimizer state, saved as `<prefix>.<name>`."""
+    check_model_shapes(reader, model, prefix=f"{prefix}.")
+    for name, tensor in model_tensors(model).items():
+        _read_into(reader, f"{prefix}.{name}", tensor, rank)
+    load_optimizer(reader, model, optimizer, rank, prefix=f"{prefix}.")

@@ -28,13 +28,14 @@ from isotrain.checkpoint.layout import (
     set_aside_newer,
     write_latest,
 )
-from isotrain.checkpoint.load import CheckpointReader, load_adapter, load_model, load_optimizer
+from isotrain.checkpoint.load import CheckpointReader, load_adapter, load_component, load_model, load_optimizer
 from isotrain.checkpoint.manifest import verify_checkpoint
 from isotrain.checkpoint.save import CheckpointError, SaveRequest, _broadcast, rotate, save
 from isotrain.checkpoint.state import (
     Item,
     assign_owners,
     collect_items,
+    component_items,
     hf_model,
     is_lora,
     model_tensors,
@@ -104,6 +105,7 @@ class CheckpointManager:
         self.static = static_files(model, tokenizer, self.save_dtype) if rank == 0 else {}
         self.extra_state: dict = {}  # set by the loop: sampler, scheduler, fingerprints
         self.counter_keys: tuple[str, ...] = ("tokens_seen", "trained_tokens", "samples_seen")
+        self.components: list[tuple[str, object, object]] = []  # (prefix, model, optimizer), e.g. PPO's critic
         self.batch_field = "train.global_batch_size"  # the setting behind the sampler's batch size
         self.last_saved_step: int | None = None
         self.blocked_s = 0.0  # time the loop spent waiting on saves
@@ -188,6 +190,8 @@ class CheckpointManager:
                 self.log(f"started from the weights of {choice} (step {state['step']}); optimizer and counters are new")
                 return Resumed(Path(choice), 0, {}, True)
             load_optimizer(reader, self.model, self.optimizer, self.rank)
+            for prefix, model, optimizer in self.components:
+                load_component(reader, prefix, model, optimizer, self.rank)
         finally:
             reader.close()
         self._restore_rng(reader.directory, state)
@@ -236,6 +240,9 @@ class CheckpointManager:
         items = collect_items(self.model, self.optimizer, self.save_dtype)
         if kind == "model":
             items = [item for item in items if item.kind == "model"]
+        else:
+            for prefix, model, optimizer in self.components:
+                items += component_items(prefix, model, optimizer)
         assign_owners(items, self.world_size)
         info = {"kind": kind, "step": step, "layout": self.layout}
         rank_files, main_files = {}, dict(self.static)

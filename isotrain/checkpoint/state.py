@@ -124,12 +124,19 @@ def collect_items(model: nn.Module, optimizer: torch.optim.Optimizer, save_dtype
     for name, tensor in ({} if lora else params).items():
         dtype = save_dtype if tensor.is_floating_point() else tensor.dtype
         items.append(Item(name, "model", tuple(tensor.shape), dtype, local_part(tensor).detach(), shard_spec(tensor)))
+    items += _optimizer_items(optimizer, params, "", master=save_dtype != torch.float32 and not lora)
+    return items
+
+
+def _optimizer_items(optimizer, params: dict[str, torch.Tensor], prefix: str, master: bool) -> list[Item]:
+    """AdamW state per parameter as `<key>.<prefix><name>` (and fp32 masters `master.<prefix><name>`)."""
+    items = []
     names = {id(p): n for n, p in params.items()}
     for group in optimizer.param_groups:
         for param in group["params"]:
-            name = names[id(param)]
+            name = prefix + names[id(param)]
             state = optimizer.state.get(param, {})
-            if save_dtype != torch.float32 and param.is_floating_point() and not lora:
+            if master and param.is_floating_point():
                 items.append(Item(f"master.{name}", "optimizer", tuple(param.shape), param.dtype,
                                   local_part(param).detach(), shard_spec(param)))
             for key in OPTIMIZER_STATE_KEYS:
@@ -138,6 +145,15 @@ def collect_items(model: nn.Module, optimizer: torch.optim.Optimizer, save_dtype
                     items.append(Item(f"{key}.{name}", "optimizer", tuple(value.shape), value.dtype,
                                       local_part(value).detach(), shard_spec(value)))
     return items
+
+
+def component_items(prefix: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[Item]:
+    """Another trained model of the run (PPO's critic): whole in train_state, in fp32, as `<prefix>.<name>`,
+    with its optimizer state as `<key>.<prefix>.<name>` — layout-free like the policy's."""
+    params = model_tensors(model)
+    items = [Item(f"{prefix}.{name}", "optimizer", tuple(t.shape), t.dtype, local_part(t).detach(), shard_spec(t))
+             for name, t in params.items()]
+    return items + _optimizer_items(optimizer, params, f"{prefix}.", master=False)
 
 
 def assign_owners(items: list[Item], world_size: int) -> None:

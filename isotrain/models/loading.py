@@ -44,6 +44,9 @@ def check_model_dir(name_or_path: str) -> Path:
 def build_model(cfg: ModelConfig, tokenizer, seed: int) -> PreTrainedModel:
     if cfg.name_or_path is not None:
         path = check_model_dir(cfg.name_or_path)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the run's own log says what was loaded
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation=cfg.attn_implementation, local_files_only=True
         )

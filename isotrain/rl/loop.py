@@ -32,6 +32,7 @@ from isotrain.models.loading import build_model, count_parameters
 from isotrain.parallel.apply import parallelize
 from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_mesh
+from isotrain.rl.critic import build_critic, token_values
 from isotrain.rl.experience import all_gather_lists, response_logprobs
 from isotrain.rl.generate import collect, evaluate
 from isotrain.rl.prompts import PromptSet, PromptStream, read_prompts
@@ -96,7 +97,7 @@ def _start_fingerprint(cfg: Config) -> str:
     return hashlib.sha256("".join(_file_sha256(str(f)) for f in files).encode()).hexdigest()
 
 
-def build_policy(cfg: Config, info: DistInfo, tokenizer, degrees):
+def build_policy(cfg: Config, info: DistInfo, tokenizer, degrees, mesh):
     """Policy (parallelised), a plain copy for the engine and the frozen reference (when KL is used).
 
     The copies are taken before parallelising: the engine needs whole weights, and so does the reference.
@@ -115,7 +116,6 @@ def build_policy(cfg: Config, info: DistInfo, tokenizer, degrees):
         model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
     elif cfg.rl.kl_coef > 0:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
-    mesh = build_mesh(degrees, info.device)
     model = parallelize(model, mesh, degrees, torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
     return model, build_optimizer(model, cfg.train), engine_copy, reference
 
@@ -157,12 +157,19 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
     prompts = read_prompts(cfg.data.path)
     held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples) if cfg.eval.path else None
     stream = PromptStream(len(prompts.prompts), plan.prompts_per_step, cfg.train.seed)
-    model, optimizer, engine_copy, reference = build_policy(cfg, info, tokenizer, degrees)
+    mesh = build_mesh(degrees, info.device)
+    model, optimizer, engine_copy, reference = build_policy(cfg, info, tokenizer, degrees, mesh)
+    critic, critic_optimizer = None, None
+    if cfg.rl.advantage == "gae":
+        critic, critic_optimizer = build_critic(cfg, engine_copy, info.device, mesh, degrees)
     log(f"policy: {count_parameters(model):,} parameters; {len(prompts.prompts)} prompts"
         + (f" ({prompts.num_skipped} malformed rows skipped)" if prompts.num_skipped else "")
-        + ("; frozen reference for the KL" if reference is not None else ""))
+        + ("; frozen reference for the KL" if reference is not None else "")
+        + (f"; critic: {count_parameters(critic):,} parameters" if critic is not None else ""))
     checkpoints = CheckpointManager(cfg, info.rank, info.world_size, {"world_size": info.world_size, **vars(degrees)},
                                     model, optimizer, tokenizer, log)
+    if critic is not None:
+        checkpoints.components = [("critic", critic, critic_optimizer)]
     checkpoints.counter_keys = RL_COUNTERS
     checkpoints.batch_field = "rl.prompts_per_step"
     checkpoints.extra_state = {
@@ -189,7 +196,7 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
                               options=step_options(cfg, degrees), pad_id=tokenizer.pad_token_id,
                               before_update=checkpoints.before_update, reward_fn=reward_fn, tokenizer=tokenizer,
                               prompts=prompts, stream=stream, reference=reference, engine=engine, info=info,
-                              held_out=held_out, log=log)
+                              held_out=held_out, log=log, critic=critic, critic_optimizer=critic_optimizer)
         writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=counters["step"])
         try:
             stopped_by = run_rl_steps(ctx, model, optimizer, checkpoints, writer, console, counters)
@@ -223,8 +230,9 @@ def _check_reference(cfg: Config, resumed, fingerprint: str) -> None:
         )
 
 
-def _trainer_logprobs(ctx, model, batch) -> tuple[list | None, list | None, float]:
-    """Old (pre-update) and reference log-probs of every sample: each rank scores its own slice, then all share."""
+def _trainer_logprobs(ctx, model, batch) -> tuple[list | None, list | None, list | None, float]:
+    """Old (pre-update) and reference log-probs, and PPO's values, of every sample: each rank scores its own
+    slice, then all share."""
     rl, plan = ctx.cfg.rl, ctx.plan
     start = time.perf_counter()
     per_rank = len(batch) // plan.dp_size
@@ -243,7 +251,11 @@ def _trainer_logprobs(ctx, model, batch) -> tuple[list | None, list | None, floa
 
         with reference_logits_context(model):
             ref = all_gather_lists(score(model))
-    return old, ref, time.perf_counter() - start
+    values = None
+    if ctx.critic is not None:
+        values = all_gather_lists(token_values(ctx.critic, mine, ctx.pad_id, plan.micro_batch_size, ctx.device,
+                                               ctx.options.autocast_dtype))
+    return old, ref, values, time.perf_counter() - start
 
 
 def rl_step(ctx, model, optimizer, counters: dict) -> dict:
@@ -253,9 +265,10 @@ def rl_step(ctx, model, optimizer, counters: dict) -> dict:
     batch, rounds = collect(ctx.engine, ctx.tokenizer, ctx.prompts, ctx.stream, counters["prompt_rounds"], rl,
                             ctx.reward_fn, cfg.train.seed, ctx.rank, plan.dp_size)
     generate_s = time.perf_counter() - start
-    old, ref, logprob_s = _trainer_logprobs(ctx, model, batch)
-    per_token = {"advantages": advantages(batch, rl, old, ref), "old_logprobs": old, "ref_logprobs": ref,
-                 "engine_logprobs": batch.engine_logprobs}
+    old, ref, values, logprob_s = _trainer_logprobs(ctx, model, batch)
+    token_advantages, returns = advantages(batch, rl, old, ref, values)
+    per_token = {"advantages": token_advantages, "old_logprobs": old, "ref_logprobs": ref,
+                 "engine_logprobs": batch.engine_logprobs, "old_values": values, "returns": returns}
     total_updates = cfg.train.max_steps * plan.optimizer_steps_per_rollout
     first = counters["optimizer_steps"]
 
@@ -298,6 +311,8 @@ def _metrics_row(counters: dict, batch, rounds, totals: UpdateTotals, step_s: fl
         "entropy": totals.stat("entropy"),
         "pg_loss": totals.stat("pg_loss"),
         "logprob_diff": totals.stat("logprob_diff"),
+        **({"value_loss": totals.stat("value_loss"), "value_clip_frac": totals.stat("value_clipped"),
+            "value_mean": totals.stat("value_mean")} if totals.critic_loss_sum or totals.critic_stats.any() else {}),
         "filtered_groups": rounds.filtered_groups,
         "filler_groups": rounds.filler_groups,
         "generation_rounds": rounds.rounds,

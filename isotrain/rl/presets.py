@@ -10,11 +10,12 @@ An explicit setting always wins over the preset. The values follow each method's
 - rloo: leave-one-out baseline, token-mean.
 - reinforce_pp: token-level discounted returns whitened over the batch, KL in the reward.
 - reinforce_pp_baseline: group-mean baseline whitened over the batch, KL in the reward.
+- ppo: a learned critic (value model) and GAE advantages whitened over the batch, token-mean.
 """
 
 from __future__ import annotations
 
-ALGORITHMS = ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ALGORITHMS = ("grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo")
 
 _COMMON = {
     "clip_low": 0.2,
@@ -37,6 +38,7 @@ PRESETS: dict[str, dict] = {
     "reinforce_pp": {**_COMMON, "advantage": "reinforce_pp", "kl_coef": 0.001, "kl_in_reward": True},
     "reinforce_pp_baseline": {**_COMMON, "advantage": "reinforce_pp_baseline", "kl_coef": 0.001,
                               "kl_in_reward": True},
+    "ppo": {**_COMMON, "advantage": "gae"},
 }
 
 # Estimators whose baseline comes from the other samples of the group: a group of one has no signal.

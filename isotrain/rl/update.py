@@ -20,7 +20,14 @@ import torch
 
 from isotrain.config import RLConfig
 from isotrain.parallel.dist import all_reduce_sum
-from isotrain.rl.algos import group_advantages, kl_penalty, reinforce_pp_advantages
+from isotrain.rl.algos import (
+    gae_advantages,
+    group_advantages,
+    kl_penalty,
+    masked_whiten,
+    reinforce_pp_advantages,
+)
+from isotrain.rl.critic import CRITIC_STATS, critic_step
 from isotrain.rl.experience import RolloutBatch, make_micro_batch
 from isotrain.rl.objective import STAT_NAMES, RLObjective
 from isotrain.train.step import accumulate_gradients, optimizer_step, step_options  # noqa: F401 (re-exported)
@@ -37,12 +44,23 @@ def pad_rows(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
     return values, mask
 
 
-def advantages(batch: RolloutBatch, rl: RLConfig, old_logprobs, ref_logprobs) -> list[list[float]]:
-    """Per-token advantages of every sample (response coordinates).
+def _token_rewards(rewards: torch.Tensor, lengths: list[int], kl, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sample's reward on its last response token, minus kl_coef·KL_t on every token when KL is in the reward."""
+    values, mask = pad_rows([[0.0] * n for n in lengths])
+    last = torch.tensor([max(n - 1, 0) for n in lengths])
+    values[torch.arange(len(lengths)), last] = rewards * (torch.tensor(lengths) > 0)
+    if kl is not None:
+        values = values - kl_coef * kl
+    return values, mask
 
-    KL in the reward (rl.kl_in_reward) is a per-token penalty kl_coef·KL_t: REINFORCE++ subtracts it
-    from each token's reward before the discounted returns; outcome estimators subtract its sum
-    over the response from the sample's reward before the group baseline.
+
+def advantages(batch: RolloutBatch, rl: RLConfig, old_logprobs, ref_logprobs,
+               old_values=None) -> tuple[list[list[float]], list[list[float]] | None]:
+    """Per-token advantages of every sample (response coordinates), and PPO's returns (None otherwise).
+
+    KL in the reward (rl.kl_in_reward) is a per-token penalty kl_coef·KL_t: REINFORCE++ and PPO subtract
+    it from each token's reward; outcome estimators subtract its sum over the response from the
+    sample's reward before the group baseline.
     """
     rewards = torch.tensor(batch.rewards, dtype=torch.float64)
     lengths = [len(r) for r in batch.response_ids]
@@ -50,18 +68,20 @@ def advantages(batch: RolloutBatch, rl: RLConfig, old_logprobs, ref_logprobs) ->
     if rl.kl_coef > 0 and rl.kl_in_reward:
         logp, mask = pad_rows(old_logprobs)
         kl = kl_penalty(logp, pad_rows(ref_logprobs)[0], rl.kl_estimator) * mask
+    if rl.advantage == "gae":
+        token_rewards, mask = _token_rewards(rewards, lengths, kl, rl.kl_coef)
+        token_adv, returns = gae_advantages(token_rewards, pad_rows(old_values)[0], mask, rl.gamma, rl.lam)
+        token_adv = masked_whiten(token_adv, mask)
+        return ([token_adv[i, :n].tolist() for i, n in enumerate(lengths)],
+                [returns[i, :n].tolist() for i, n in enumerate(lengths)])
     if rl.advantage == "reinforce_pp":
-        values, mask = pad_rows([[0.0] * n for n in lengths])
-        last = torch.tensor([max(n - 1, 0) for n in lengths])
-        values[torch.arange(len(lengths)), last] = rewards * (torch.tensor(lengths) > 0)
-        if kl is not None:
-            values = values - rl.kl_coef * kl
-        token_adv = reinforce_pp_advantages(values, mask, rl.gamma)
-        return [token_adv[i, :n].tolist() for i, n in enumerate(lengths)]
+        token_rewards, mask = _token_rewards(rewards, lengths, kl, rl.kl_coef)
+        token_adv = reinforce_pp_advantages(token_rewards, mask, rl.gamma)
+        return [token_adv[i, :n].tolist() for i, n in enumerate(lengths)], None
     if kl is not None:
         rewards = rewards - rl.kl_coef * kl.sum(dim=1)
     per_sample = group_advantages(rl.advantage, rewards.view(-1, rl.group_size), rl.norm_adv_by_std).reshape(-1)
-    return [[float(a)] * n for a, n in zip(per_sample.tolist(), lengths)]
+    return [[float(a)] * n for a, n in zip(per_sample.tolist(), lengths)], None
 
 
 @dataclass
@@ -75,10 +95,14 @@ class UpdateTotals:
     samples: int = 0
     lr: float = 0.0
     stats: torch.Tensor = field(default_factory=lambda: torch.zeros(len(STAT_NAMES), dtype=torch.float64))
+    critic_loss_sum: float = 0.0
+    critic_stats: torch.Tensor = field(default_factory=lambda: torch.zeros(len(CRITIC_STATS), dtype=torch.float64))
 
     def stat(self, name: str) -> float:
+        """A token mean over every optimizer step of the rollout."""
         tokens = float(self.stats[0])
-        return float(self.stats[STAT_NAMES.index(name)]) / tokens if tokens else 0.0
+        source, names = (self.critic_stats, CRITIC_STATS) if name in CRITIC_STATS else (self.stats, STAT_NAMES)
+        return float(source[names.index(name)]) / tokens if tokens else 0.0
 
 
 def mini_batch_samples(step: int, epoch: int, seed: int, num_groups: int, mini_groups: int, n: int) -> list[list[int]]:
@@ -90,7 +114,8 @@ def mini_batch_samples(step: int, epoch: int, seed: int, num_groups: int, mini_g
 def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, step: int, lr_of) -> UpdateTotals:
     """Every optimizer step of one rollout; `lr_of(k)` is the learning rate of the k-th step of this rollout.
 
-    ctx carries: cfg, plan, rank (DP rank), device, options (StepOptions), pad_id, before_update."""
+    ctx carries: cfg, plan, rank (DP rank), device, options (StepOptions), pad_id, before_update, and for
+    PPO critic and critic_optimizer (None otherwise): the critic takes one step on every mini-batch too."""
     cfg, plan, rl = ctx.cfg, ctx.plan, ctx.cfg.rl
     objective = RLObjective(rl)
     totals = UpdateTotals()
@@ -115,6 +140,11 @@ def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, ste
             ctx.before_update()
             totals.lr = lr_of(totals.num_updates)
             totals.grad_norm_sum += optimizer_step(optimizer, parameters, totals.lr, cfg.train.grad_clip)
+            if getattr(ctx, "critic", None) is not None:
+                critic_loss, _, critic_stats = critic_step(ctx.critic, ctx.critic_optimizer, mbs, denominator, ctx,
+                                                           rl.critic_lr or totals.lr)
+                totals.critic_loss_sum += critic_loss
+                totals.critic_stats += all_reduce_sum(critic_stats).cpu()
             totals.loss_sum += loss
             totals.num_updates += 1
             totals.input_tokens += int(input_tokens)

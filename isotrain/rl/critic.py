@@ -1,0 +1,90 @@
+"""PPO's critic: a value model, the rollout's values, and its update on the shared gradient step.
+
+The critic is the policy's backbone with a one-output token head (transformers'
+`AutoModelForTokenClassification`, num_labels=1), initialised from the policy's weights and
+parallelised like it. V_t, read at the position that predicts response token t, estimates the
+return from there. Its loss per token is the clipped value loss
+
+    ½ · max((V − R)², (clip(V, V_old ± rl.value_clip) − R)²)
+
+aggregated exactly like the policy loss (same `rl.loss_agg` weights, same global denominator), so
+it too does not depend on the layout. The critic has its own AdamW (`rl.critic_lr`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from isotrain.config import Config
+from isotrain.parallel.apply import parallelize
+from isotrain.rl.algos import aggregation_weights, value_loss
+from isotrain.rl.experience import RolloutBatch, make_micro_batch
+from isotrain.train.optim import build_optimizer
+from isotrain.train.step import accumulate_gradients, optimizer_step
+
+CRITIC_STATS = ("value_loss", "value_clipped", "value_mean")
+
+
+def build_critic(cfg: Config, plain_policy: nn.Module, device: torch.device, mesh, degrees):
+    """A value model sharing the policy's initial backbone weights; parallelised; with its own optimizer."""
+    from transformers import AutoModelForTokenClassification
+
+    config = copy.deepcopy(plain_policy.config)
+    config.num_labels = 1
+    torch.manual_seed(cfg.train.seed)  # the head's initialisation is the same on every rank
+    critic = AutoModelForTokenClassification.from_config(config, dtype=torch.float32,
+                                                         attn_implementation=cfg.model.attn_implementation)
+    prefix = plain_policy.base_model_prefix
+    getattr(critic, prefix).load_state_dict(getattr(plain_policy, prefix).state_dict())
+    critic = parallelize(critic.to(device), mesh, degrees, torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
+    train = cfg.train.model_copy(update={"lr": cfg.rl.critic_lr or cfg.train.lr})
+    return critic, build_optimizer(critic, train)
+
+
+def _values(critic, mb: dict, device: torch.device) -> torch.Tensor:
+    out = critic(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device), use_cache=False)
+    return out.logits.squeeze(-1).float()
+
+
+@torch.no_grad()
+def token_values(critic, batch: RolloutBatch, pad_id: int, micro_batch_size: int, device: torch.device,
+                 autocast_dtype=None) -> list[list[float]]:
+    """V_t of every response token of every sample (response coordinates), before any update."""
+    out: list[list[float]] = []
+    for start in range(0, len(batch), micro_batch_size):
+        part = batch.select(range(start, min(start + micro_batch_size, len(batch))))
+        mb = make_micro_batch(part, pad_id, False, {})
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            values = _values(critic, mb, device).cpu()
+        for i, (prompt, response) in enumerate(zip(part.prompt_ids, part.response_ids)):
+            p = len(prompt)
+            out.append(values[i, p - 1 : p - 1 + len(response)].tolist())
+    return out
+
+
+def critic_step(critic, optimizer, mbs: list[dict], denominator: float, ctx, lr: float) -> tuple[float, float, torch.Tensor]:
+    """One optimizer step of the critic on the policy's micro-batches; (loss, grad norm, CRITIC_STATS token sums)."""
+    rl = ctx.cfg.rl
+    stats = torch.zeros(len(CRITIC_STATS), dtype=torch.float64, device=ctx.device)
+
+    def loss_sum(mb: dict, autocast) -> torch.Tensor:
+        mask = mb["mask"].to(ctx.device)
+        weights, _ = aggregation_weights(mask, rl.loss_agg, rl.max_new_tokens)
+        with autocast:
+            values = _values(critic, mb, ctx.device)
+        old, returns = mb["old_values"].to(ctx.device), mb["returns"].to(ctx.device)
+        losses = value_loss(values, old, returns, rl.value_clip)
+        on = mask > 0
+        with torch.no_grad():
+            clipped = torch.zeros_like(on) if rl.value_clip is None else (values - old).abs() > rl.value_clip
+            stats.add_(torch.stack([torch.where(on, losses, 0.0).double().sum(), (clipped & on).sum().double(),
+                                    torch.where(on, values, 0.0).double().sum()]))
+        return torch.where(on, losses * weights, 0.0).sum()
+
+    loss = accumulate_gradients(critic, mbs, loss_sum, denominator, ctx.options, ctx.device)
+    parameters = [p for p in critic.parameters() if p.requires_grad]
+    norm = optimizer_step(optimizer, parameters, lr, ctx.cfg.train.grad_clip)
+    return loss, norm, stats

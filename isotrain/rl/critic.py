@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from isotrain.config import Config
-from isotrain.parallel.apply import parallelize
+from isotrain.parallel.apply import apply_compile, parallelize
 from isotrain.rl.algos import aggregation_weights, value_loss
 from isotrain.rl.experience import RolloutBatch, make_micro_batch
 from isotrain.train.optim import build_optimizer
@@ -39,6 +39,8 @@ def build_critic(cfg: Config, plain_policy: nn.Module, device: torch.device, mes
                                                          attn_implementation=cfg.model.attn_implementation)
     prefix = plain_policy.base_model_prefix
     getattr(critic, prefix).load_state_dict(getattr(plain_policy, prefix).state_dict())
+    if cfg.train.compile:
+        apply_compile(critic, degrees)
     critic = parallelize(critic.to(device), mesh, degrees, torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
     train = cfg.train.model_copy(update={"lr": cfg.rl.critic_lr or cfg.train.lr})
     return critic, build_optimizer(critic, train)

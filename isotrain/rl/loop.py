@@ -29,7 +29,7 @@ from isotrain.config import Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.errors import ConfigError
 from isotrain.models.loading import build_model, count_parameters
-from isotrain.parallel.apply import parallelize
+from isotrain.parallel.apply import apply_compile, parallelize
 from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_mesh
 from isotrain.rl.critic import build_critic, token_values
@@ -116,6 +116,8 @@ def build_policy(cfg: Config, info: DistInfo, tokenizer, degrees, mesh):
         model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
     elif cfg.rl.kl_coef > 0:
         reference = copy.deepcopy(model).eval().requires_grad_(False)
+    if cfg.train.compile:
+        apply_compile(model, degrees)
     model = parallelize(model, mesh, degrees, torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
     return model, build_optimizer(model, cfg.train), engine_copy, reference
 

@@ -32,7 +32,6 @@ from isotrain.checkpoint.files import (
     tensor_view,
     with_path,
     write_chunks,
-    write_json,
 )
 from isotrain.checkpoint.layout import step_dir_name, write_latest
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_manifest

@@ -37,14 +37,14 @@ from isotrain.rl.experience import all_gather_lists, response_logprobs
 from isotrain.rl.generate import collect, evaluate
 from isotrain.rl.prompts import PromptSet, PromptStream, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
-from isotrain.rl.update import UpdateTotals, advantages, run_updates, step_options
+from isotrain.rl.update import UpdateTotals, advantages, run_updates
+from isotrain.train.step import step_options
 from isotrain.rl.weights import sync_named_tensors
 from isotrain.sizes import pin_rl_global_batch, plan_rl_batches, resolve_degrees
-from isotrain.train.loop import plan_table
 from isotrain.train.metrics import MetricsWriter, ProgressBar
 from isotrain.train.optim import build_optimizer
 from isotrain.train.schedule import lr_at
-from isotrain.train.setup import prepare_tokenizer, seed_everything
+from isotrain.train.setup import prepare_tokenizer, start_run
 from isotrain.train.stop import GracefulStop
 
 RL_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen", "prompt_rounds", "optimizer_steps")
@@ -149,12 +149,7 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
     plan = plan_rl_batches(cfg, degrees)  # invariant 7: every size checked before any work
     pin_rl_global_batch(cfg, plan)
     reward_fn = _reward_fn(cfg)
-    output_dir = Path(cfg.output_dir)
-    if info.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        console.print(plan_table(plan, degrees))
-    barrier()
-    seed_everything(cfg.train.seed, cfg.train.deterministic)
+    output_dir = start_run(cfg, info, console, plan, degrees)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
     prompts = read_prompts(cfg.data.path)
     held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples) if cfg.eval.path else None

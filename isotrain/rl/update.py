@@ -30,7 +30,7 @@ from isotrain.rl.algos import (
 from isotrain.rl.critic import CRITIC_STATS, critic_step
 from isotrain.rl.experience import RolloutBatch, make_micro_batch
 from isotrain.rl.objective import STAT_NAMES, RLObjective
-from isotrain.train.step import accumulate_gradients, optimizer_step, step_options  # noqa: F401 (re-exported)
+from isotrain.train.step import accumulate_gradients, optimizer_step
 
 
 def pad_rows(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:

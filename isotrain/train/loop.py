@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from isotrain.checkpoint.files import atomic_write_text
 from isotrain.checkpoint.layout import step_dir_name
@@ -24,13 +23,13 @@ from isotrain.data.collate import collate
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import read_rows
 from isotrain.models.loading import count_parameters
-from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
+from isotrain.parallel.dist import DistInfo, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_mesh
-from isotrain.sizes import BatchPlan, plan_batches, resolve_degrees
+from isotrain.sizes import plan_batches, resolve_degrees
 from isotrain.train.evaluate import exact_match
 from isotrain.train.metrics import MetricsWriter, ProgressBar, flops_per_token, peak_tflops
 from isotrain.train.schedule import lr_at
-from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer, seed_everything
+from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer, start_run
 from isotrain.train.step import step_options, train_step
 from isotrain.train.stop import GracefulStop
 
@@ -57,13 +56,6 @@ class TrainResult:
     model: object = None  # the trained module itself, single-process runs only
     data_stats: object = None  # the dataset's own totals (DataStats)
     stopped: bool = False  # stopped early by SIGTERM/SIGINT
-
-
-def plan_table(plan: BatchPlan, degrees) -> Table:
-    table = Table(title="batch sizes", show_header=False)
-    for name, value in [*vars(degrees).items(), *plan.as_rows()]:
-        table.add_row(name, str(value))
-    return table
 
 
 def _metrics_row(cfg, counters: Counters, result, lr: float, step_s: float, flops_tok: float, peak) -> dict:
@@ -180,12 +172,7 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, 
     log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
     degrees = resolve_degrees(cfg.parallel, info.world_size)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
-    output_dir = Path(cfg.output_dir)
-    if info.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        console.print(plan_table(plan, degrees))
-    barrier()
-    seed_everything(cfg.train.seed, cfg.train.deterministic)
+    output_dir = start_run(cfg, info, console, plan, degrees)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
     dataset = prepare_data(cfg, info, tokenizer, log)
     mesh = build_mesh(degrees, info.device)

@@ -34,6 +34,26 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def start_run(cfg: Config, info: DistInfo, console, plan, degrees) -> Path:
+    """After the sizes were checked: the run directory, the printed sizes, and every RNG seeded."""
+    output_dir = Path(cfg.output_dir)
+    if info.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        console.print(plan_table(plan, degrees))
+    barrier()
+    seed_everything(cfg.train.seed, cfg.train.deterministic)
+    return output_dir
+
+
+def plan_table(plan, degrees):
+    from rich.table import Table
+
+    table = Table(title="batch sizes", show_header=False)
+    for name, value in [*vars(degrees).items(), *plan.as_rows()]:
+        table.add_row(name, str(value))
+    return table
+
+
 def row_texts(rows: list[dict], fmt: str) -> list[str]:
     """The raw text of data rows, to train a tokenizer on."""
     if fmt == "text":

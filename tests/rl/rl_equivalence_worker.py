@@ -28,7 +28,8 @@ from isotrain.parallel.mesh import build_mesh
 from isotrain.rl.algos import LOSS_AGG_MODES
 from isotrain.rl.experience import RolloutBatch, make_micro_batch, response_logprobs
 from isotrain.rl.objective import STAT_NAMES, RLObjective
-from isotrain.rl.update import advantages, mini_batch_samples, run_updates, step_options
+from isotrain.rl.update import advantages, mini_batch_samples, run_updates
+from isotrain.train.step import step_options
 from isotrain.sizes import ParallelDegrees, plan_rl_batches
 from isotrain.train.optim import build_optimizer
 
@@ -90,7 +91,7 @@ def per_token_arrays(batch: RolloutBatch, cfg) -> dict:
     old = [[x + float(rng.choice(offsets)) for x in row] for row in own]
     ref = [[x + float(rng.uniform(-0.5, 0.5)) for x in row] for row in own]
     batch.engine_logprobs = [[x + float(rng.uniform(-0.6, 0.6)) for x in row] for row in old]
-    return {"advantages": advantages(batch, cfg.rl, old, ref), "old_logprobs": old, "ref_logprobs": ref,
+    return {"advantages": advantages(batch, cfg.rl, old, ref)[0], "old_logprobs": old, "ref_logprobs": ref,
             "engine_logprobs": batch.engine_logprobs}
 
 

@@ -1,0 +1,432 @@
+"""`isotrain rl` end to end through the real CLI and real processes.
+
+One briefly trained SFT model of the bundled recipe (it gets some sums right, most wrong) is the
+start of every run. The tests prove that:
+- GRPO and DAPO raise a learnable reward (rl_e2e_rewards.py), sampled and greedy, in 40 steps;
+- metrics.jsonl keeps its contract (the fields, counters that only grow, samples = steps × P × n);
+- a SIGKILL after checkpoint k, then `checkpoint.resume=auto`, ends with byte-identical weights,
+  optimizer state and metrics (invariants 4 and 5), also with PPO mini-batches and epochs and with
+  DAPO's variable number of generation rounds;
+- 2-process DDP and FSDP2 runs complete and save a model transformers loads; a 2-rank FSDP2
+  checkpoint resumes on 1 process with the same prompt stream and counters (invariant 3);
+- the separate-process rollout engine gives the same rollouts as the in-process one;
+- bad input gets one clear line, a non-zero exit and no traceback (invariant 8);
+- the bundled default (`isotrain rl` with no config) is wired to its warm start and data.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, isotrain_cli, kill_tree, model_weights, subprocess_env, torchrun
+
+SFT_STEPS = 400
+
+# Small rollouts for the resume, layout and engine tests: P=4 prompts × n=4 samples per step.
+SMALL = [
+    "rl.prompts_per_step=4",
+    "rl.group_size=4",
+    "train.micro_batch_size=8",
+    "eval.path=null",
+    "logging.progress=false",
+]
+
+RL_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_seen", "trained_tokens", "samples_seen", "tokens_per_s",
+             "reward_mean", "reward_std", "response_len_mean", "kl", "clip_frac", "entropy", "pg_loss",
+             "filtered_groups", "generate_s", "logprob_s", "update_s")
+GROWING = ("step", "tokens_seen", "trained_tokens", "samples_seen", "optimizer_steps")
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    """Rows without wall-clock columns: what must be identical between equivalent runs."""
+    return [{k: v for k, v in row.items() if not k.endswith("_s") and k != "tokens_per_s"} for row in rows]
+
+
+def tensor_files(directory) -> list[str]:
+    return sorted(p.relative_to(directory).as_posix() for p in Path(directory).rglob("*.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """The starting model: the bundled SFT recipe stopped early, with one checkpoint at its last step."""
+    run_dir = tmp_path_factory.mktemp("sft") / "sft"
+    proc = isotrain_cli(["train", f"train.max_steps={SFT_STEPS}", f"output_dir={run_dir}", "logging.progress=false",
+                         f"checkpoint.every_steps={SFT_STEPS}"], cwd=run_dir.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracy = float(re.search(r"exact-match accuracy on 200 held-out prompts: ([\d.]+)%", proc.stdout)[1]) / 100
+    # RL needs a start that is sometimes right (a signal) and often wrong (room to improve).
+    assert 0.05 <= accuracy <= 0.8, accuracy
+    return run_dir
+
+
+def rl_cli(sft_dir, run_dir, *overrides, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`isotrain rl` (bundled RL recipe) from the SFT model, in the run's parent directory."""
+    args = ["rl", f"model.name_or_path={sft_dir / 'model'}", f"output_dir={run_dir}", "logging.progress=false",
+            "checkpoint.every_steps=0", *overrides]
+    Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    return isotrain_cli(args, timeout=timeout, cwd=Path(run_dir).parent)
+
+
+def rl_command(sft_dir, run_dir, overrides: list[str], nproc: int = 1) -> list[str]:
+    args = ["-m", "isotrain", "rl", f"model.name_or_path={sft_dir / 'model'}", f"output_dir={run_dir}", *overrides]
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+
+
+# ----- 1 and 2: the reward rises; the metrics contract ---------------------------------------------------------
+
+REWARD = f"rl.reward={Path(__file__).with_name('rl_e2e_rewards.py')}:leading_one"
+RISE = ["rl.prompts_per_step=16", "rl.group_size=8", "train.micro_batch_size=64", "train.max_steps=40",
+        "train.lr=2e-4", "train.seed=1", "eval.max_samples=100", REWARD]
+WINDOW = 10  # steps averaged at the start and at the end
+
+
+def greedy_rewards(stdout: str) -> tuple[float, float]:
+    """Mean greedy reward on the held-out prompts, printed before and after RL."""
+    found = dict(re.findall(r"(before|after) RL: mean greedy reward on \d+ held-out prompts: ([\d.]+)%", stdout))
+    assert set(found) == {"before", "after"}, stdout[-2000:]
+    return float(found["before"]) / 100, float(found["after"]) / 100
+
+
+@pytest.fixture(scope="module")
+def rise_runs(sft, tmp_path_factory):
+    """40 GRPO and 40 DAPO steps from the SFT model: (stdout, run directory) per algorithm."""
+    root = tmp_path_factory.mktemp("rise")
+    runs = {}
+    for algorithm in ("grpo", "dapo"):
+        # DAPO: at most 2 prompt rounds per step (of the default 4), to halve its generation time.
+        extra = ["rl.max_generation_rounds=2"] if algorithm == "dapo" else []
+        proc = rl_cli(sft, root / algorithm, *RISE, f"rl.algorithm={algorithm}", *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[algorithm] = (proc.stdout, root / algorithm)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
+def test_reward_rises(rise_runs, algorithm):
+    stdout, run_dir = rise_runs[algorithm]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    first = sum(r["score_mean"] for r in rows[:WINDOW]) / WINDOW
+    last = sum(r["score_mean"] for r in rows[-WINDOW:]) / WINDOW
+    before, after = greedy_rewards(stdout)
+    summary = f"sampled score {first:.3f} -> {last:.3f}, held-out greedy reward {before:.3f} -> {after:.3f}"
+    # The policy, sampled and greedy, shows the rewarded behaviour far more often after 40 steps
+    # (seeds 1 and 2: sampled 0.54-0.61 -> 0.94-0.96, greedy 0.55 -> 0.98-1.0, GRPO and DAPO alike).
+    assert last >= first + 0.15, summary
+    assert after >= before + 0.2, summary
+    if algorithm == "dapo":
+        # Dynamic sampling really ran: groups of equal scores were dropped and more rounds drawn.
+        # (With this reward most groups are all-equal, so the round bound is reached and dropped
+        # groups fill the batch; its mean score still follows the policy.)
+        assert all(r["filtered_groups"] > 0 and r["generation_rounds"] > 1 for r in rows), summary
+
+
+@pytest.mark.slow
+def test_metrics_rows_keep_the_contract(rise_runs):
+    for algorithm, (_, run_dir) in rise_runs.items():
+        rows = metrics(run_dir)
+        for row in rows:
+            missing = [k for k in RL_FIELDS if k not in row]
+            assert not missing, (algorithm, row["step"], missing)
+            assert all(isinstance(row[k], (int, float)) for k in RL_FIELDS), (algorithm, row)
+        for key in GROWING:
+            values = [r[key] for r in rows]
+            assert all(a < b for a, b in zip(values, values[1:])), (algorithm, key, values)
+        # One optimizer step per rollout of P=16 prompts × n=8 samples.
+        assert [r["samples_seen"] for r in rows] == [r["step"] * 16 * 8 for r in rows], algorithm
+        assert [r["optimizer_steps"] for r in rows] == [r["step"] for r in rows], algorithm
+        assert all(r["lr"] == 2e-4 for r in rows)  # the bundled recipe's constant schedule
+        assert all(0 <= r["score_mean"] <= 1 for r in rows)
+        assert all(0 < r["response_len_mean"] <= 5 for r in rows)  # rl.max_new_tokens of the recipe
+        # Exact token accounting: a step trains every response token of its P × n samples, and sees
+        # those plus the prompt tokens.
+        previous = {"trained_tokens": 0, "tokens_seen": 0}
+        for r in rows:
+            trained = r["trained_tokens"] - previous["trained_tokens"]
+            assert trained == pytest.approx(r["response_len_mean"] * 16 * 8, abs=1e-6), (algorithm, r["step"])
+            assert r["tokens_seen"] - previous["tokens_seen"] > trained + 16 * 8 * 3, (algorithm, r["step"])
+            previous = r
+    dapo = metrics(rise_runs["dapo"][1])
+    # DAPO draws more prompt rounds while groups are filtered; GRPO draws exactly one per step.
+    assert sum(r["generation_rounds"] for r in dapo) > len(dapo)
+    assert all(r["generation_rounds"] == 1 and r["filtered_groups"] == 0 for r in metrics(rise_runs["grpo"][1]))
+
+
+# ----- 3: exact resume after SIGKILL -------------------------------------------------------------------------------
+
+RESUME_VARIANTS = {
+    "grpo": [],
+    # 2 mini-batches × 2 epochs: 4 optimizer steps per rollout, old log-probs recomputed, ratios clipped.
+    "ppo": ["rl.mini_batch_prompts=2", "rl.ppo_epochs=2", "train.lr=1e-3"],
+    # dynamic sampling consumes a variable number of prompt rounds per step
+    "dapo": ["rl.algorithm=dapo"],
+}
+RESUME = [*SMALL, "train.max_steps=8", "checkpoint.every_steps=2", "train.deterministic=true"]
+
+
+def run_to_end(sft_dir, run_dir, overrides: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    proc = subprocess.run(rl_command(sft_dir, run_dir, overrides, nproc), env=subprocess_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def kill_after_checkpoint(sft_dir, run_dir, overrides: list[str], step: int) -> None:
+    """Start a run and SIGKILL every one of its processes as soon as checkpoint `step` is committed."""
+    target = run_dir / "checkpoints" / f"step-{step:08d}"
+    proc = subprocess.Popen(rl_command(sft_dir, run_dir, overrides), env=subprocess_env(), cwd=REPO,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not (target / "manifest.json").is_file():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the run never committed its checkpoint"
+        time.sleep(0.002)
+    kill_tree(proc.pid)
+    proc.wait()
+    proc.stderr.close()
+    later = [p for p in (run_dir / "checkpoints").glob("step-*") if p.name > target.name and "." not in p.name]
+    for path in later:  # the kill came a little late: keep step `step` as the newest committed one
+        shutil.rmtree(path)
+    assert not (run_dir / "model").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(RESUME_VARIANTS))
+def test_sigkill_then_resume_is_byte_identical(sft, tmp_path, variant):
+    from isotrain.checkpoint.manifest import verify_checkpoint
+
+    overrides = [*RESUME, *RESUME_VARIANTS[variant]]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_to_end(sft, straight, overrides)
+    kill_after_checkpoint(sft, resumed, overrides, 4)
+    proc = run_to_end(sft, resumed, [*overrides, "checkpoint.resume=auto"])
+    assert "resumed from" in proc.stdout and "step-00000004 at step 4" in proc.stdout, proc.stdout[-2000:]
+
+    weights_a, weights_b = model_weights(straight / "model"), model_weights(resumed / "model")
+    assert weights_a.keys() == weights_b.keys() and weights_a
+    for name in weights_a:
+        assert torch.equal(weights_a[name], weights_b[name]), name
+    final_a, final_b = straight / "checkpoints" / "step-00000008", resumed / "checkpoints" / "step-00000008"
+    assert verify_checkpoint(final_b) == []
+    files = tensor_files(final_a)
+    assert files == tensor_files(final_b) and any("optimizer" in f for f in files)
+    for name in files:
+        assert (final_a / name).read_bytes() == (final_b / name).read_bytes(), name
+    state_a = json.loads((final_a / "train_state" / "state.json").read_text())
+    state_b = json.loads((final_b / "train_state" / "state.json").read_text())
+    for key in ("step", "tokens_seen", "trained_tokens", "samples_seen", "prompt_rounds", "optimizer_steps"):
+        assert state_a[key] == state_b[key], key
+
+    rows_a, rows_b = metrics(straight), metrics(resumed)
+    assert [r["step"] for r in rows_b] == list(range(1, 9))
+    assert untimed(rows_a) == untimed(rows_b)
+    if variant == "ppo":
+        assert all(r["optimizer_steps"] == 4 * r["step"] for r in rows_a)
+        assert any(r["clip_frac"] > 0 for r in rows_a[4:]), "the resumed steps never clipped a ratio"
+    if variant == "dapo":
+        # Steps 5-8 drew their prompts from the restored round counter, after extra rounds before it.
+        assert sum(r["generation_rounds"] for r in rows_a[:4]) > 4
+        assert state_a["prompt_rounds"] == sum(r["generation_rounds"] for r in rows_a)
+
+
+# ----- 4: two processes: DDP and FSDP2; a 2-rank checkpoint resumed on 1 process ------------------------------------
+
+LAYOUTS = {
+    "ddp": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
+    "fsdp2": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
+}
+TWO_RANKS = [*SMALL, "train.micro_batch_size=4", "train.max_steps=4", "checkpoint.every_steps=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_process_run_completes_and_fsdp2_resumes_on_one(sft, tmp_path, layout):
+    from transformers import AutoModelForCausalLM
+
+    from isotrain.checkpoint.layout import write_latest
+
+    run_dir = tmp_path / "two"
+    proc = torchrun(2, ["-m", "isotrain", "rl", f"model.name_or_path={sft / 'model'}", f"output_dir={run_dir}",
+                        *TWO_RANKS, *LAYOUTS[layout]], cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["samples_seen"] for r in rows] == [16, 32, 48, 64]
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    saved = model_weights(run_dir / "model")
+    for name, tensor in model.state_dict().items():
+        if name in saved:
+            assert torch.equal(tensor, saved[name]), name
+    assert (run_dir / "checkpoints" / "step-00000004").is_dir()
+    if layout == "ddp":
+        return  # one cross-layout resume is enough, and FSDP2's sharded state is the harder one
+
+    # Step 2 of the 2-rank run, continued on 1 process: the same prompt stream and counters.
+    single = tmp_path / "one"
+    shutil.copytree(run_dir / "checkpoints", single / "checkpoints")
+    shutil.rmtree(single / "checkpoints" / "step-00000004")
+    write_latest(single / "checkpoints", "step-00000002")
+    proc = run_to_end(sft, single, [*TWO_RANKS, "train.micro_batch_size=8"])
+    assert "resumed from" in proc.stdout and "saved on 2 rank(s), now 1" in proc.stdout, proc.stdout[-2000:]
+    resumed_rows = metrics(single)
+    assert [r["step"] for r in resumed_rows] == [3, 4]
+    for key in ("samples_seen", "optimizer_steps", "lr"):
+        assert [r[key] for r in resumed_rows] == [r[key] for r in rows[2:]], key
+    state_two = json.loads((run_dir / "checkpoints" / "step-00000004" / "train_state" / "state.json").read_text())
+    state_one = json.loads((single / "checkpoints" / "step-00000004" / "train_state" / "state.json").read_text())
+    assert state_one["prompt_rounds"] == state_two["prompt_rounds"] == 4
+
+
+# ----- 5: the separate-process rollout engine -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_process_engine_gives_the_rollouts_of_the_in_process_engine(sft, tmp_path):
+    overrides = [*SMALL, "train.max_steps=3", "train.deterministic=true"]
+    run_to_end(sft, tmp_path / "hf", overrides)
+    run_to_end(sft, tmp_path / "process", [*overrides, "rollout.engine=process"])
+    rows_hf, rows_process = metrics(tmp_path / "hf"), metrics(tmp_path / "process")
+    assert [r["step"] for r in rows_process] == [1, 2, 3]
+    assert set(rows_process[0]) == set(rows_hf[0])
+    # Same weights, same call seeds, same generate code: the same samples, hence the same counts and rewards.
+    assert untimed(rows_process) == untimed(rows_hf)
+    assert (tmp_path / "process" / "model" / "model.safetensors").is_file()
+
+
+# ----- 6: bad input -------------------------------------------------------------------------------------------------
+
+
+def assert_clean_error(proc, expected: str) -> None:
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and expected in " ".join(lines[0].split()), proc.stderr
+
+
+def test_prompts_not_divisible_by_the_dp_size_are_refused_before_any_work():
+    proc = isotrain_cli(["config", "show", "rl.prompts_per_step=5", "rl.group_size=4", "parallel.dp_replicate=2",
+                         "--world-size", "2"])
+    assert_clean_error(proc, "rl.prompts_per_step=5 cannot be split over 2 data-parallel ranks (each rank "
+                             "generates whole groups); use rl.prompts_per_step in [4, 6]")
+
+
+def test_config_show_prints_the_rl_sizes():
+    from isotrain.recipes import default_rl_recipe_path
+
+    proc = isotrain_cli(["config", "show", str(default_rl_recipe_path()), "rl.prompts_per_step=8", "rl.group_size=4",
+                         "rl.mini_batch_prompts=4", "train.micro_batch_size=4", "parallel.dp_replicate=2",
+                         "--world-size", "2"])
+    assert proc.returncode == 0, proc.stderr
+    for line in ("# samples_per_rollout: 32", "# optimizer_steps_per_rollout: 2", "# grad_accum_steps: 2",
+                 "global_batch_size: 16"):
+        assert line in proc.stdout, (line, proc.stdout)
+
+
+def test_unknown_rl_key_gets_a_did_you_mean(tmp_path):
+    proc = isotrain_cli(["rl", "rl.grup_size=4", f"output_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert_clean_error(proc, "unknown config key 'rl.grup_size'; did you mean rl.group_size?")
+
+
+def test_wrong_global_batch_size_is_refused(sft, tmp_path):
+    proc = rl_cli(sft, tmp_path / "run", "rl.prompts_per_step=4", "rl.group_size=4", "train.micro_batch_size=8",
+                  "train.global_batch_size=32")
+    assert_clean_error(proc, "train.global_batch_size=32 is not used by RL: the global batch is "
+                             "rl.mini_batch_prompts × rl.group_size = 16 sequences; remove it or set it to 16")
+
+
+def test_unknown_reward_module_is_refused(sft, tmp_path):
+    proc = rl_cli(sft, tmp_path / "run", "rl.reward=nosuchmodule:f")
+    assert_clean_error(proc, "rl.reward 'nosuchmodule:f': module 'nosuchmodule' cannot be imported; check "
+                             "PYTHONPATH or give the file as 'path/to/file.py:function'")
+    assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_missing_prompt_file_is_refused(sft, tmp_path):
+    proc = rl_cli(sft, tmp_path / "run", f"data.path={tmp_path / 'nope.jsonl'}")
+    assert_clean_error(proc, f"data.path '{tmp_path / 'nope.jsonl'}' does not exist; point data.path at a .jsonl, "
+                             ".json, .parquet or a directory saved with datasets.save_to_disk")
+
+
+def test_resuming_from_an_sft_checkpoint_needs_load_only(sft, tmp_path):
+    checkpoint = sft / "checkpoints" / f"step-{SFT_STEPS:08d}"
+    proc = rl_cli(sft, tmp_path / "run", *SMALL, "train.max_steps=1", f"checkpoint.resume={checkpoint}")
+    assert_clean_error(proc, f"checkpoint {checkpoint} was saved by another kind of run (no prompt_rounds counter); "
+                             "set checkpoint.load_only=model to start from its weights only")
+    # With load_only=model the same checkpoint starts a new RL run from its weights.
+    proc = rl_cli(sft, tmp_path / "run", *SMALL, "train.max_steps=1", f"checkpoint.resume={checkpoint}",
+                  "checkpoint.load_only=model")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "started from the weights of" in proc.stdout
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1]
+
+
+# ----- 7: the bundled default wiring --------------------------------------------------------------------------------
+
+
+def test_bundled_rl_recipe_runs_from_its_warm_start(sft, tmp_path):
+    """`isotrain rl` with no config, in a directory where the warm-start model already exists."""
+    from isotrain.recipes import RL_WARM_START
+
+    shutil.copytree(sft / "model", tmp_path / RL_WARM_START[0])
+    proc = isotrain_cli(["rl", "train.max_steps=2", "rl.prompts_per_step=4", "rl.group_size=4",
+                         "train.micro_batch_size=16", "logging.progress=false", "eval.max_samples=20"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is absent" not in proc.stdout  # the warm start was found, not retrained
+    assert "before RL: exact-match accuracy on 20 held-out prompts" in proc.stdout
+    assert "after RL: exact-match accuracy on 20 held-out prompts" in proc.stdout
+    run_dir = tmp_path / "runs" / "rl-default"
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    assert (run_dir / "model" / "model.safetensors").is_file()
+    assert (run_dir / "checkpoints" / "step-00000002" / "manifest.json").is_file()  # saved at the last step
+
+
+def test_warm_start_trains_the_missing_sft_model_with_the_bundled_recipe(tmp_path, monkeypatch):
+    import isotrain.train.loop
+    from isotrain.cli import _warm_start
+    from isotrain.config import load_config
+    from isotrain.errors import ConfigError
+    from isotrain.recipes import RL_WARM_START, default_rl_recipe_path
+
+    monkeypatch.chdir(tmp_path)
+    trained = []
+    monkeypatch.setattr(isotrain.train.loop, "train", trained.append)
+    cfg = load_config(None, [], default=default_rl_recipe_path())
+    assert cfg.model.name_or_path == RL_WARM_START[0]
+    _warm_start(cfg)
+    assert len(trained) == 1
+    sft_cfg = trained[0]
+    assert (sft_cfg.output_dir, sft_cfg.train.max_steps, sft_cfg.checkpoint.every_steps) == \
+        ("runs/rl-default/sft", 300, 0)
+    assert Path(sft_cfg.output_dir) / "model" == Path(RL_WARM_START[0])  # it writes where the RL recipe reads
+    assert sft_cfg.data.path == cfg.data.path and Path(sft_cfg.data.path).is_file()
+
+    # Present already, or another model chosen: nothing is trained.
+    (tmp_path / RL_WARM_START[0]).mkdir(parents=True)
+    (tmp_path / RL_WARM_START[0] / "config.json").write_text("{}")
+    _warm_start(cfg)
+    other = load_config(None, ["model.name_or_path=elsewhere"], default=default_rl_recipe_path())
+    shutil.rmtree(tmp_path / "runs")
+    _warm_start(other)
+    assert len(trained) == 1
+
+    # Several processes would all train it: refused with a sentence.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="does not exist yet; run `isotrain rl` once on one process"):
+        _warm_start(cfg)

@@ -73,11 +73,13 @@ def cmd_config_show(args) -> int:
     from isotrain.config import dump_config, load_config
     from isotrain.sizes import pin_rl_global_batch, plan_batches, plan_rl_batches, resolve_degrees
 
+    from isotrain.recipes import default_rl_recipe_path
+
     path, overrides = _split_config_and_overrides(args)
-    cfg = load_config(path, overrides)
+    cfg = load_config(path, overrides, default=default_rl_recipe_path() if args.rl else None)
     world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
     degrees = resolve_degrees(cfg.parallel, world_size)
-    if "rl" in cfg.model_fields_set:  # an RL config: its global batch is derived from the rl section
+    if args.rl or "rl" in cfg.model_fields_set:  # an RL config: its global batch is derived from the rl section
         plan = plan_rl_batches(cfg, degrees)
         pin_rl_global_batch(cfg, plan)
     else:
@@ -107,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_commands.add_parser("show", help="print the resolved config and every derived size")
     _add_config_args(show)
     show.add_argument("--world-size", type=int, default=1, help="number of processes to derive sizes for")
+    show.add_argument("--rl", action="store_true",
+                      help="derive RL sizes (automatic for a config with an rl section); no config: the bundled RL recipe")
     show.set_defaults(func=cmd_config_show)
 
     from isotrain.checkpoint.commands import add_parser as add_ckpt_parser
@@ -118,7 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
-    args = build_parser().parse_args([a for a in argv if a != "--debug"] if debug else argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args([a for a in argv if a != "--debug"] if debug else argv)
+    # Overrides may also follow an option (`config show x.yaml --world-size 2 a.b=1`).
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         code = args.func(args)
     except IsotrainError as err:

@@ -1,4 +1,4 @@
-"""The rollout engine interface and the default in-process engine (transformers `generate`).
+"""The rollout engine interface and the default in-process engine (our own KV-cache sampling loop).
 
 An engine is anything that samples responses and accepts new weights; the RL loop talks to it
 only through `RolloutEngine`, so an external engine (vLLM, SGLang) can replace `HFEngine`
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from isotrain.rl.decode import sample
 from isotrain.rl.weights import tensor_sha256
 
 
@@ -71,7 +72,7 @@ class RolloutEngine(Protocol):
 
 
 class HFEngine:
-    """transformers `generate` on the engine's own plain copy of the model: batched, KV cache, CPU OK.
+    """Batched KV-cache sampling (`isotrain.rl.decode`) on the engine's own plain copy of the model; CPU OK.
 
     Sampling draws from torch's global RNG, so a seeded run is reproducible.
     """
@@ -94,9 +95,6 @@ class HFEngine:
             param.grad = None
         self._batch_size = batch_size
         self._pad_id, self._eos_id = _special_ids(tokenizer)
-        # A clean generation config: a checkpoint's generation_config.json (repetition penalty,
-        # top_k, ...) must not change the distribution the log-probs describe.
-        self._model.generation_config = GenerationConfig(pad_token_id=self._pad_id, eos_token_id=self._eos_id)
         # Tied weights are one Parameter under several names (named_parameters() lists it once,
         # under its first name); every alias maps to that name.
         self._params = dict(self._model.named_parameters())
@@ -130,26 +128,21 @@ class HFEngine:
         return rollout
 
     def _generate_batch(self, rows: list[list[int]], params: SamplingParams):
-        # Left padding: generation appends on the right; position ids follow the attention mask.
+        # Left padding: generation appends on the right.
         width = max(len(r) for r in rows)
         input_ids = torch.tensor([[self._pad_id] * (width - len(r)) + r for r in rows])
         attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        sampling = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p, "top_k": 0}
-        out = self._model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+        tokens, chosen = sample(
+            self._model,
+            input_ids,
+            attention_mask,
             max_new_tokens=params.max_new_tokens,
-            do_sample=not params.greedy,
-            **sampling,
-            use_cache=True,
-            pad_token_id=self._pad_id,
-            eos_token_id=self._eos_id,
-            output_logits=True,
-            return_dict_in_generate=True,
+            eos_id=self._eos_id,
+            pad_id=self._pad_id,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            greedy=params.greedy,
         )
-        tokens = out.sequences[:, width:]
-        temperature = 1.0 if params.greedy else params.temperature
-        chosen = _chosen_logprobs(out.logits, tokens, temperature)
         responses, logprobs, truncated = [], [], []
         for row_tokens, row_logprobs in zip(tokens.tolist(), chosen.tolist()):
             length = row_tokens.index(self._eos_id) + 1 if self._eos_id in row_tokens else None
@@ -204,19 +197,6 @@ class HFEngine:
 
     def close(self) -> None:
         self.release_memory()
-
-
-def _chosen_logprobs(logits: tuple[torch.Tensor, ...], tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log_softmax(logits_t / T)[token_t] in fp32: (batch, new_tokens), from one (batch, vocab) tensor per step.
-
-    generate's `logits` already hold batch x new_tokens x vocab values (batch_size bounds that
-    memory); gathering step by step avoids a second, stacked copy.
-    """
-    columns = [
-        torch.log_softmax(step.float() / temperature, dim=-1).gather(-1, tokens[:, t, None]).squeeze(-1)
-        for t, step in enumerate(logits)
-    ]
-    return torch.stack(columns, dim=1)
 
 
 def _special_ids(tokenizer) -> tuple[int, int]:

@@ -187,3 +187,80 @@ def test_release_memory_then_update_restores(model, tokenizer):
 def test_sampling_params_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_seeded_call_is_reproducible_and_leaves_global_rng(model, tokenizer):
+    engine = HFEngine(model, tokenizer)
+    params = SamplingParams(n=4, max_new_tokens=12, temperature=0.9, top_p=0.95, seed=3)
+    torch.manual_seed(0)
+    first = engine.generate(PROMPTS, params)
+    after_first = torch.rand(1)
+    torch.manual_seed(99)  # a different global state must not matter
+    assert engine.generate(PROMPTS, params) == first
+    torch.manual_seed(0)
+    engine.generate(PROMPTS, params)
+    assert torch.equal(torch.rand(1), after_first)
+
+
+class _ScheduledLM(torch.nn.Module):
+    """A stand-in LM whose row r predicts token 5 until step r, then EOS (every row ends by step 2)."""
+
+    def __init__(self, config, eos_id: int):
+        super().__init__()
+        self.config, self.eos_id, self.num_calls = config, eos_id, 0
+
+    def forward(self, input_ids, past_key_values=None, **kwargs):
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], self.config.vocab_size), -10.0)
+        logits[:, -1, 5] = 10.0
+        logits[: self.num_calls + 1, -1, self.eos_id] = 20.0  # rows 0..num_calls end now
+        self.num_calls += 1
+        return type("Output", (), {"logits": logits})
+
+
+def test_rows_after_eos_emit_pad_and_the_loop_stops_when_all_are_done(model):
+    from isotrain.rl.decode import sample
+
+    eos_id, pad_id = 2, 0
+    lm = _ScheduledLM(model.config, eos_id)
+    tokens, logprobs = sample(
+        lm, torch.tensor([[1, 4]] * 3), torch.ones(3, 2, dtype=torch.long),
+        max_new_tokens=10, eos_id=eos_id, pad_id=pad_id, greedy=True,
+    )
+    assert lm.num_calls == 3  # not max_new_tokens: every row had produced EOS after 3 steps
+    assert tokens.tolist() == [[eos_id, pad_id, pad_id], [5, eos_id, pad_id], [5, 5, eos_id]]
+    assert logprobs.shape == (3, 3)
+
+
+def test_draw_follows_the_weights_and_never_draws_a_zero_weight():
+    from isotrain.rl.decode import _draw
+
+    torch.manual_seed(0)
+    weights = torch.tensor([0.0, 1.0, 0.0, 3.0, 6.0, 0.0, 1e-3])
+    counts = torch.bincount(_draw(weights.expand(200_000, -1)), minlength=len(weights)).double()
+    expected = weights.double() / weights.sum() * 200_000
+    assert counts[weights == 0].sum() == 0
+    # Binomial counts: within 5 standard deviations of n * p.
+    assert ((counts - expected).abs() <= 5 * expected.sqrt() + 1).all(), (counts, expected)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8), (1.3, 0.5)])
+def test_sampling_distribution_equals_transformers_warpers(temperature, top_p):
+    """Each row's draws follow softmax(TopPLogitsWarper(logits / T)), the distribution generate samples from."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from isotrain.rl.decode import next_token
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 12) * 2
+    num_draws = 50_000
+    tokens, logprobs = next_token(logits.repeat_interleave(num_draws, 0), temperature, top_p, greedy=False)
+    warped = logits / temperature
+    if top_p < 1:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    expected = torch.softmax(warped.double(), dim=-1) * num_draws
+    counts = torch.stack([torch.bincount(row, minlength=12) for row in tokens.view(4, num_draws)]).double()
+    assert counts[expected == 0].sum() == 0  # nothing outside the nucleus
+    assert ((counts - expected).abs() <= 5 * expected.sqrt() + 1).all(), (counts, expected)
+    # The reported log-prob is that of the untruncated distribution, at temperature T.
+    full = torch.log_softmax(logits / temperature, dim=-1).repeat_interleave(num_draws, 0)
+    torch.testing.assert_close(logprobs, full.gather(-1, tokens[:, None]).squeeze(-1))

@@ -120,7 +120,7 @@ def run_isotrain(args, work: Path, model_dir: Path, after_step) -> list[dict]:
         "rollout": {"engine": "hf", "batch_size": samples},
         "train": {"micro_batch_size": samples, "max_steps": args.warmup + args.steps, "lr": LR,
                   "schedule": "constant", "betas": list(BETAS), "eps": EPS, "weight_decay": 0.0,
-                  "grad_clip": 1.0, "seed": SEED, "log_every": 1},
+                  "grad_clip": 1.0, "seed": SEED, "log_every": 1, "compile": args.compile},
         "checkpoint": {"every_steps": 0},
         "logging": {"progress": False},
     })
@@ -267,6 +267,7 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=2, help="Untimed RL steps at the start of each tool's run.")
     parser.add_argument("--rounds", type=int, default=2, help="Repetitions, each a fresh run of both tools.")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads for both tools.")
+    parser.add_argument("--compile", action="store_true", help="isotrain with train.compile=true (TRL as it comes).")
     return parser.parse_args()
 
 
@@ -281,7 +282,8 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, "
           f"{args.threads} threads; P={args.prompts} prompts x n={args.group} samples, "
-          f"max_new_tokens={args.max_new_tokens}; {args.warmup} warm-up + {args.steps} timed RL steps per tool")
+          f"max_new_tokens={args.max_new_tokens}; isotrain compile={args.compile}; "
+          f"{args.warmup} warm-up + {args.steps} timed RL steps per tool")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 renames TRL's gradient_checkpointing

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+import engine_models
 
-from isotrain.models.tokenizer import train_tokenizer
 from isotrain.rl.rollout import HFEngine, SamplingParams
 from isotrain.rl.weights import checksums, sync_named_tensors
 
@@ -15,26 +14,11 @@ PROMPTS = [[1, 7, 8], [1, 9, 9, 9, 10, 11], [1, 12]]  # different lengths: left 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer(["0123456789+= "], "char", 0)
+    return engine_models.digits_tokenizer()
 
 
 def tiny_model(tokenizer, seed: int = 0, tie: bool = False):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.2,  # peaked logits: greedy argmaxes are not near-ties
-        tie_word_embeddings=tie,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return engine_models.tiny_model(tokenizer, seed, tie).eval()
 
 
 @pytest.fixture(scope="module")

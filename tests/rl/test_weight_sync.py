@@ -12,10 +12,9 @@ import signal
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+import engine_models
 
 from isotrain.errors import ConfigError
-from isotrain.models.tokenizer import train_tokenizer
 from isotrain.rl.engine_process import ProcessEngine
 from isotrain.rl.lora import apply_lora, merged_state_dict, reference_logits_context, save_adapter
 from isotrain.rl.rollout import HFEngine, SamplingParams
@@ -27,7 +26,7 @@ GREEDY = SamplingParams(n=1, max_new_tokens=8, greedy=True)
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer(["0123456789+= "], "char", 0)
+    return engine_models.digits_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +37,7 @@ def tokenizer_dir(tokenizer, tmp_path_factory):
 
 
 def tiny_model(tokenizer, seed: int = 0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.2,  # peaked logits: greedy argmaxes are not near-ties
-        tie_word_embeddings=True,  # the engine must keep the head tied to the embedding
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return engine_models.tiny_model(tokenizer, seed, tie=True)  # the engine must keep the head tied to the embedding
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ seq-mean-token-mean`, the `grpo` preset); advantages (r - mean) / std per group;
 1e-4 constant, betas (0.9, 0.95), eps 1e-8, no weight decay, gradient clipping at 1.0; fp32,
 no gradient checkpointing (TRL defaults to bf16 and checkpointing: both switched off), one
 process, the same torch thread count. isotrain generates with its default in-process engine
-(`rollout.engine=hf`) and `rollout.batch_size` = P x n, so both tools make one `generate` call
-of P x n rows per step.
+(`rollout.engine=hf`) and `rollout.batch_size` = P x n, so both tools generate the P x n rows
+of a step in one batch (isotrain with its own KV-cache sampling loop, TRL with `generate`).
+`--compile` sets isotrain's train.compile=true; TRL runs as it comes.
 
 Phases of a step, per tool:
 
@@ -38,7 +39,7 @@ Phases of a step, per tool:
 
 This machine's speed drifts more than the gaps measured, so the tools take turns RL step by RL
 step, each running its own real loop in its own thread (only one thread runs at a time;
-`Turns` of train_throughput.py); odd rounds reverse the order. The table shows the median over
+`run_in_turns` of train_throughput.py); odd rounds reverse the order. The table shows the median over
 the timed steps of all rounds of every phase, and the median (min-max) of the ratio isotrain /
 TRL of the k-th timed step of each tool in the same round.
 
@@ -69,7 +70,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
-from train_throughput import Turns  # noqa: E402  (bench/ is the script's folder, so on sys.path)
+from train_throughput import run_in_turns  # noqa: E402  (bench/ is the script's folder, so on sys.path)
 
 from isotrain.config import build_config, load_config  # noqa: E402
 from isotrain.models.loading import build_model  # noqa: E402
@@ -211,28 +212,7 @@ def run_trl(args, work: Path, model_dir: Path, after_step) -> list[dict]:
 def run_interleaved(args, work: Path, model_dir: Path, order: list[str]) -> dict[str, list[dict]]:
     """Per-step timings of each tool, both trained at once in turns of one RL step."""
     runners = {"isotrain": run_isotrain, "TRL": run_trl}
-    turns, results, errors = Turns(order), {}, []
-
-    def worker(tool: str) -> None:
-        turns.wait(tool)
-        try:
-            torch.set_num_threads(args.threads)  # per thread: OpenMP's thread count is a per-thread setting
-            results[tool] = runners[tool](args, work, model_dir, lambda: turns.pass_on(tool))
-            if torch.get_num_threads() != args.threads:
-                print(f"warning: {tool} changed torch threads to {torch.get_num_threads()}")
-        except BaseException as err:  # re-raised below, after the other tool finished
-            errors.append(err)
-        finally:
-            turns.leave(tool)
-
-    threads = [threading.Thread(target=worker, args=(tool,), name=tool) for tool in order]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return results
+    return run_in_turns(order, args.threads, lambda tool, pass_on: runners[tool](args, work, model_dir, pass_on))
 
 
 def median(rows: list[dict], key: str) -> float | None:

@@ -227,17 +227,16 @@ class Turns:
             self._cond.notify_all()
 
 
-def run_interleaved(tools: list[str], args, work: Path, shared, ga: int, round_index: int) -> dict[str, float]:
-    """tokens/s of each tool, all trained at once in turns of one optimizer step."""
+def run_in_turns(tools: list[str], num_threads: int, run_one) -> dict:
+    """`run_one(tool, pass_on)` for every tool at once, each in its own thread, in turns of one step."""
     turns, results, errors = Turns(tools), {}, []
 
     def worker(tool: str) -> None:
         turns.wait(tool)
         try:
-            torch.set_num_threads(args.threads)
-            name = f"{tool.replace(' ', '_')}_ga{ga}_r{round_index}"
-            results[tool] = run_tool(tool, args, work, name, shared, GLOBAL_BATCH // ga, lambda: turns.pass_on(tool))
-            if torch.get_num_threads() != args.threads:
+            torch.set_num_threads(num_threads)  # per thread: OpenMP's thread count is a per-thread setting
+            results[tool] = run_one(tool, lambda: turns.pass_on(tool))
+            if torch.get_num_threads() != num_threads:
                 print(f"warning: {tool} changed torch threads to {torch.get_num_threads()}")
         except BaseException as err:  # re-raised below, after the other tools finished
             errors.append(err)
@@ -252,6 +251,16 @@ def run_interleaved(tools: list[str], args, work: Path, shared, ga: int, round_i
     if errors:
         raise errors[0]
     return results
+
+
+def run_interleaved(tools: list[str], args, work: Path, shared, ga: int, round_index: int) -> dict[str, float]:
+    """tokens/s of each tool, all trained at once in turns of one optimizer step."""
+
+    def run_one(tool: str, pass_on) -> float:
+        name = f"{tool.replace(' ', '_')}_ga{ga}_r{round_index}"
+        return run_tool(tool, args, work, name, shared, GLOBAL_BATCH // ga, pass_on)
+
+    return run_in_turns(tools, args.threads, run_one)
 
 
 def run_all(args, work: Path) -> dict[tuple[str, int], list[float]]:

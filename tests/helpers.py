@@ -99,3 +99,28 @@ def kill_tree(pid: int) -> None:
             os.kill(target, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def kill_after_commit(cmd: list[str], run_dir, step: int) -> list[Path]:
+    """Start `cmd` and SIGKILL every one of its processes as soon as checkpoint `step` is committed.
+
+    Checkpoints committed after it (the kill came a little late) are deleted, so `step` is the
+    newest; they are returned."""
+    import shutil
+    import time
+
+    target = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+    proc = subprocess.Popen(cmd, env=subprocess_env(), cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not target.is_dir():  # a step directory appears only by the commit's rename
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the run never committed its checkpoint"
+        time.sleep(0.002)
+    kill_tree(proc.pid)
+    proc.wait()
+    proc.stderr.close()
+    later = [p for p in target.parent.glob("step-*") if p.name > target.name and "." not in p.name]
+    for path in later:
+        shutil.rmtree(path)
+    return later

@@ -7,12 +7,11 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from helpers import COUNTED, REPO, kill_tree, model_weights, subprocess_env, torchrun
+from helpers import COUNTED, REPO, kill_after_commit, model_weights, subprocess_env, torchrun
 from isotrain.checkpoint.layout import write_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -61,20 +60,7 @@ def tensor_files(checkpoint) -> list[str]:
 
 def kill_after_checkpoint(layout: str, run_dir, step: int) -> None:
     """Start a run and SIGKILL every one of its processes as soon as checkpoint `step` is committed."""
-    target = run_dir / "checkpoints" / f"step-{step:08d}"
-    proc = subprocess.Popen(command(layout, run_dir), env=subprocess_env(), cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 240
-    while not target.is_dir():
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "the run never committed its checkpoint"
-        time.sleep(0.002)
-    kill_tree(proc.pid)
-    proc.wait()
-    proc.stderr.close()
-    later = [p for p in (run_dir / "checkpoints").glob("step-*") if p.name > target.name and "." not in p.name]
-    for path in later:  # the kill came a little late: keep step `step` as the newest committed one
-        shutil.rmtree(path)
+    later = kill_after_commit(command(layout, run_dir), run_dir, step)
     assert not (run_dir / "model").exists() or later
 
 

@@ -16,9 +16,9 @@ def default_rl_recipe_path() -> Path:
 
 
 # The bundled RL example starts from the bundled SFT recipe stopped early, while the model still
-# gets most sums wrong, so that RL has something to improve: (model directory, SFT overrides).
+# gets many sums wrong, so that RL has something to improve: (model directory, SFT overrides).
 RL_WARM_START = ("runs/rl-default/sft/model",
-                 ["output_dir=runs/rl-default/sft", "train.max_steps=300", "checkpoint.every_steps=0"])
+                 ["output_dir=runs/rl-default/sft", "train.max_steps=400", "checkpoint.every_steps=0"])
 
 
 def resolve_recipe_paths(tree: dict) -> None:

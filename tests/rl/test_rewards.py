@@ -268,37 +268,22 @@ def test_load_module_that_raises_on_import(tmp_path):
     assert str(info.value).endswith("raised RuntimeError: no GPU here; fix that module")
 
 
-def test_load_missing_attribute(tmp_path, monkeypatch):
-    write_module(tmp_path, "attr_rewards")
+@pytest.mark.parametrize("module, spec, message", [
+    ("attr_rewards", "attr_rewards:short_is_bad",
+     "rl.reward 'attr_rewards:short_is_bad': 'attr_rewards' has no attribute 'short_is_bad'; check the function name"),
+    ("const_rewards", "const_rewards:THRESHOLD",
+     "rl.reward 'const_rewards:THRESHOLD' names a float, not a function; "
+     "point it at a function (prompt, completion, answer) -> float"),
+    ("sig_rewards", "sig_rewards:two_args",
+     "rl.reward 'sig_rewards:two_args' has parameters (completion, answer) but is called as "
+     "fn(prompt, completion, answer); give it those three parameters"),
+], ids=["missing-attribute", "not-callable", "wrong-parameters"])
+def test_load_names_a_bad_function(tmp_path, monkeypatch, module, spec, message):
+    write_module(tmp_path, module)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError) as info:
-        load_reward("attr_rewards:short_is_bad")
-    assert str(info.value) == (
-        "rl.reward 'attr_rewards:short_is_bad': 'attr_rewards' has no attribute 'short_is_bad'; "
-        "check the function name"
-    )
-
-
-def test_load_not_callable(tmp_path, monkeypatch):
-    write_module(tmp_path, "const_rewards")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError) as info:
-        load_reward("const_rewards:THRESHOLD")
-    assert str(info.value) == (
-        "rl.reward 'const_rewards:THRESHOLD' names a float, not a function; "
-        "point it at a function (prompt, completion, answer) -> float"
-    )
-
-
-def test_load_function_with_wrong_parameters(tmp_path, monkeypatch):
-    write_module(tmp_path, "sig_rewards")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError) as info:
-        load_reward("sig_rewards:two_args")
-    assert str(info.value) == (
-        "rl.reward 'sig_rewards:two_args' has parameters (completion, answer) but is called as "
-        "fn(prompt, completion, answer); give it those three parameters"
-    )
+        load_reward(spec)
+    assert str(info.value) == message
 
 
 @pytest.mark.parametrize("spec", [":fn", "module:", ":"])

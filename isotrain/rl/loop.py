@@ -163,19 +163,9 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
         + (f" ({prompts.num_skipped} malformed rows skipped)" if prompts.num_skipped else "")
         + ("; frozen reference for the KL" if reference is not None else "")
         + (f"; critic: {count_parameters(critic):,} parameters" if critic is not None else ""))
-    checkpoints = CheckpointManager(cfg, info.rank, info.world_size, {"world_size": info.world_size, **vars(degrees)},
-                                    model, optimizer, tokenizer, log)
+    checkpoints = _checkpoint_manager(cfg, info, degrees, model, optimizer, tokenizer, stream, log)
     if critic is not None:
         checkpoints.components = [("critic", critic, critic_optimizer)]
-    checkpoints.counter_keys = RL_COUNTERS
-    checkpoints.batch_field = "rl.prompts_per_step"
-    checkpoints.extra_state = {
-        "sampler": stream.state_dict(),
-        "schedule": {k: getattr(cfg.train, k) for k in ("lr", "schedule", "warmup_steps", "max_steps", "min_lr_ratio")},
-        "data_fingerprint": _file_sha256(cfg.data.path),
-        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
-        "start_model_sha256": _start_fingerprint(cfg),
-    }
     checkpoints.clean_leftovers()
     resumed = checkpoints.resume()
     _check_reference(cfg, resumed, checkpoints.extra_state["start_model_sha256"])
@@ -187,9 +177,9 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
     engine = make_engine(cfg, engine_copy, tokenizer, output_dir)
     del engine_copy
     try:
-        engine.update_weights(sync_named_tensors(model))  # the resumed weights, or a no-op copy
+        engine.update_weights(sync_named_tensors(model))  # resumed weights (a fresh run sends the same ones)
         before = _evaluate(cfg, info, engine, tokenizer, held_out, reward_fn, log, "before RL")
-        ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=info.rank // degrees.tp, device=info.device,
+        ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=info.rank, device=info.device,  # DP rank: no TP yet
                               options=step_options(cfg, degrees), pad_id=tokenizer.pad_token_id,
                               before_update=checkpoints.before_update, reward_fn=reward_fn, tokenizer=tokenizer,
                               prompts=prompts, stream=stream, reference=reference, engine=engine, info=info,
@@ -210,6 +200,23 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
     log(f"wrote {output_dir}: config.yaml, metrics.jsonl ({counters['step']} steps), model/")
     plain = model if not info.is_distributed else None
     return RLResult(output_dir, model_dir, counters, before, after, model=plain)
+
+
+def _checkpoint_manager(cfg: Config, info: DistInfo, degrees, model, optimizer, tokenizer, stream: PromptStream,
+                        log) -> CheckpointManager:
+    """The SFT checkpoint manager, told what an RL run counts and what a resume must match."""
+    layout = {"world_size": info.world_size, **vars(degrees)}
+    checkpoints = CheckpointManager(cfg, info.rank, info.world_size, layout, model, optimizer, tokenizer, log)
+    checkpoints.counter_keys = RL_COUNTERS
+    checkpoints.batch_field = "rl.prompts_per_step"
+    checkpoints.extra_state = {
+        "sampler": stream.state_dict(),
+        "schedule": {k: getattr(cfg.train, k) for k in ("lr", "schedule", "warmup_steps", "max_steps", "min_lr_ratio")},
+        "data_fingerprint": _file_sha256(cfg.data.path),
+        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "start_model_sha256": _start_fingerprint(cfg),
+    }
+    return checkpoints
 
 
 def _check_reference(cfg: Config, resumed, fingerprint: str) -> None:
@@ -285,11 +292,12 @@ def rl_step(ctx, model, optimizer, counters: dict) -> dict:
     counters["tokens_seen"] += totals.input_tokens
     counters["trained_tokens"] += int(totals.stats[0])
     counters["samples_seen"] += totals.samples
-    return _metrics_row(counters, batch, rounds, totals, time.perf_counter() - start,
+    return _metrics_row(counters, batch, rounds, totals, ctx.critic is not None, time.perf_counter() - start,
                         {"generate_s": generate_s, "logprob_s": logprob_s, "update_s": update_s, "sync_s": sync_s})
 
 
-def _metrics_row(counters: dict, batch, rounds, totals: UpdateTotals, step_s: float, timings: dict) -> dict:
+def _metrics_row(counters: dict, batch, rounds, totals: UpdateTotals, with_critic: bool, step_s: float,
+                 timings: dict) -> dict:
     rewards = torch.tensor(batch.rewards, dtype=torch.float64)
     return {
         "step": counters["step"],
@@ -308,8 +316,9 @@ def _metrics_row(counters: dict, batch, rounds, totals: UpdateTotals, step_s: fl
         "entropy": totals.stat("entropy"),
         "pg_loss": totals.stat("pg_loss"),
         "logprob_diff": totals.stat("logprob_diff"),
-        **({"value_loss": totals.stat("value_loss"), "value_clip_frac": totals.stat("value_clipped"),
-            "value_mean": totals.stat("value_mean")} if totals.critic_loss_sum or totals.critic_stats.any() else {}),
+        **({"critic_loss": totals.critic_loss_sum / totals.num_updates, "value_loss": totals.stat("value_loss"),
+            "value_clip_frac": totals.stat("value_clipped"), "value_mean": totals.stat("value_mean")}
+           if with_critic else {}),
         "filtered_groups": rounds.filtered_groups,
         "filler_groups": rounds.filler_groups,
         "generation_rounds": rounds.rounds,

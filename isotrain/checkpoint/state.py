@@ -116,14 +116,14 @@ def _lora_items(model: nn.Module, params: dict[str, torch.Tensor], save_dtype: t
 
 def collect_items(model: nn.Module, optimizer: torch.optim.Optimizer, save_dtype: torch.dtype) -> list[Item]:
     """Every tensor of model and optimizer state, in a fixed order that every rank shares."""
-    items: list[Item] = []
     params = model_tensors(model)
     lora = is_lora(model)
     if lora:
         items = _lora_items(model, params, save_dtype)
-    for name, tensor in ({} if lora else params).items():
-        dtype = save_dtype if tensor.is_floating_point() else tensor.dtype
-        items.append(Item(name, "model", tuple(tensor.shape), dtype, local_part(tensor).detach(), shard_spec(tensor)))
+    else:
+        items = [Item(name, "model", tuple(t.shape), save_dtype if t.is_floating_point() else t.dtype,
+                      local_part(t).detach(), shard_spec(t)) for name, t in params.items()]
+    # LoRA adapters are trained and stored in fp32 already: they need no master copies.
     items += _optimizer_items(optimizer, params, "", master=save_dtype != torch.float32 and not lora)
     return items
 

@@ -192,8 +192,11 @@ def test_metrics_rows_keep_the_contract(rise_runs):
 
 RESUME_VARIANTS = {
     "grpo": [],
-    # 2 mini-batches × 2 epochs: 4 optimizer steps per rollout, old log-probs recomputed, ratios clipped.
-    "ppo": ["rl.mini_batch_prompts=2", "rl.ppo_epochs=2", "train.lr=1e-3"],
+    # PPO's critic, 2 mini-batches × 2 epochs: 4 optimizer steps per rollout, old log-probs recomputed,
+    # ratios clipped; the critic and its optimizer state resume too.
+    "ppo": ["rl.algorithm=ppo", "rl.mini_batch_prompts=2", "rl.ppo_epochs=2", "train.lr=1e-3"],
+    # LoRA with a KL to the adapters-off reference: adapters and their AdamW state resume, base from the start model
+    "lora": ["lora.r=4", "rl.kl_coef=0.05"],
     # dynamic sampling consumes a variable number of prompt rounds per step
     "dapo": ["rl.algorithm=dapo"],
 }
@@ -246,6 +249,9 @@ def test_sigkill_then_resume_is_byte_identical(sft, tmp_path, variant):
     if variant == "ppo":
         assert all(r["optimizer_steps"] == 4 * r["step"] for r in rows_a)
         assert any(r["clip_frac"] > 0 for r in rows_a[4:]), "the resumed steps never clipped a ratio"
+        assert all(r["value_loss"] > 0 for r in rows_a)  # the critic trained
+    if variant == "lora":
+        assert all(r["kl"] > 0 for r in rows_a[1:])  # the reference (adapters off) differs from the policy
     if variant == "dapo":
         # Steps 5-8 drew their prompts from the restored round counter, after extra rounds before it.
         assert sum(r["generation_rounds"] for r in rows_a[:4]) > 4

@@ -21,7 +21,7 @@ from torch import nn
 from isotrain.config import Config
 from isotrain.parallel.apply import apply_compile, parallelize
 from isotrain.rl.algos import aggregation_weights, value_loss
-from isotrain.rl.experience import RolloutBatch, make_micro_batch
+from isotrain.rl.experience import RolloutBatch, per_response_token
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import accumulate_gradients, optimizer_step
 
@@ -51,20 +51,11 @@ def _values(critic, mb: dict, device: torch.device) -> torch.Tensor:
     return out.logits.squeeze(-1).float()
 
 
-@torch.no_grad()
 def token_values(critic, batch: RolloutBatch, pad_id: int, micro_batch_size: int, device: torch.device,
                  autocast_dtype=None) -> list[list[float]]:
     """V_t of every response token of every sample (response coordinates), before any update."""
-    out: list[list[float]] = []
-    for start in range(0, len(batch), micro_batch_size):
-        part = batch.select(range(start, min(start + micro_batch_size, len(batch))))
-        mb = make_micro_batch(part, pad_id, False, {})
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            values = _values(critic, mb, device).cpu()
-        for i, (prompt, response) in enumerate(zip(part.prompt_ids, part.response_ids)):
-            p = len(prompt)
-            out.append(values[i, p - 1 : p - 1 + len(response)].tolist())
-    return out
+    return per_response_token(batch, pad_id, micro_batch_size, device, autocast_dtype,
+                              lambda mb: _values(critic, mb, device))
 
 
 def critic_step(critic, optimizer, mbs: list[dict], denominator: float, ctx, lr: float) -> tuple[float, float, torch.Tensor]:

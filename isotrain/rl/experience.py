@@ -98,18 +98,29 @@ def make_micro_batch(batch: RolloutBatch, pad_id: int, mask_truncated: bool,
 
 
 @torch.no_grad()
-def response_logprobs(model, batch: RolloutBatch, pad_id: int, micro_batch_size: int, temperature: float,
-                      device: torch.device, autocast_dtype=None) -> list[list[float]]:
-    """Each sample's log-prob of every response token under `model` (the sampling distribution at `temperature`)."""
+def per_response_token(batch: RolloutBatch, pad_id: int, micro_batch_size: int, device: torch.device,
+                       autocast_dtype, score) -> list[list[float]]:
+    """`score(mb)` -> [B, L] values per position, run micro-batch by micro-batch under the run's autocast;
+    returns each sample's values at its response tokens (response coordinates)."""
     out: list[list[float]] = []
     for start in range(0, len(batch), micro_batch_size):
         part = batch.select(range(start, min(start + micro_batch_size, len(batch))))
         mb = make_micro_batch(part, pad_id, False, {})
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
-                           use_cache=False).logits
-        logp = token_logprobs(logits, mb["targets"].to(device), temperature).cpu()
+            values = score(mb).float().cpu()
         for i, (prompt, response) in enumerate(zip(part.prompt_ids, part.response_ids)):
             p = len(prompt)
-            out.append(logp[i, p - 1 : p - 1 + len(response)].tolist())
+            out.append(values[i, p - 1 : p - 1 + len(response)].tolist())
     return out
+
+
+def response_logprobs(model, batch: RolloutBatch, pad_id: int, micro_batch_size: int, temperature: float,
+                      device: torch.device, autocast_dtype=None) -> list[list[float]]:
+    """Each sample's log-prob of every response token under `model` (the sampling distribution at `temperature`)."""
+
+    def score(mb: dict) -> torch.Tensor:
+        logits = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
+                       use_cache=False).logits
+        return token_logprobs(logits, mb["targets"].to(device), temperature)
+
+    return per_response_token(batch, pad_id, micro_batch_size, device, autocast_dtype, score)

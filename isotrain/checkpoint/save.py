@@ -29,6 +29,7 @@ from isotrain.checkpoint.files import (
     FileEntry,
     fsync_dir,
     safetensors_header,
+    start_writeback,
     tensor_view,
     with_path,
     write_chunks,
@@ -58,12 +59,15 @@ class SaveRequest:
 
 
 class StreamingFile:
-    """A safetensors file written tensor by tensor, hashing each piece while the previous one is written."""
+    """A safetensors file written tensor by tensor: each piece is hashed (on `hasher`) while it is
+    written, and handed to the disk right after (`start_writeback` on `flusher`, which may block
+    while the device queue is full), so the closing fsync finds little left to do."""
 
-    def __init__(self, path: Path, header: bytes, hasher: ThreadPoolExecutor):
+    def __init__(self, path: Path, header: bytes, hasher: ThreadPoolExecutor, flusher: ThreadPoolExecutor):
         import hashlib
 
-        self.path, self._hasher, self._digest, self.num_bytes = path, hasher, hashlib.sha256(), 0
+        self.path, self._hasher, self._flusher = path, hasher, flusher
+        self._digest, self.num_bytes, self._flushed = hashlib.sha256(), 0, None
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self.append(memoryview(header))
 
@@ -80,10 +84,17 @@ class StreamingFile:
                 hashed.result()
                 raise with_path(err, self.path) from None
             hashed.result()
+            self._flushed = self._flusher.submit(start_writeback, self._fd, self.num_bytes + start, len(piece))
         self.num_bytes += len(data)
+
+    def _settle(self) -> None:
+        """Wait for the last writeback request: the descriptor must outlive it (the flusher runs them in order)."""
+        if self._flushed is not None:
+            self._flushed.result()
 
     def close(self) -> FileEntry:
         try:
+            self._settle()
             os.fsync(self._fd)
         except OSError as err:
             raise with_path(err, self.path) from None
@@ -92,6 +103,10 @@ class StreamingFile:
         return FileEntry(self.num_bytes, self._digest.hexdigest())
 
     def abort(self) -> None:
+        try:
+            self._settle()
+        except OSError:
+            pass
         try:
             os.close(self._fd)
         except OSError:
@@ -195,11 +210,12 @@ def write_tensor_files(directory: Path, items: list[Item], rank: int, group, in_
         except OSError as err:
             error = err
 
-    with ThreadPoolExecutor(max_workers=1) as hasher:
+    with ThreadPoolExecutor(max_workers=1) as hasher, ThreadPoolExecutor(max_workers=1) as flusher:
         try:
             for name, its in mine.items():
                 (directory / name).parent.mkdir(parents=True, exist_ok=True)
-                open_files[name] = StreamingFile(directory / name, safetensors_header({i.key: _meta(i) for i in its}), hasher)
+                header = safetensors_header({i.key: _meta(i) for i in its})
+                open_files[name] = StreamingFile(directory / name, header, hasher, flusher)
         except OSError as err:
             error = err
         pending: deque[_Transfer] = deque()

@@ -73,23 +73,41 @@ def static_files(model, tokenizer, save_dtype: torch.dtype) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
 
 
+def _host_buffer(item: Item, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The kept host buffer for `item`'s local part, allocated on first use."""
+    host = buffers.get(item.key)
+    if host is None or host.shape != item.local.shape or host.dtype != item.local.dtype:
+        host = buffers[item.key] = torch.empty(item.local.shape, dtype=item.local.dtype, device="cpu",
+                                               pin_memory=torch.cuda.is_available())
+    return host
+
+
+def _stages(item: Item, rank: int) -> bool:
+    """Whether this rank copies `item` for an async save: its shards, and the whole tensors it owns."""
+    return item.shard is not None or item.owner == rank
+
+
 def stage(items: list[Item], rank: int, buffers: dict[str, torch.Tensor]) -> None:
-    """Copy what this rank will write (its shards, the whole tensors it owns) to host memory.
+    """Copy what this rank will write to host memory.
 
     The host buffers are kept for the next save: allocating (and, on CPU, page-faulting) fresh
     memory would cost more than the copy itself and lengthen every save's blocking phase.
     """
-    pin = torch.cuda.is_available()
     for item in items:
-        if item.shard is None and item.owner != rank:
+        if not _stages(item, rank):
             item.local = None
             continue
-        host = buffers.get(item.key)
-        if host is None or host.shape != item.local.shape or host.dtype != item.local.dtype:
-            host = buffers[item.key] = torch.empty(item.local.shape, dtype=item.local.dtype, device="cpu",
-                                                   pin_memory=pin)
+        host = _host_buffer(item, buffers)
         host.copy_(item.local)
         item.local = host
+
+
+def allocate_staging(items: list[Item], rank: int, buffers: dict[str, torch.Tensor]) -> None:
+    """Allocate and touch the host buffers `stage` will use, so that the first save blocks no longer
+    than the later ones. Runs beside training: it writes only memory no one else uses yet."""
+    for item in items:
+        if _stages(item, rank):
+            _host_buffer(item, buffers).zero_()  # the page faults happen here, not in the first save
 
 
 class CheckpointManager:
@@ -114,6 +132,7 @@ class CheckpointManager:
         self._staged = threading.Event()
         self._staged.set()
         self._staging: dict[str, torch.Tensor] = {}  # host buffers of async saves, reused
+        self._staging_started = False
 
     # ----- resume ---------------------------------------------------------------------------
     def clean_leftovers(self) -> None:
@@ -236,7 +255,8 @@ class CheckpointManager:
                   f"{directory} was saved on {state['layout']['world_size']} rank(s)")
 
     # ----- save -----------------------------------------------------------------------------
-    def _request(self, step: int, counters: dict, kind: str) -> SaveRequest:
+    def _items(self, kind: str) -> list[Item]:
+        """The tensors a save of this kind writes, each with its owner rank."""
         items = collect_items(self.model, self.optimizer, self.save_dtype)
         if kind == "model":
             items = [item for item in items if item.kind == "model"]
@@ -244,6 +264,10 @@ class CheckpointManager:
             for prefix, model, optimizer in self.components:
                 items += component_items(prefix, model, optimizer)
         assign_owners(items, self.world_size)
+        return items
+
+    def _request(self, step: int, counters: dict, kind: str) -> SaveRequest:
+        items = self._items(kind)
         info = {"kind": kind, "step": step, "layout": self.layout}
         rank_files, main_files = {}, dict(self.static)
         if kind == "checkpoint":
@@ -307,6 +331,26 @@ class CheckpointManager:
             self._staged.wait()
             self.blocked_s += time.perf_counter() - start
         self.check()
+        self._prepare_staging()
+
+    def _prepare_staging(self) -> None:
+        """Async saves: allocate the host buffers in the background as soon as the optimizer state exists
+        (after the first update), rather than inside the first save."""
+        if (self._staging_started or not self.cfg.checkpoint.async_save or self.cfg.checkpoint.every_steps <= 0
+                or self._thread is not None or not self.optimizer.state):
+            return
+        self._staging_started = True
+        items = self._items("checkpoint")  # listed here: the loop owns the optimizer's state dict
+        self._thread = threading.Thread(target=self._in_background, args=(allocate_staging, items, self.rank,
+                                                                          self._staging),
+                                        name="isotrain-ckpt-staging", daemon=True)
+        self._thread.start()
+
+    def _in_background(self, function, *args) -> None:
+        try:
+            function(*args)
+        except BaseException as err:  # handed to the loop by check()/wait()
+            self._failure = err
 
     def check(self) -> None:
         if self._failure is not None:

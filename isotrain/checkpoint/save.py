@@ -34,7 +34,7 @@ from isotrain.checkpoint.files import (
     with_path,
     write_chunks,
 )
-from isotrain.checkpoint.layout import step_dir_name, write_latest
+from isotrain.checkpoint.layout import LATEST, step_dir_name, write_latest
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_manifest
 from isotrain.checkpoint.state import Item
 from isotrain.errors import IsotrainError
@@ -288,6 +288,7 @@ def save(root: Path, request: SaveRequest, rank: int, group, run_id: str, name: 
         except OSError as err:
             message = f"could not create {tmp}: {err.strerror or err}"
     message = _broadcast(message, rank, group)  # the directory exists before any rank writes into it
+    committed = False
     if message is None:
         try:
             outcome: dict | str = write_request(tmp, request, rank, group)
@@ -296,22 +297,26 @@ def save(root: Path, request: SaveRequest, rank: int, group, run_id: str, name: 
         gathered = _exchange(outcome, rank, group)
         if rank == 0:
             failures = [o for o in gathered if isinstance(o, str)]
-            message = failures[0] if failures else _commit(root, tmp, final, gathered, request.info, run_id,
-                                                              latest=name is None)
-            if message:
+            message, committed = (failures[0], False) if failures else _commit(
+                root, tmp, final, gathered, request.info, run_id, latest=name is None)
+            if message and not committed:
                 shutil.rmtree(tmp, ignore_errors=True)
-        message = _broadcast(message, rank, group)
+        message, committed = _broadcast((message, committed), rank, group)
     if message:
         # The final model/ is saved here too (with step 0): the sentence names what was not saved.
         what = f"checkpoint step {request.step}" if name is None else f"the model directory {final}"
+        if committed:
+            raise CheckpointError(f"{final} was saved, but {message}; free disk space or fix the path "
+                                  "(resume=auto finds the newest valid checkpoint without it)")
         raise CheckpointError(f"{what} was not saved: {message}; "
                               "free disk space or fix the path (earlier checkpoints are intact)")
     return final
 
 
 def _commit(root: Path, tmp: Path, final: Path, gathered: list[dict], info: dict, run_id: str,
-            latest: bool) -> str | None:
-    """Rank 0: manifest, fsync, atomic rename, `latest`. Returns an error message or None."""
+            latest: bool) -> tuple[str | None, bool]:
+    """Rank 0: manifest, fsync, atomic rename, `latest`. Returns (error message or None, whether the
+    checkpoint is committed): once renamed it is, even if `latest` then cannot be written."""
     try:
         entries = {name: entry for part in gathered for name, entry in part.items()}
         write_manifest(tmp, entries, info)
@@ -322,12 +327,15 @@ def _commit(root: Path, tmp: Path, final: Path, gathered: list[dict], info: dict
             os.replace(final, stale)
             shutil.rmtree(stale, ignore_errors=True)
         os.replace(tmp, final)
+    except OSError as err:
+        return f"could not commit {final} ({err.strerror or err})", False
+    try:
         fsync_dir(root)
         if latest:
             write_latest(root, final.name)
-        return None
     except OSError as err:
-        return f"could not commit {final} ({err.strerror or err})"
+        return f"{root / LATEST} could not be updated ({err.strerror or err})", True
+    return None, True
 
 
 def rotate(root: Path, keep_last: int, keep_every: int | None) -> list[Path]:

@@ -484,6 +484,31 @@ def test_a_full_disk_at_the_final_model_names_it_and_keeps_the_previous_one(two_
     assert verify_checkpoint(model_dir) == [] and not leftovers(run_dir)
 
 
+@pytest.mark.slow
+def test_a_latest_that_cannot_be_written_says_the_checkpoint_was_saved(two_checkpoints, tmp_path, cache):
+    """Once renamed, a checkpoint is committed: a failure to update `latest` must not call it unsaved."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run_dir)
+    root = run_dir / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").mkdir()  # renaming the new `latest` over a directory fails
+    args = overrides("single", run_dir, cache, "train.max_steps=3", "checkpoint.keep_last=2")
+
+    proc = run(command("single", args))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and proc.stderr.strip().endswith(errors[0]), proc.stderr
+    assert errors[0] == (f"error: {root / 'step-00000003'} was saved, but {root / 'latest'} could not be updated "
+                         "(Is a directory); free disk space or fix the path (resume=auto finds the newest valid "
+                         "checkpoint without it)"), errors[0]
+    assert verify_checkpoint(root / "step-00000003") == []
+
+    (root / "latest").rmdir()
+    proc = run(command("single", args))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {root / 'step-00000003'} at step 3 " in proc.stdout
+
+
 @pytest.fixture(scope="module")
 def two_checkpoints_on_two_ranks(tmp_path_factory, zygote, cache):
     """Checkpoints at steps 1 and 2, saved by 2 FSDP2 ranks."""

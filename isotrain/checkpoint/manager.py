@@ -346,6 +346,11 @@ class CheckpointManager:
                                         name="isotrain-ckpt-staging", daemon=True)
         self._thread.start()
 
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory that async saves keep for their copies of this rank's state."""
+        return sum(t.numel() * t.element_size() for t in self._staging.values())
+
     def _in_background(self, function, *args) -> None:
         try:
             function(*args)

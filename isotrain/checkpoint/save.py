@@ -1,9 +1,9 @@
 """Write a checkpoint directory: every rank writes its share of the tensors, rank 0 commits.
 
 No rank holds the whole model: each tensor has one owner rank (balanced by bytes, `assign_owners`)
-that writes it. A tensor sharded by FSDP2 travels to its owner alone, rows sent point to point
-into the owner's buffer of that tensor, a tensor or two in flight, so a rank's extra memory is
-bounded by the tensors it owns that are in transit. Bytes are hashed while they are written, so
+that writes it. A tensor sharded by FSDP2 travels to its owner alone, the other ranks' row blocks
+sent point to point into buffers of their size, a tensor or two in flight, so a rank's extra
+memory is bounded by the tensors it owns that are in transit. Bytes are hashed while they are written, so
 the manifest costs no extra read.
 
 Commit protocol (invariant 5): write into `step-XXXXXXXX.tmp-<id>/`, fsync every file; gather
@@ -141,10 +141,11 @@ def index_files(files: dict[str, list[Item]]) -> dict[str, bytes]:
 
 @dataclass
 class _Transfer:
-    """One tensor on its way to its owner: the whole tensor there (once `works` are done), None elsewhere."""
+    """One tensor on its way to its owner: there, its row blocks in file order (complete once `works` are
+    done); None elsewhere."""
 
     item: Item
-    full: torch.Tensor | None
+    pieces: list[torch.Tensor] | None
     works: list
     sent: torch.Tensor | None = None  # kept alive until the send completes
 
@@ -160,12 +161,13 @@ def _holders(spec) -> dict[int, int]:
 def _start_transfer(item: Item, rank: int, group) -> _Transfer:
     """Start moving `item` to its owner; every rank calls this for every item, in the same order.
 
-    Sharded rows travel point to point, each straight into its place in the owner's buffer of the
-    whole tensor: no padding, no staging copy, so the owner's extra memory is that one tensor.
+    Shards are dim-0 row blocks, so the file holds them one after the other: the owner writes its
+    own block from where it lies and receives each other block point to point into a buffer of
+    that block's size. Its extra memory is the tensor minus its own rows; nothing is copied twice.
     """
     spec = item.shard
     if spec is None:  # every rank holds it whole
-        return _Transfer(item, item.local if rank == item.owner else None, [])
+        return _Transfer(item, [item.local] if rank == item.owner else None, [])
     holder = _holders(spec)
     owner_shard = spec.shard_of_rank[item.owner]
     if rank != item.owner:
@@ -175,17 +177,18 @@ def _start_transfer(item: Item, rank: int, group) -> _Transfer:
             return _Transfer(item, None, [])
         sent = item.local.contiguous()
         return _Transfer(item, None, [dist.isend(sent, dst=item.owner, group=group)], sent)
-    full = torch.empty(item.shape, dtype=item.local.dtype)
-    works = []
+    pieces, works = [], []
     for shard, source in sorted(holder.items()):
         start, stop = spec.bounds(shard)
         if stop <= start:
             continue
         if shard == owner_shard:
-            full[start:stop].copy_(item.local)
+            pieces.append(item.local)
         else:
-            works.append(dist.irecv(full[start:stop], src=source, group=group))
-    return _Transfer(item, full, works)
+            block = torch.empty((stop - start, *item.shape[1:]), dtype=item.local.dtype)
+            works.append(dist.irecv(block, src=source, group=group))
+            pieces.append(block)
+    return _Transfer(item, pieces, works)
 
 
 def write_tensor_files(directory: Path, items: list[Item], rank: int, group, in_flight: int = 2) -> dict[str, FileEntry]:
@@ -202,11 +205,12 @@ def write_tensor_files(directory: Path, items: list[Item], rank: int, group, in_
         nonlocal error
         for work in transfer.works:
             work.wait()
-        if transfer.full is None or error is not None:
+        if transfer.pieces is None or error is not None:
             return
         try:
             item = transfer.item
-            open_files[file_of[item.key]].append(tensor_view(transfer.full.to(item.dtype)))
+            for piece in transfer.pieces:
+                open_files[file_of[item.key]].append(tensor_view(piece.to(item.dtype)))
         except OSError as err:
             error = err
 

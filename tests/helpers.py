@@ -124,3 +124,20 @@ def kill_after_commit(cmd: list[str], run_dir, step: int) -> list[Path]:
     for path in later:
         shutil.rmtree(path)
     return later
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def run_concurrently(jobs: dict, workers: int | None = None) -> dict:
+    """Call independent jobs side by side, as many at once as there are CPU cores: {name: job()}.
+
+    Each job launches its own real processes (single-threaded: OMP_NUM_THREADS=1), so a test that
+    runs them one after the other leaves the other cores idle. Jobs start in the given order (put
+    the longest first); an exception of any job is raised once all of them have ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers or cpu_count()) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+    return {name: future.result() for name, future in futures.items()}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from helpers import isotrain_cli
+from helpers import isotrain_cli, run_concurrently
 
 
 def write(path, text):
@@ -32,11 +34,37 @@ CASES = {
 }
 
 
+# Every case below is an independent `isotrain` process: they run side by side, one per CPU core,
+# once per module (cli_runs), and each test checks its own process.
+OTHER_COMMANDS = ("override without value", "missing config file", "invalid yaml", "all rows malformed",
+                  "empty data file", "debug", "config show")
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """{case: CompletedProcess} of every command of this module."""
+    from isotrain.recipes import default_recipe_path
+
+    root = tmp_path_factory.mktemp("cli")
+    commands = {name: ["train", *overrides, f"output_dir={root / name / 'run'}"] for name, (overrides, _) in CASES.items()}
+    commands["override without value"] = ["train", str(default_recipe_path()), "train.lr"]
+    commands["missing config file"] = ["train", str(root / "nope.yaml")]
+    commands["invalid yaml"] = ["train", write(root / "bad.yaml", "train:\n  lr: [1,\n")]
+    malformed = write(root / "bad.jsonl", '{"prompt": "1+1="}\nnot json\n{"completion": 3}\n')
+    commands["all rows malformed"] = ["train", f"data.path={malformed}", f"output_dir={root / 'malformed' / 'run'}"]
+    empty = write(root / "empty.jsonl", "")
+    commands["empty data file"] = ["train", f"data.path={empty}", f"output_dir={root / 'empty' / 'run'}"]
+    commands["debug"] = ["--debug", "train", "train.lrr=1"]
+    commands["config show"] = ["config", "show", "train.global_batch_size=64", "train.micro_batch_size=8",
+                               "--world-size", "2"]
+    assert set(commands) == {*CASES, *OTHER_COMMANDS}
+    return run_concurrently({name: functools.partial(isotrain_cli, args) for name, args in commands.items()})
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_override(tmp_path, name):
-    overrides, expected = CASES[name]
-    proc = isotrain_cli(["train", *overrides, f"output_dir={tmp_path / 'run'}"])
-    assert_clean_error(proc, expected)
+def test_bad_override(cli_runs, name):
+    _, expected = CASES[name]
+    assert_clean_error(cli_runs[name], expected)
 
 
 def assert_clean_error(proc, expected: str) -> None:
@@ -47,41 +75,33 @@ def assert_clean_error(proc, expected: str) -> None:
     assert lines[0].startswith("error: ") and expected in " ".join(lines[0].split()), proc.stderr
 
 
-def test_override_without_value(tmp_path):
-    from isotrain.recipes import default_recipe_path
-
-    proc = isotrain_cli(["train", str(default_recipe_path()), "train.lr"])
-    assert_clean_error(proc, "override 'train.lr' is not of the form key.sub=value")
+def test_override_without_value(cli_runs):
+    assert_clean_error(cli_runs["override without value"], "override 'train.lr' is not of the form key.sub=value")
 
 
-def test_missing_config_file(tmp_path):
-    assert_clean_error(isotrain_cli(["train", str(tmp_path / "nope.yaml")]), "nope.yaml' does not exist")
+def test_missing_config_file(cli_runs):
+    assert_clean_error(cli_runs["missing config file"], "nope.yaml' does not exist")
 
 
-def test_invalid_yaml(tmp_path):
-    path = write(tmp_path / "bad.yaml", "train:\n  lr: [1,\n")
-    assert_clean_error(isotrain_cli(["train", path]), "is not valid YAML at line")
+def test_invalid_yaml(cli_runs):
+    assert_clean_error(cli_runs["invalid yaml"], "is not valid YAML at line")
 
 
-def test_all_rows_malformed_is_an_error(tmp_path):
-    data = write(tmp_path / "bad.jsonl", '{"prompt": "1+1="}\nnot json\n{"completion": 3}\n')
-    proc = isotrain_cli(["train", f"data.path={data}", f"output_dir={tmp_path / 'run'}"])
-    assert_clean_error(proc, "bad.jsonl")
+def test_all_rows_malformed_is_an_error(cli_runs):
+    assert_clean_error(cli_runs["all rows malformed"], "bad.jsonl")
 
 
-def test_empty_data_file_is_an_error(tmp_path):
-    data = write(tmp_path / "empty.jsonl", "")
-    proc = isotrain_cli(["train", f"data.path={data}", f"output_dir={tmp_path / 'run'}"])
-    assert_clean_error(proc, "empty.jsonl")
+def test_empty_data_file_is_an_error(cli_runs):
+    assert_clean_error(cli_runs["empty data file"], "empty.jsonl")
 
 
-def test_debug_shows_traceback(tmp_path):
-    proc = isotrain_cli(["--debug", "train", "train.lrr=1"])
+def test_debug_shows_traceback(cli_runs):
+    proc = cli_runs["debug"]
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
-def test_config_show_prints_derived_sizes():
-    proc = isotrain_cli(["config", "show", "train.global_batch_size=64", "train.micro_batch_size=8", "--world-size", "2"])
+def test_config_show_prints_derived_sizes(cli_runs):
+    proc = cli_runs["config show"]
     assert proc.returncode == 0, proc.stderr
     assert "# grad_accum_steps: 4" in proc.stdout and "# dp_size: 2" in proc.stdout
     assert "global_batch_size: 64" in proc.stdout

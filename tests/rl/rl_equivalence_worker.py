@@ -1,9 +1,11 @@
 """Run one RL optimizer step (isotrain.rl.update.run_updates) in one layout; rank 0 saves the results.
 
 Launched by test_rl_equivalence.py with torchrun (real processes, gloo) or in-process for 1 rank:
-    rl_equivalence_worker.py OUT.pt DP_REPLICATE DP_SHARD MICRO_BATCH
-One launch covers every rl.loss_agg mode, each with rl.mask_truncated off and on (the model is
-rebuilt for each): results[(loss_agg, mask_truncated)] = {loss, grads, stats, grad_norm, ...}.
+    rl_equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH     (LAYOUTS: e.g. 2x1,1x2 = DDP then FSDP2)
+One launch covers every given layout (a mesh each) and every rl.loss_agg mode, each with
+rl.mask_truncated off and on (the model is rebuilt for each):
+results[(dp_replicate, dp_shard)][(loss_agg, mask_truncated)] = {loss, grads, stats, grad_norm, ...};
+run() is one layout in this process.
 
 The rollout is fixed and the same in every process: P=4 prompts × n=4 samples with variable prompt
 and response lengths, one empty response and one truncated one; per-token old log-probs are the
@@ -143,18 +145,29 @@ def naive_mode(loss_agg: str, micro_batch: int) -> dict:
 
 
 def run(out: str, dp_replicate: int, dp_shard: int, micro_batch: int) -> None:
+    """One layout in this process: results[(loss_agg, mask_truncated)]."""
+    torch.save(run_layouts([(dp_replicate, dp_shard)], micro_batch)[(dp_replicate, dp_shard)], out)
+
+
+def run_layouts(layouts: list[tuple[int, int]], micro_batch: int) -> dict | None:
+    """Every (dp_replicate, dp_shard) layout in turn, each with its own mesh and models, in one launch
+    (the processes start once): results[(dp_replicate, dp_shard)][(loss_agg, mask_truncated)] on rank 0."""
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
-    degrees = ParallelDegrees(dp_replicate, dp_shard, 1)
-    mesh = build_mesh(degrees, info.device)
-    results = {(mode, masked): run_mode(info, degrees, mesh, mode, masked, micro_batch)
-               for mode in LOSS_AGG_MODES for masked in (False, True)}
-    if info.is_main:
-        torch.save(results, out)
+    results = {}
+    for dp_replicate, dp_shard in layouts:
+        degrees = ParallelDegrees(dp_replicate, dp_shard, 1)
+        mesh = build_mesh(degrees, info.device)
+        results[(dp_replicate, dp_shard)] = {(mode, masked): run_mode(info, degrees, mesh, mode, masked, micro_batch)
+                                             for mode in LOSS_AGG_MODES for masked in (False, True)}
     if info.is_distributed:
         shutdown_distributed()
+    return results if info.is_main else None
 
 
 if __name__ == "__main__":
-    out, rep, shard, micro = sys.argv[1:]
-    run(out, int(rep), int(shard), int(micro))
+    # rl_equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH; LAYOUTS: DP_REPLICATExDP_SHARD[,...], e.g. 2x1,1x2
+    out, layouts, micro = sys.argv[1:]
+    results = run_layouts([tuple(int(x) for x in layout.split("x")) for layout in layouts.split(",")], int(micro))
+    if results is not None:
+        torch.save(results, out)

@@ -16,6 +16,7 @@ start of every run. The tests prove that:
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, isotrain_cli, kill_after_commit, model_weights, subprocess_env, torchrun
+from helpers import REPO, isotrain_cli, kill_after_commit, model_weights, run_concurrently, subprocess_env, torchrun
 
 SFT_STEPS = 400
 
@@ -101,18 +102,36 @@ def greedy_rewards(stdout: str) -> tuple[float, float]:
     return float(found["before"]) / 100, float(found["after"]) / 100
 
 
+# The bundled task itself: exact match with the sum, the bundled RL recipe's sizes (P=64, n=8, lr 3e-4).
+EXACT = ["train.max_steps=40", "train.warmup_steps=5", "eval.max_samples=100", "rl.max_generation_rounds=2"]
+
+
 @pytest.fixture(scope="module")
-def rise_runs(sft, tmp_path_factory):
-    """40 GRPO and 40 DAPO steps from the SFT model: (stdout, run directory) per algorithm."""
-    root = tmp_path_factory.mktemp("rise")
-    runs = {}
-    for algorithm in ("grpo", "dapo"):
+def learning_runs(sft, tmp_path_factory):
+    """The four learning runs from the SFT model, (stdout, run directory) per (reward, algorithm):
+    40 GRPO and 40 DAPO steps on the learnable reward ("rise") and on the bundled task ("exact").
+
+    They are independent single-process runs, so they run side by side, one per CPU core (longest first)."""
+    root = tmp_path_factory.mktemp("learning")
+    commands = {}
+    for algorithm in ("dapo", "grpo"):
+        commands[("exact", algorithm)] = [*EXACT, f"rl.algorithm={algorithm}"]
+    for algorithm in ("dapo", "grpo"):
         # DAPO: at most 2 prompt rounds per step (of the default 4), to halve its generation time.
         extra = ["rl.max_generation_rounds=2"] if algorithm == "dapo" else []
-        proc = rl_cli(sft, root / algorithm, *RISE, f"rl.algorithm={algorithm}", *extra)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[algorithm] = (proc.stdout, root / algorithm)
-    return runs
+        commands[("rise", algorithm)] = [*RISE, f"rl.algorithm={algorithm}", *extra]
+    dirs = {key: root / "-".join(key) for key in commands}
+    procs = run_concurrently({key: functools.partial(rl_cli, sft, dirs[key], *overrides)
+                              for key, overrides in commands.items()})
+    for key, proc in procs.items():
+        assert proc.returncode == 0, (key, proc.stderr[-3000:])
+    return {key: (proc.stdout, dirs[key]) for key, proc in procs.items()}
+
+
+@pytest.fixture(scope="module")
+def rise_runs(learning_runs):
+    """40 GRPO and 40 DAPO steps from the SFT model on the learnable reward: (stdout, run directory) per algorithm."""
+    return {algorithm: learning_runs[("rise", algorithm)] for algorithm in ("grpo", "dapo")}
 
 
 @pytest.mark.slow
@@ -136,19 +155,14 @@ def test_reward_rises(rise_runs, algorithm):
         assert all(r["filtered_groups"] > 0 and r["generation_rounds"] > 1 for r in rows), summary
 
 
-# The bundled task itself: exact match with the sum, the bundled RL recipe's sizes (P=64, n=8, lr 3e-4).
-EXACT = ["train.max_steps=40", "train.warmup_steps=5", "eval.max_samples=100", "rl.max_generation_rounds=2"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
-def test_exact_match_accuracy_rises_on_the_bundled_task(sft, tmp_path, algorithm):
-    proc = rl_cli(sft, tmp_path / algorithm, *EXACT, f"rl.algorithm={algorithm}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_exact_match_accuracy_rises_on_the_bundled_task(learning_runs, algorithm):
+    stdout, run_dir = learning_runs[("exact", algorithm)]
     found = dict(re.findall(r"(before|after) RL: exact-match accuracy on 100 held-out prompts: ([\d.]+)%",
-                            proc.stdout))
+                            stdout))
     before, after = float(found["before"]), float(found["after"])
-    rows = metrics(tmp_path / algorithm)
+    rows = metrics(run_dir)
     first = sum(r["score_mean"] for r in rows[:WINDOW]) / WINDOW
     last = sum(r["score_mean"] for r in rows[-WINDOW:]) / WINDOW
     summary = f"held-out accuracy {before}% -> {after}%, sampled score {first:.3f} -> {last:.3f}"
@@ -223,8 +237,9 @@ def test_sigkill_then_resume_is_byte_identical(sft, tmp_path, variant):
 
     overrides = [*RESUME, *RESUME_VARIANTS[variant]]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_to_end(sft, straight, overrides)
-    kill_after_checkpoint(sft, resumed, overrides, 4)
+    # The straight run and the run to kill are independent: side by side, one per core.
+    run_concurrently({"straight": lambda: run_to_end(sft, straight, overrides),
+                      "killed": lambda: kill_after_checkpoint(sft, resumed, overrides, 4)})
     proc = run_to_end(sft, resumed, [*overrides, "checkpoint.resume=auto"])
     assert "resumed from" in proc.stdout and "step-00000004 at step 4" in proc.stdout, proc.stdout[-2000:]
 
@@ -312,8 +327,8 @@ def test_two_process_run_completes_and_fsdp2_resumes_on_one(sft, tmp_path, layou
 @pytest.mark.slow
 def test_process_engine_gives_the_rollouts_of_the_in_process_engine(sft, tmp_path):
     overrides = [*SMALL, "train.max_steps=3", "train.deterministic=true"]
-    run_to_end(sft, tmp_path / "hf", overrides)
-    run_to_end(sft, tmp_path / "process", [*overrides, "rollout.engine=process"])
+    run_concurrently({"process": lambda: run_to_end(sft, tmp_path / "process", [*overrides, "rollout.engine=process"]),
+                      "hf": lambda: run_to_end(sft, tmp_path / "hf", overrides)})
     rows_hf, rows_process = metrics(tmp_path / "hf"), metrics(tmp_path / "process")
     assert [r["step"] for r in rows_process] == [1, 2, 3]
     assert set(rows_process[0]) == set(rows_hf[0])
@@ -333,58 +348,92 @@ def assert_clean_error(proc, expected: str) -> None:
     assert lines[0].startswith("error: ") and expected in " ".join(lines[0].split()), proc.stderr
 
 
-def test_prompts_not_divisible_by_the_dp_size_are_refused_before_any_work():
-    proc = isotrain_cli(["config", "show", "rl.prompts_per_step=5", "rl.group_size=4", "parallel.dp_replicate=2",
-                         "--world-size", "2"])
-    assert_clean_error(proc, "rl.prompts_per_step=5 cannot be split over 2 data-parallel ranks (each rank "
-                             "generates whole groups); use rl.prompts_per_step in [4, 6]")
+# The commands below are independent processes: they run side by side, one per CPU core, once per
+# module (cli_runs without the SFT model, sft_cli_runs from it), and each test checks its own process.
 
 
-def test_config_show_prints_the_rl_sizes():
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
     from isotrain.recipes import default_rl_recipe_path
 
-    proc = isotrain_cli(["config", "show", str(default_rl_recipe_path()), "rl.prompts_per_step=8", "rl.group_size=4",
-                         "rl.mini_batch_prompts=4", "train.micro_batch_size=4", "parallel.dp_replicate=2",
-                         "--world-size", "2"])
+    root = tmp_path_factory.mktemp("cli")
+    commands = {
+        "not divisible": ["config", "show", "rl.prompts_per_step=5", "rl.group_size=4", "parallel.dp_replicate=2",
+                          "--world-size", "2"],
+        "config show": ["config", "show", str(default_rl_recipe_path()), "rl.prompts_per_step=8", "rl.group_size=4",
+                        "rl.mini_batch_prompts=4", "train.micro_batch_size=4", "parallel.dp_replicate=2",
+                        "--world-size", "2"],
+        "unknown key": ["rl", "rl.grup_size=4", f"output_dir={root / 'run'}"],
+    }
+    cwd = {"unknown key": root}
+    return run_concurrently({name: functools.partial(isotrain_cli, args, cwd=cwd.get(name))
+                             for name, args in commands.items()})
+
+
+@pytest.fixture(scope="module")
+def sft_cli_runs(sft, tmp_path_factory):
+    """{name: (CompletedProcess, run directory)}"""
+    root = tmp_path_factory.mktemp("sft-cli")
+    commands = {
+        "global batch": ["rl.prompts_per_step=4", "rl.group_size=4", "train.micro_batch_size=8",
+                         "train.global_batch_size=32"],
+        "reward module": ["rl.reward=nosuchmodule:f"],
+        "prompt file": [f"data.path={root / 'nope.jsonl'}"],
+    }
+    dirs = {name: root / name.replace(" ", "-") / "run" for name in commands}
+    procs = run_concurrently({name: functools.partial(rl_cli, sft, dirs[name], *overrides)
+                              for name, overrides in commands.items()})
+    return {name: (proc, dirs[name]) for name, proc in procs.items()}
+
+
+def test_prompts_not_divisible_by_the_dp_size_are_refused_before_any_work(cli_runs):
+    assert_clean_error(cli_runs["not divisible"], "rl.prompts_per_step=5 cannot be split over 2 data-parallel ranks "
+                                                  "(each rank generates whole groups); use rl.prompts_per_step in [4, 6]")
+
+
+def test_config_show_prints_the_rl_sizes(cli_runs):
+    proc = cli_runs["config show"]
     assert proc.returncode == 0, proc.stderr
     for line in ("# samples_per_rollout: 32", "# optimizer_steps_per_rollout: 2", "# grad_accum_steps: 2",
                  "global_batch_size: 16"):
         assert line in proc.stdout, (line, proc.stdout)
 
 
-def test_unknown_rl_key_gets_a_did_you_mean(tmp_path):
-    proc = isotrain_cli(["rl", "rl.grup_size=4", f"output_dir={tmp_path / 'run'}"], cwd=tmp_path)
-    assert_clean_error(proc, "unknown config key 'rl.grup_size'; did you mean rl.group_size?")
+def test_unknown_rl_key_gets_a_did_you_mean(cli_runs):
+    assert_clean_error(cli_runs["unknown key"], "unknown config key 'rl.grup_size'; did you mean rl.group_size?")
 
 
-def test_wrong_global_batch_size_is_refused(sft, tmp_path):
-    proc = rl_cli(sft, tmp_path / "run", "rl.prompts_per_step=4", "rl.group_size=4", "train.micro_batch_size=8",
-                  "train.global_batch_size=32")
+def test_wrong_global_batch_size_is_refused(sft_cli_runs):
+    proc, _ = sft_cli_runs["global batch"]
     assert_clean_error(proc, "train.global_batch_size=32 is not used by RL: the global batch is "
                              "rl.mini_batch_prompts × rl.group_size = 16 sequences; remove it or set it to 16")
 
 
-def test_unknown_reward_module_is_refused(sft, tmp_path):
-    proc = rl_cli(sft, tmp_path / "run", "rl.reward=nosuchmodule:f")
+def test_unknown_reward_module_is_refused(sft_cli_runs):
+    proc, run_dir = sft_cli_runs["reward module"]
     assert_clean_error(proc, "rl.reward 'nosuchmodule:f': module 'nosuchmodule' cannot be imported; check "
                              "PYTHONPATH or give the file as 'path/to/file.py:function'")
-    assert not (tmp_path / "run").exists()  # refused before any work
+    assert not run_dir.exists()  # refused before any work
 
 
-def test_missing_prompt_file_is_refused(sft, tmp_path):
-    proc = rl_cli(sft, tmp_path / "run", f"data.path={tmp_path / 'nope.jsonl'}")
-    assert_clean_error(proc, f"data.path '{tmp_path / 'nope.jsonl'}' does not exist; point data.path at a .jsonl, "
+def test_missing_prompt_file_is_refused(sft_cli_runs):
+    proc, run_dir = sft_cli_runs["prompt file"]
+    missing = run_dir.parent.parent / "nope.jsonl"
+    assert_clean_error(proc, f"data.path '{missing}' does not exist; point data.path at a .jsonl, "
                              ".json, .parquet or a directory saved with datasets.save_to_disk")
 
 
 def test_resuming_from_an_sft_checkpoint_needs_load_only(sft, tmp_path):
     checkpoint = sft / "checkpoints" / f"step-{SFT_STEPS:08d}"
-    proc = rl_cli(sft, tmp_path / "run", *SMALL, "train.max_steps=1", f"checkpoint.resume={checkpoint}")
-    assert_clean_error(proc, f"checkpoint {checkpoint} was saved by another kind of run (no prompt_rounds counter); "
-                             "set checkpoint.load_only=model to start from its weights only")
+    resume = [*SMALL, "train.max_steps=1", f"checkpoint.resume={checkpoint}"]
+    # The refused run and the same run with load_only=model are independent: side by side, one per core.
+    procs = run_concurrently({"load_only": lambda: rl_cli(sft, tmp_path / "run", *resume, "checkpoint.load_only=model"),
+                              "refused": lambda: rl_cli(sft, tmp_path / "refused", *resume)})
+    assert_clean_error(procs["refused"], f"checkpoint {checkpoint} was saved by another kind of run (no "
+                                         "prompt_rounds counter); set checkpoint.load_only=model to start from its "
+                                         "weights only")
     # With load_only=model the same checkpoint starts a new RL run from its weights.
-    proc = rl_cli(sft, tmp_path / "run", *SMALL, "train.max_steps=1", f"checkpoint.resume={checkpoint}",
-                  "checkpoint.load_only=model")
+    proc = procs["load_only"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "started from the weights of" in proc.stdout
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1]

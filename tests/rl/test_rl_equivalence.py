@@ -39,9 +39,10 @@ def _single(tmp_path, micro_batch: int) -> dict:
     return torch.load(out)
 
 
-def _multi(tmp_path, dp_replicate: int, dp_shard: int, micro_batch: int) -> dict:
-    out = tmp_path / f"multi-{dp_replicate}-{dp_shard}-{micro_batch}.pt"
-    proc = torchrun(2, [WORKER, str(out), str(dp_replicate), str(dp_shard), str(micro_batch)])
+def _multi(tmp_path, layouts: list[tuple[int, int]], micro_batch: int) -> dict:
+    """One torchrun launch of 2 processes runs every layout in turn: {(dp_replicate, dp_shard): results}."""
+    out = tmp_path / f"multi-{micro_batch}.pt"
+    proc = torchrun(2, [WORKER, str(out), ",".join(f"{r}x{s}" for r, s in layouts), str(micro_batch)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
@@ -110,10 +111,16 @@ def test_gradient_accumulation_matches_one_micro_batch(tmp_path, reference):
     assert_equivalent(_single(tmp_path, micro_batch=4), reference, grad_accum_steps=4)
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """DDP and FSDP2 share one launch: starting the processes costs far more than the optimizer steps."""
+    return _multi(tmp_path_factory.mktemp("multi"), [(2, 1), (1, 2)], micro_batch=4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dp_replicate,dp_shard", [(2, 1), (1, 2)], ids=["ddp2-ga2", "fsdp2-ga2"])
-def test_data_parallel_matches_single_process(tmp_path, reference, dp_replicate, dp_shard):
-    assert_equivalent(_multi(tmp_path, dp_replicate, dp_shard, micro_batch=4), reference, grad_accum_steps=2)
+def test_data_parallel_matches_single_process(two_ranks, reference, dp_replicate, dp_shard):
+    assert_equivalent(two_ranks[(dp_replicate, dp_shard)], reference, grad_accum_steps=2)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,8 +1,9 @@
 """Run 3 optimizer steps of a tiny Llama on a fixed dataset in one layout; rank 0 saves the results.
 
 Launched by test_equivalence.py with torchrun (real processes, gloo) or in-process for 1 rank:
-    equivalence_worker.py OUT.pt DP_REPLICATE DP_SHARD MICRO_BATCH [naive]
-One launch covers both loss reductions, in fp32 and in fp64: results[(reduction, dtype)].
+    equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive]     (LAYOUTS: e.g. 2x1,1x2 = DDP then FSDP2)
+One launch covers every given layout (a mesh and a model each), both loss reductions, in fp32 and in
+fp64: results[(dp_replicate, dp_shard)][(reduction, dtype)]; run() is one layout in this process.
 """
 
 from __future__ import annotations
@@ -99,21 +100,33 @@ def run_layout(info, degrees, mesh, micro_batch: int, reduction: str, dtype: tor
 
 
 def run(out: str, dp_replicate: int, dp_shard: int, micro_batch: int, naive: bool = False) -> None:
+    """One layout in this process: results[(reduction, dtype)]."""
+    torch.save(run_layouts([(dp_replicate, dp_shard)], micro_batch, naive)[(dp_replicate, dp_shard)], out)
+
+
+def run_layouts(layouts: list[tuple[int, int]], micro_batch: int, naive: bool = False) -> dict | None:
+    """Every (dp_replicate, dp_shard) layout in turn, each with its own mesh and models, in one launch
+    (the processes start once): results[(dp_replicate, dp_shard)][(reduction, dtype)] on rank 0, else None."""
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
-    degrees = ParallelDegrees(dp_replicate, dp_shard, 1)
-    mesh = build_mesh(degrees, info.device)
-    results = {
-        (reduction, str(dtype)): run_layout(info, degrees, mesh, micro_batch, reduction, dtype, naive)
-        for reduction in ("token", "sequence")
-        for dtype in (torch.float32, torch.float64)
-    }
-    if info.is_main:
-        torch.save(results, out)
+    results = {}
+    for dp_replicate, dp_shard in layouts:
+        degrees = ParallelDegrees(dp_replicate, dp_shard, 1)
+        mesh = build_mesh(degrees, info.device)
+        results[(dp_replicate, dp_shard)] = {
+            (reduction, str(dtype)): run_layout(info, degrees, mesh, micro_batch, reduction, dtype, naive)
+            for reduction in ("token", "sequence")
+            for dtype in (torch.float32, torch.float64)
+        }
     if info.is_distributed:
         shutdown_distributed()
+    return results if info.is_main else None
 
 
 if __name__ == "__main__":
-    out, rep, shard, micro, *rest = sys.argv[1:]
-    run(out, int(rep), int(shard), int(micro), naive=bool(rest))
+    # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive]; LAYOUTS: DP_REPLICATExDP_SHARD[,...], e.g. 2x1,1x2
+    out, layouts, micro, *rest = sys.argv[1:]
+    results = run_layouts([tuple(int(x) for x in layout.split("x")) for layout in layouts.split(",")], int(micro),
+                          naive=bool(rest))
+    if results is not None:
+        torch.save(results, out)

@@ -33,9 +33,10 @@ def _single(tmp_path, micro_batch: int, naive: bool = False) -> dict:
     return torch.load(out)
 
 
-def _multi(tmp_path, nproc: int, dp_replicate: int, dp_shard: int, micro_batch: int) -> dict:
-    out = tmp_path / f"multi-{dp_replicate}-{dp_shard}-{micro_batch}.pt"
-    proc = torchrun(nproc, [WORKER, str(out), str(dp_replicate), str(dp_shard), str(micro_batch)])
+def _multi(tmp_path, nproc: int, layouts: list[tuple[int, int]], micro_batch: int) -> dict:
+    """One torchrun launch of `nproc` processes runs every layout in turn: {(dp_replicate, dp_shard): results}."""
+    out = tmp_path / f"multi-{nproc}-{micro_batch}.pt"
+    proc = torchrun(nproc, [WORKER, str(out), ",".join(f"{r}x{s}" for r, s in layouts), str(micro_batch)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
@@ -70,14 +71,33 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, reference):
     assert_equivalent(_single(tmp_path, micro_batch=2), reference)
 
 
+# The DDP and the FSDP2 layout of a world size share one launch: starting the processes (importing
+# torch and transformers) costs far more than their 3 steps.
+MICRO_BATCH = 2
+LAYOUTS = {2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4)]}
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    """multi(nproc): the results of every layout of that world size, launched once per module."""
+    launched = {}
+
+    def results(nproc: int) -> dict:
+        if nproc not in launched:
+            launched[nproc] = _multi(tmp_path_factory.mktemp(f"multi-{nproc}"), nproc, LAYOUTS[nproc], MICRO_BATCH)
+        return launched[nproc]
+
+    return results
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "nproc,dp_replicate,dp_shard,micro_batch",
-    [(2, 2, 1, 2), (2, 1, 2, 2), (4, 4, 1, 2), (4, 1, 4, 2)],
+    "nproc,dp_replicate,dp_shard",
+    [(2, 2, 1), (2, 1, 2), (4, 4, 1), (4, 1, 4)],
     ids=["ddp2-ga2", "fsdp2-ga2", "ddp4-ga1", "fsdp4-ga1"],
 )
-def test_data_parallel_matches_single_process(tmp_path, reference, nproc, dp_replicate, dp_shard, micro_batch):
-    assert_equivalent(_multi(tmp_path, nproc, dp_replicate, dp_shard, micro_batch), reference)
+def test_data_parallel_matches_single_process(multi, reference, nproc, dp_replicate, dp_shard):
+    assert_equivalent(multi(nproc)[(dp_replicate, dp_shard)], reference)
 
 
 def test_naive_micro_batch_mean_would_be_detected(tmp_path, reference):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, isotrain_cli, subprocess_env, torchrun
+from helpers import REPO, isotrain_cli, run_concurrently, subprocess_env, torchrun
 
 SMALL = [
     "model.config.hidden_size=32",
@@ -51,14 +52,27 @@ def test_default_recipe_runs_from_the_cli(tmp_path):
     assert rows[0]["lr"] > 0
 
 
+@pytest.fixture(scope="module")
+def epoch_runs(tmp_path_factory):
+    """One epoch (64 rows, global batch 16, 4 steps) on 1 and on 2 processes: {nproc: (rows, run directory)}.
+
+    The two launches are independent: they run side by side."""
+    runs = {}
+    for nproc in (2, 1):
+        directory = tmp_path_factory.mktemp(f"epoch-{nproc}")
+        rows, data_args = small_data(directory)
+        runs[nproc] = (rows, directory / "run", ["-m", "isotrain", "train", *SMALL, *data_args, "train.max_steps=4",
+                                                 f"output_dir={directory / 'run'}"])
+    procs = run_concurrently({nproc: functools.partial(torchrun, nproc, args) for nproc, (_, _, args) in runs.items()})
+    for nproc, proc in procs.items():
+        assert proc.returncode == 0, (nproc, proc.stderr[-3000:])
+    return {nproc: (rows, run) for nproc, (rows, run, _) in runs.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_token_counts_after_one_epoch_equal_dataset_totals(tmp_path, nproc):
-    rows, data_args = small_data(tmp_path)
-    run = tmp_path / "run"
-    args = ["-m", "isotrain", "train", *SMALL, *data_args, "train.max_steps=4", f"output_dir={run}"]
-    proc = torchrun(nproc, args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_token_counts_after_one_epoch_equal_dataset_totals(epoch_runs, nproc):
+    rows, run = epoch_runs[nproc]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(run / "tokenizer")
@@ -99,11 +113,17 @@ def test_two_nodes_with_c10d_rendezvous_match_one_process(tmp_path):
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=isotrain-test",
               "-m", "isotrain", "train", *common, f"output_dir={tmp_path / 'multi'}"]
-    nodes = [subprocess.Popen(launch, env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outputs = [node.communicate(timeout=300) for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    single = isotrain_cli(["train", *common, f"output_dir={tmp_path / 'single'}"])
+
+    def two_nodes():
+        nodes = [subprocess.Popen(launch, env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        outputs = [node.communicate(timeout=300) for node in nodes]
+        assert all(node.returncode == 0 for node in nodes), outputs[0][1][-2000:] + outputs[1][1][-2000:]
+
+    # The one-process run is independent of the two nodes: it runs beside them.
+    runs = run_concurrently({"nodes": two_nodes,
+                             "single": lambda: isotrain_cli(["train", *common, f"output_dir={tmp_path / 'single'}"])})
+    single = runs["single"]
     assert single.returncode == 0, single.stderr[-3000:]
     multi_rows, single_rows = metrics(tmp_path / "multi"), metrics(tmp_path / "single")
     for m, s in zip(multi_rows, single_rows, strict=True):

@@ -13,10 +13,11 @@ table shows medians.
     GB         bytes of the checkpoint written or read (for DCP's HF writer: the model only)
     GB/s       GB / s
     disk GB/s  the disk's own speed with the same bytes, measured right before and right after each
-               repeat in the same processes: every rank writes the tensor bytes it would save to a
-               plain file in 16 MB pieces, fsyncs (write), drops the file from the page cache with
-               posix_fadvise(DONTNEED) and reads it back (read). This disk's speed drifts by 2x or
-               more within a minute, so each repeat is compared with the mean of its two neighbours.
+               repeat in the same processes. Saves: every rank writes the tensor bytes it would save
+               to a plain file in 16 MB pieces and fsyncs. Loads (and verify): every rank reads its
+               share of the very files the load reads, cold (dropped from the page cache with
+               posix_fadvise(DONTNEED)), in 16 MB pieces. This disk's speed drifts by 2x or more
+               within a minute, so each repeat is compared with the mean of its two neighbours.
     x disk     GB/s over disk GB/s (write for saves, read for loads), median over repeats
     blocked s  async saves only: the time the training loop cannot run, i.e. the save call plus the
                wait for staging before the next optimizer update, with no training work to overlap
@@ -234,9 +235,42 @@ def own_state(model, optimizer, rank: int, world_size: int, kinds=("model", "opt
     return [tensor_view(i.local) for i in mine], {"bound": largest + own, "num_params": num_params}
 
 
+def probe_read(source: Path, rank: int) -> dict:
+    """The disk's read limit for a load: a plain cold read of the source checkpoint's own files, each
+    rank an equal share of their bytes, in 16 MB pieces into one reused buffer.
+
+    Reading the loaded files themselves keeps the comparison fair: a file written moments ago reads
+    about twice as fast here as one written minutes ago (the virtual machine's host still caches
+    it), so a fresh probe file would flatter the disk.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    files = sorted(p for p in source.rglob("*") if p.is_file())
+    sizes = [p.stat().st_size for p in files]
+    total = sum(sizes)
+    first, last = total * rank // world_size, total * (rank + 1) // world_size
+    if rank == 0:
+        evict(source)
+    barrier()
+    buffer, offset, start = bytearray(CHUNK), 0, time.perf_counter()
+    for path, size in zip(files, sizes):
+        begin, end = max(first, offset) - offset, min(last, offset + size) - offset
+        if begin < end:
+            fd = os.open(path, os.O_RDONLY)
+            while begin < end:
+                begin += os.preadv(fd, [memoryview(buffer)[: min(CHUNK, end - begin)]], begin)
+            os.close(fd)
+        offset += size
+    read_s = time.perf_counter() - start
+    barrier()
+    return {"bytes": last - first, "read_s": read_s}
+
+
 def repeat(args, rank: int, work: Path, views: list, fn, evict_first: Path | None = None) -> dict:
-    """Probe the disk, then (run `fn`, probe the disk) args.repeats times."""
+    """Probe the disk, then (run `fn`, probe the disk) args.repeats times. Loads (`evict_first`, the
+    checkpoint they read) are compared with a plain read of that checkpoint's files."""
     def probe(r: int) -> dict:
+        if evict_first is not None:
+            return probe_read(evict_first, rank)
         return probe_disk(work / f"probe-{r}-rank{rank}.bin", views)
 
     probes, seconds, blocked, extra, peak = [probe(0)], [], [], 0, 0
@@ -552,6 +586,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where to write (one disk)")
     parser.add_argument("--skip-dcp", action="store_true", help="skip the DCP rows")
     parser.add_argument("--skip-hf", action="store_true", help="skip the save_pretrained / from_pretrained rows")
+    parser.add_argument("--only", default="", help="run only the rows whose operation contains this text (loads "
+                                                    "also need the 'isotrain save (sync)' rows, which write what they read)")
     args = parser.parse_args()
     console = Console(width=None if os.isatty(1) else 220)
     work = Path(tempfile.mkdtemp(prefix="isotrain-ckpt-bench-", dir=args.dir))
@@ -559,7 +595,8 @@ def main() -> None:
     loadavg_before = os.getloadavg()[0]
     try:
         for name, ranks, op, ws, measured, direction, kwargs in PLAN:
-            if (args.skip_dcp and op.startswith("dcp")) or (args.skip_hf and op.startswith("hf")):
+            if (args.skip_dcp and op.startswith("dcp")) or (args.skip_hf and op.startswith("hf")) or (
+                    args.only not in name):
                 continue
             results = run_op(op, ws, args, work, **kwargs)
             num_bytes = tree_bytes(work / measured) if (work / measured).exists() else 0

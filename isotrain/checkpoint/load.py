@@ -75,12 +75,8 @@ class CheckpointReader:
     def dtype(self, key: str) -> torch.dtype:
         return _DTYPES[self._spec(key)["dtype"]]
 
-    def read_into(self, key: str, target: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
-        """Read tensor `key` (or its dim-0 rows) from its file straight into `target`'s memory.
-
-        One pread per tensor and no intermediate tensor: loading is bound by the disk, not by
-        copies. A target of another dtype or device goes through a CPU tensor.
-        """
+    def _locate(self, key: str, rows: tuple[int, int] | None):
+        """(path, fd, first data byte, header entry, begin, end): where tensor `key` (or its rows) lies."""
         path = self._where[key]
         fd, data_start, header = self._file(path)
         spec = header[key]
@@ -88,6 +84,22 @@ class CheckpointReader:
         if rows is not None and spec["shape"]:
             row_bytes = (end - begin) // spec["shape"][0] if spec["shape"][0] else 0
             begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
+        return path, fd, data_start, spec, begin, end
+
+    def prefetch(self, key: str, rows: tuple[int, int] | None = None) -> int:
+        """Ask the kernel to start reading tensor `key` (or its rows) now, without waiting; returns its bytes."""
+        _, fd, data_start, _, begin, end = self._locate(key, rows)
+        if end > begin and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, data_start + begin, end - begin, os.POSIX_FADV_WILLNEED)
+        return end - begin
+
+    def read_into(self, key: str, target: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        """Read tensor `key` (or its dim-0 rows) from its file straight into `target`'s memory.
+
+        One pread per tensor and no intermediate tensor: loading is bound by the disk, not by
+        copies. A target of another dtype or device goes through a CPU tensor.
+        """
+        path, fd, data_start, spec, begin, end = self._locate(key, rows)
         direct = (target.device.type == "cpu" and target.is_contiguous() and target.dtype == _DTYPES[spec["dtype"]]
                   and target.numel() * target.element_size() == end - begin)
         if not direct:
@@ -118,12 +130,43 @@ class CheckpointReader:
         return json.loads((self.directory / "train_state" / "state.json").read_text())
 
 
+def _rows(tensor: torch.Tensor, rank: int) -> tuple[int, int] | None:
+    """The dim-0 rows of `tensor` (a plain tensor or DTensor) that this rank holds; None for all."""
+    spec = shard_spec(tensor)
+    return spec.bounds(spec.shard_of_rank[rank]) if spec is not None else None
+
+
 def _read_into(reader: CheckpointReader, key: str, target: torch.Tensor, rank: int) -> None:
     """Copy the part of tensor `key` that this rank holds into `target` (a plain tensor or DTensor)."""
-    spec = shard_spec(target)
-    rows = spec.bounds(spec.shard_of_rank[rank]) if spec is not None else None
     with torch.no_grad():
-        reader.read_into(key, local_part(target), rows)
+        reader.read_into(key, local_part(target), _rows(target, rank))
+
+
+class ReadAhead:
+    """Keeps the kernel reading up to `window_bytes` ahead of the tensor being read.
+
+    A rank of a sharded layout reads only its rows of each tensor, which the kernel's own
+    readahead does not take for a sequential stream; announcing the next reads keeps the disk
+    busy while the current one is copied and faulted in.
+    """
+
+    def __init__(self, reader: CheckpointReader, upcoming: list[tuple[str, tuple[int, int] | None]],
+                 window_bytes: int = 64 << 20):
+        self.reader, self.upcoming, self.window_bytes = reader, upcoming, window_bytes
+        self.starts, position = [], 0  # where each read starts in the stream of this rank's reads
+        for key, rows in upcoming:
+            _, _, _, _, begin, end = reader._locate(key, rows)
+            self.starts.append(position)
+            position += end - begin
+        self.starts.append(position)
+        self.announced = 0
+
+    def before(self, index: int) -> None:
+        """Call before reading entry `index` of `upcoming`."""
+        limit = self.starts[index + 1] + self.window_bytes
+        while self.announced < len(self.upcoming) and self.starts[self.announced] < limit:
+            self.reader.prefetch(*self.upcoming[self.announced])
+            self.announced += 1
 
 
 def check_model_shapes(reader: CheckpointReader, model: nn.Module, prefix: str = "") -> None:
@@ -176,13 +219,19 @@ def load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch.
                 f"checkpoint {reader.directory} has no optimizer state for {name!r}; it is not a training "
                 "checkpoint of this model: set checkpoint.load_only=model to start from its weights only"
             )
+    reads = [(f"{key}.{prefix}{names[id(param)]}", _rows(param, rank)) for param in params
+             for key in OPTIMIZER_STATE_KEYS if key != "step"]  # moments share their parameter's layout
+    ahead = ReadAhead(reader, reads)
     with ThreadPoolExecutor(max_workers=1) as allocator:
         moments = [allocator.submit(_new_moments, param) for param in params]
+        index = 0
         for param, allocated in zip(params, moments):
             name = prefix + names[id(param)]
             state = allocated.result()
             for key, tensor in state.items():
+                ahead.before(index)
                 _read_into(reader, f"{key}.{name}", tensor, rank)
+                index += 1
             state["step"] = reader.read(f"step.{name}").clone()
             optimizer.state[param] = {key: state[key] for key in OPTIMIZER_STATE_KEYS}
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import COUNTED, REPO, kill_after_commit, model_weights, subprocess_env, torchrun
+from helpers import COUNTED, REPO, kill_after_commit, model_weights, run_concurrently, subprocess_env, torchrun
 from isotrain.checkpoint.layout import write_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -68,8 +68,9 @@ def kill_after_checkpoint(layout: str, run_dir, step: int) -> None:
 @pytest.mark.parametrize("layout", ["single", "ddp2", "fsdp2"])
 def test_sigkill_then_resume_is_byte_identical(tmp_path, layout):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(layout, straight)
-    kill_after_checkpoint(layout, resumed, 8)
+    # Independent runs: side by side, one per core.
+    run_concurrently({"straight": lambda: run(layout, straight),
+                      "killed": lambda: kill_after_checkpoint(layout, resumed, 8)})
     proc = run(layout, resumed)
     assert "resumed from" in proc.stdout and "step-00000008" in proc.stdout
     final_a, final_b = straight / "checkpoints" / "step-00000012", resumed / "checkpoints" / "step-00000012"

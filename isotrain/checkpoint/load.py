@@ -151,7 +151,7 @@ class ReadAhead:
     """
 
     def __init__(self, reader: CheckpointReader, upcoming: list[tuple[str, tuple[int, int] | None]],
-                 window_bytes: int = 64 << 20):
+                 window_bytes: int = 256 << 20):
         self.reader, self.upcoming, self.window_bytes = reader, upcoming, window_bytes
         self.starts, position = [], 0  # where each read starts in the stream of this rank's reads
         for key, rows in upcoming:

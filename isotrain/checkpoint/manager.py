@@ -316,13 +316,14 @@ class CheckpointManager:
 
     def _background(self, request: SaveRequest) -> None:
         try:
-            stage(request.items, self.rank, self._staging)
-            self._staged.set()
-            self._write(request)
-        except BaseException as err:  # handed to the loop by check()/wait()
-            self._failure = err
+            self._in_background(self._stage_and_write, request)
         finally:
             self._staged.set()
+
+    def _stage_and_write(self, request: SaveRequest) -> None:
+        stage(request.items, self.rank, self._staging)
+        self._staged.set()
+        self._write(request)
 
     def before_update(self) -> None:
         """Block until an async save has copied the weights the coming optimizer step will change."""

@@ -14,9 +14,10 @@ table shows medians.
     GB/s       GB / s
     disk GB/s  the disk's own speed with the same bytes, measured right before and right after each
                repeat in the same processes. Saves: every rank writes the tensor bytes it would save
-               to a plain file in 16 MB pieces and fsyncs. Loads (and verify): every rank reads its
-               share of the very files the load reads, cold (dropped from the page cache with
-               posix_fadvise(DONTNEED)), in 16 MB pieces. This disk's speed drifts by 2x or more
+               to a plain file in 16 MB pieces and fsyncs, once through the page cache and once
+               with direct I/O; the faster of the two is the limit (the header line shows both).
+               Loads (and verify): every rank reads its share of the very files the load reads,
+               cold (dropped from the page cache with posix_fadvise(DONTNEED)), in 16 MB pieces. This disk's speed drifts by 2x or more
                within a minute, so each repeat is compared with the mean of its two neighbours.
     x disk     GB/s over disk GB/s (write for saves, read for loads), median over repeats
     blocked s  async saves only: the time the training loop cannot run, i.e. the save call plus the
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import mmap
 import os
 import shutil
 import socket
@@ -55,6 +57,8 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,11 +118,12 @@ def barrier() -> None:
 
 
 def probe_disk(path: Path, views: list[memoryview]) -> dict:
-    """The disk's limit for these bytes: a plain write + fsync, then a cold read, on this rank.
+    """The disk's write limit for these bytes on this rank: the faster of a plain write + fsync
+    through the page cache and a direct-I/O write + fsync (`write_direct`).
 
     Every rank probes at once (barriers), so with 2 ranks the writes overlap as a 2-rank save's do.
-    The file is kept until the row ends: deleting it here would make the next fsync pay for the
-    discard of its blocks (this file system is mounted with `discard`).
+    The files are kept until the row ends: deleting them here would make the next fsync pay for the
+    discard of their blocks (this file system is mounted with `discard`).
     """
     barrier()
     start, num_bytes = time.perf_counter(), 0
@@ -131,17 +136,47 @@ def probe_disk(path: Path, views: list[memoryview]) -> dict:
         num_bytes += len(view)
     os.fsync(fd)
     os.close(fd)
-    write_s = time.perf_counter() - start
-    evict(path)
+    buffered_s = time.perf_counter() - start
     barrier()
-    buffer, start = bytearray(CHUNK), time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    while os.readv(fd, [buffer]):
-        pass
+    direct_s = write_direct(path.with_name(path.name + ".direct"), views, num_bytes)
+    barrier()
+    return {"bytes": num_bytes, "write_s": min(buffered_s, direct_s), "buffered_write_s": buffered_s,
+            "direct_write_s": direct_s}
+
+
+def write_direct(path: Path, views: list[memoryview], num_bytes: int) -> float:
+    """Seconds to write the same bytes with direct I/O and fsync: copied piece by piece into three
+    page-aligned 16 MB buffers (direct I/O needs alignment), two pieces in flight while the third
+    fills; the last piece is rounded up to whole pages."""
+    private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    buffers, pending = [mmap.mmap(-1, CHUNK, flags=private) for _ in range(3)], deque()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+    start, offset, fill = time.perf_counter(), 0, 0
+    with ThreadPoolExecutor(max_workers=2) as writers:
+        def submit() -> None:
+            nonlocal offset, fill
+            buffer = buffers[offset // CHUNK % 3]
+            pending.append(writers.submit(os.pwrite, fd, memoryview(buffer)[: -(-fill // 4096) * 4096], offset))
+            offset, fill = offset + CHUNK, 0
+
+        for view in views:
+            view, position = view.cast("B"), 0
+            while position < len(view):
+                if fill == 0 and len(pending) == 3:
+                    pending.popleft().result()
+                count = min(CHUNK - fill, len(view) - position)
+                buffers[offset // CHUNK % 3][fill : fill + count] = view[position : position + count]
+                fill, position = fill + count, position + count
+                if fill == CHUNK:
+                    submit()
+        if fill:
+            submit()
+        for future in pending:
+            future.result()
+    os.fsync(fd)
     os.close(fd)
-    read_s = time.perf_counter() - start
-    barrier()
-    return {"bytes": num_bytes, "write_s": write_s, "read_s": read_s}
+    assert offset >= num_bytes
+    return time.perf_counter() - start
 
 
 class AnonPeak:
@@ -477,9 +512,9 @@ class Row:
     def error(self) -> str | None:
         return next((r["error"] for r in self.results if "error" in r), None)
 
-    def disk(self) -> list[float]:
+    def disk(self, key: str | None = None) -> list[float]:
         """GB/s of each disk probe: all ranks' bytes over the slowest rank's time."""
-        key = f"{self.direction}_s"
+        key = key or f"{self.direction}_s"
         probes = zip(*(r["probes"] for r in self.results))
         return [sum(p["bytes"] for p in ps) / max(p[key] for p in ps) / 1e9 for ps in probes]
 
@@ -507,10 +542,14 @@ def print_table(console: Console, rows: list[Row], args, loadavg: tuple) -> None
     state_gb = next((row.num_bytes / 1e9 for row in ok if row.name == "isotrain save (sync)"), 0.0)
     num_params = next((r["num_params"] for row in ok for r in row.results if "num_params" in r), 0)
     writes = [d for row in ok if row.direction == "write" for d in row.disk()]
+    ways = {way: [d for row in ok if row.direction == "write" for d in row.disk(f"{way}_write_s")]
+            for way in ("buffered", "direct")}
     reads = [d for row in ok if row.direction == "read" for d in row.disk()]
     table = Table(title=f"checkpoints: Llama hidden {args.hidden}, {args.layers} layers, {num_params / 1e6:.1f}M "
                         f"parameters + AdamW = {state_gb:.2f} GB; disk (median of all probes): write+fsync "
-                        f"{median(writes or [0]):.2f} GB/s, cold read {median(reads or [0]):.2f} GB/s; "
+                        f"{median(writes or [0]):.2f} GB/s (through the page cache "
+                        f"{median(ways['buffered'] or [0]):.2f}, direct I/O {median(ways['direct'] or [0]):.2f}), "
+                        f"cold read {median(reads or [0]):.2f} GB/s; "
                         f"median of {args.repeats}; load average {loadavg[0]:.2f} before, {loadavg[1]:.2f} after")
     for column in ("operation", "ranks", "s", "GB", "GB/s", "disk GB/s", "x disk", "blocked s 1st / later",
                    "peak RSS GB / rank", "extra GB / rank", "bound GB / rank"):

@@ -298,7 +298,7 @@ class CheckpointManager:
         start = time.perf_counter()
         request = self._request(step, counters, "checkpoint")
         if self.cfg.checkpoint.async_save:
-            request.in_flight = 1
+            request.transfer_budget, request.piece_bytes = 0, 4 << 20
             self._staged.clear()
             self._thread = threading.Thread(target=self._background, args=(request,), name="isotrain-ckpt",
                                             daemon=True)

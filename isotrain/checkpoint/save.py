@@ -17,26 +17,17 @@ import json
 import os
 import shutil
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from isotrain.checkpoint.files import (
-    CHUNK_BYTES,
-    FileEntry,
-    fsync_dir,
-    safetensors_header,
-    start_writeback,
-    tensor_view,
-    with_path,
-    write_chunks,
-)
+from isotrain.checkpoint.files import CHUNK_BYTES, FileEntry, fsync_dir, safetensors_header, tensor_view, write_chunks
 from isotrain.checkpoint.layout import LATEST, step_dir_name, write_latest
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_manifest
 from isotrain.checkpoint.state import Item
+from isotrain.checkpoint.stream import StreamingFile
 from isotrain.errors import IsotrainError
 
 
@@ -53,61 +44,13 @@ class SaveRequest:
     rank_files: dict[str, bytes]  # written by this rank (its RNG state)
     main_files: dict[str, bytes] = field(default_factory=dict)  # written by rank 0 (config, tokenizer, state)
     info: dict = field(default_factory=dict)  # manifest fields: kind, step, layout
-    # Tensors moving to their owners at once: 2 overlaps network and disk; 1 keeps an async save,
-    # which already holds a host copy of the rank's shard, within one extra tensor.
-    in_flight: int = 2
-
-
-class StreamingFile:
-    """A safetensors file written tensor by tensor: each piece is hashed (on `hasher`) while it is
-    written, and handed to the disk right after (`start_writeback` on `flusher`, which may block
-    while the device queue is full), so the closing fsync finds little left to do."""
-
-    def __init__(self, path: Path, header: bytes, hasher: ThreadPoolExecutor, flusher: ThreadPoolExecutor):
-        import hashlib
-
-        self.path, self._hasher, self._flusher = path, hasher, flusher
-        self._digest, self.num_bytes, self._flushed = hashlib.sha256(), 0, None
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self.append(memoryview(header))
-
-    def append(self, data: memoryview) -> None:
-        data = data.cast("B")
-        for start in range(0, len(data), CHUNK_BYTES):
-            piece = data[start : start + CHUNK_BYTES]
-            hashed = self._hasher.submit(self._digest.update, piece)  # overlaps with the write below
-            view = piece
-            try:
-                while len(view):
-                    view = view[os.write(self._fd, view):]
-            except OSError as err:
-                hashed.result()
-                raise with_path(err, self.path) from None
-            hashed.result()
-            self._flushed = self._flusher.submit(start_writeback, self._fd, self.num_bytes + start, len(piece))
-        self.num_bytes += len(data)
-
-    def _settle(self) -> None:
-        """Wait for the last writeback request: the descriptor must outlive it (the flusher runs them in order)."""
-        if self._flushed is not None:
-            self._flushed.result()
-
-    def close(self) -> FileEntry:
-        try:
-            self._settle()
-            os.fsync(self._fd)
-        except OSError as err:
-            raise with_path(err, self.path) from None
-        finally:
-            os.close(self._fd)
-        return FileEntry(self.num_bytes, self._digest.hexdigest())
-
-    def abort(self) -> None:
-        self._settle()  # a hint: start_writeback never raises
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+    # Bytes of tensors on their way to their owners beyond the one being written. Ranks write in
+    # parallel only while transfers run ahead (a rank waits for its peers' progress otherwise); 0
+    # keeps an async save, which already holds a host copy of the rank's shard, within one tensor.
+    transfer_budget: int = 256 << 20
+    # Bytes of each of a file's two write buffers (a multiple of 4096): smaller for async saves, whose
+    # memory bound their host copy already fills.
+    piece_bytes: int = CHUNK_BYTES
 
 
 def plan_files(items: list[Item]) -> dict[str, list[Item]]:
@@ -188,9 +131,28 @@ def _start_transfer(item: Item, rank: int, group) -> _Transfer:
     return _Transfer(item, pieces, works)
 
 
-def write_tensor_files(directory: Path, items: list[Item], rank: int, group, in_flight: int = 2) -> dict[str, FileEntry]:
-    """Write this rank's files. Transfers run ahead of the writes (`in_flight` tensors at a time), so
-    a rank's disk writes and the network overlap. A write error is raised only after the loop, so
+def write_order(files: dict[str, list[Item]]) -> list[Item]:
+    """Every item once, in an order where all files advance together: next comes the file with the
+    smallest share of its bytes already scheduled. Each file keeps its own tensor order, so every
+    file (of every rank) has bytes to hash and write at each moment, and one process's files are
+    hashed on as many threads. The same on every rank (it depends on the plan only)."""
+    totals = {name: max(1, sum(item.num_bytes for item in its)) for name, its in files.items()}
+    done = dict.fromkeys(files, 0)
+    nexts = dict.fromkeys(files, 0)
+    order = []
+    while len(order) < sum(len(its) for its in files.values()):
+        name = min((n for n in files if nexts[n] < len(files[n])), key=lambda n: (done[n] / totals[n], n))
+        item = files[name][nexts[name]]
+        order.append(item)
+        nexts[name] += 1
+        done[name] += item.num_bytes
+    return order
+
+
+def write_tensor_files(directory: Path, items: list[Item], rank: int, group, transfer_budget: int = 256 << 20,
+                       direct: bool = True, piece_bytes: int = CHUNK_BYTES) -> dict[str, FileEntry]:
+    """Write this rank's files. Transfers run ahead of the writes (up to `transfer_budget` bytes of
+    tensors), so a rank's disk writes, its peers' and the network overlap. A write error is raised only after the loop, so
     that every rank still takes part in every transfer and none is left waiting."""
     files = plan_files(items)
     mine = {name: its for name, its in files.items() if its[0].owner == rank}
@@ -211,30 +173,34 @@ def write_tensor_files(directory: Path, items: list[Item], rank: int, group, in_
         except OSError as err:
             error = err
 
-    with ThreadPoolExecutor(max_workers=1) as hasher, ThreadPoolExecutor(max_workers=1) as flusher:
+    try:
+        for name, its in mine.items():
+            (directory / name).parent.mkdir(parents=True, exist_ok=True)
+            header = safetensors_header({i.key: _meta(i) for i in its})
+            size = len(header) + sum(i.num_bytes for i in its)
+            open_files[name] = StreamingFile(directory / name, header, size, direct, piece_bytes)
+    except OSError as err:
+        error = err
+    pending: deque[_Transfer] = deque()
+    ahead = 0
+    for item in write_order(files):
+        pending.append(_start_transfer(item, rank, group))
+        ahead += item.num_bytes
+        while pending and ahead > transfer_budget:
+            done = pending.popleft()
+            ahead -= done.item.num_bytes
+            finish(done)
+    while pending:
+        finish(pending.popleft())
+    entries = {}
+    for name, handle in open_files.items():
+        if error is not None:
+            handle.abort()
+            continue
         try:
-            for name, its in mine.items():
-                (directory / name).parent.mkdir(parents=True, exist_ok=True)
-                header = safetensors_header({i.key: _meta(i) for i in its})
-                open_files[name] = StreamingFile(directory / name, header, hasher, flusher)
+            entries[name] = handle.close()
         except OSError as err:
             error = err
-        pending: deque[_Transfer] = deque()
-        for item in items:
-            pending.append(_start_transfer(item, rank, group))
-            while len(pending) >= in_flight:
-                finish(pending.popleft())
-        while pending:
-            finish(pending.popleft())
-        entries = {}
-        for name, handle in open_files.items():
-            if error is not None:
-                handle.abort()
-                continue
-            try:
-                entries[name] = handle.close()
-            except OSError as err:
-                error = err
     if error is not None:
         raise error
     return entries
@@ -247,7 +213,8 @@ def _meta(item: Item) -> torch.Tensor:
 
 def write_request(directory: Path, request: SaveRequest, rank: int, group) -> dict[str, FileEntry]:
     """This rank's part of a save (tensor shares, its own small files; rank 0 also the shared ones)."""
-    entries = write_tensor_files(directory, request.items, rank, group, request.in_flight)
+    entries = write_tensor_files(directory, request.items, rank, group, request.transfer_budget,
+                                 piece_bytes=request.piece_bytes)
     small = dict(request.rank_files)
     if rank == 0:
         small.update(request.main_files)

@@ -9,6 +9,7 @@ rows); `ShardSpec` describes that split so any rank can find the rows of any oth
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -51,7 +52,7 @@ class Item:
 
     @property
     def num_bytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def unwrap(model: nn.Module) -> nn.Module:

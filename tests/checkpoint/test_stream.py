@@ -1,0 +1,103 @@
+"""The file writer under every save (isotrain/checkpoint/stream.py) and the order in which a save
+feeds it: exact bytes and sha256 for every way a stream can end, direct I/O or the page cache, a
+file-size limit hit in the middle of a direct-I/O piece, and a write order that keeps every file
+moving without reordering any file's tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from isotrain.checkpoint.files import CHUNK_BYTES
+from isotrain.checkpoint.save import write_order
+from isotrain.checkpoint.state import Item
+from isotrain.checkpoint.stream import ALIGN, StreamingFile
+
+SIZES = [1, ALIGN - 1, ALIGN, 3 * ALIGN + 17, CHUNK_BYTES, CHUNK_BYTES + 1, 2 * CHUNK_BYTES + ALIGN,
+         2 * CHUNK_BYTES + 5 * ALIGN + 123]
+
+
+def pieces(total: int, seed: int) -> list[bytes]:
+    """Random bytes cut at random places, so that appends cross buffer boundaries anywhere."""
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=generator).numpy().tobytes()
+    cuts = sorted(torch.randint(0, total + 1, (6,), generator=generator).tolist())
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, total])]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+@pytest.mark.parametrize("total", SIZES)
+def test_a_stream_writes_exactly_its_bytes_and_their_sha256(tmp_path, total, direct):
+    header, *body = pieces(total, seed=total)
+    path = tmp_path / "file.safetensors"
+    stream = StreamingFile(path, header, total, direct=direct)
+    for piece in body:
+        stream.append(memoryview(piece))
+    entry = stream.close()
+    expected = b"".join([header, *body])
+    assert path.read_bytes() == expected
+    assert (entry.num_bytes, entry.sha256) == (total, hashlib.sha256(expected).hexdigest())
+
+
+def test_a_stream_that_ends_short_of_its_planned_size_is_refused(tmp_path):
+    stream = StreamingFile(tmp_path / "file", b"x" * 10, 11)
+    with pytest.raises(ValueError, match="wrote 10 bytes, planned 11"):
+        stream.close()
+
+
+LIMITED = """
+import resource, signal, sys
+from pathlib import Path
+from isotrain.checkpoint.stream import StreamingFile
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+stream = StreamingFile(Path(sys.argv[1]), b"h" * 100, {size})
+try:
+    stream.append(memoryview(b"d" * ({size} - 100)))
+    stream.close()
+except OSError as err:
+    print(err.errno, err.filename, err.strerror)
+    sys.exit(3)
+"""
+
+
+def test_a_file_size_limit_inside_a_direct_piece_reports_the_file_too_large(tmp_path):
+    """The limit cuts a direct write short at a place that is no block boundary: the rest must fail
+    with EFBIG (as on a full disk), not with the EINVAL an unaligned direct write would give."""
+    import errno
+
+    size, limit = CHUNK_BYTES + 2 * ALIGN, CHUNK_BYTES // 2 + 1000
+    path = tmp_path / "big.safetensors"
+    code = LIMITED.format(limit=limit, size=size)
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    number, filename, _ = proc.stdout.split(" ", 2)
+    assert int(number) == errno.EFBIG and filename == str(path), proc.stdout
+
+
+def item(key: str, rows: int, owner: int, kind: str = "model") -> Item:
+    return Item(key, kind, (rows, 4), torch.float32, torch.zeros(rows, 4), owner=owner)
+
+
+def test_the_write_order_keeps_each_files_tensor_order_and_moves_all_files_together():
+    files = {
+        "model-00001-of-00002.safetensors": [item(f"a{i}", 10 + i, 0) for i in range(5)],
+        "model-00002-of-00002.safetensors": [item(f"b{i}", 100, 1) for i in range(3)],
+        "train_state/optimizer.safetensors": [item(f"c{i}", 1, 0, "optimizer") for i in range(20)],
+    }
+    order = write_order(files)
+    assert sorted(i.key for i in order) == sorted(i.key for its in files.values() for i in its)
+    for its in files.values():
+        assert [i for i in order if i in its] == its
+    # Whenever an item starts, no file is more than one tensor ahead of any other in its share of bytes.
+    totals = {name: sum(i.num_bytes for i in its) for name, its in files.items()}
+    done = dict.fromkeys(files, 0)
+    for next_item in order:
+        name = next(n for n, its in files.items() if next_item in its)
+        others = [done[n] / totals[n] for n in files if n != name and done[n] < totals[n]]
+        assert all(done[name] / totals[name] <= share + 1e-12 for share in others)
+        done[name] += next_item.num_bytes

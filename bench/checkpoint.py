@@ -17,8 +17,9 @@ table shows medians.
                to a plain file in 16 MB pieces and fsyncs, once through the page cache and once
                with direct I/O; the faster of the two is the limit (the header line shows both).
                Loads (and verify): every rank reads its share of the very files the load reads,
-               cold (dropped from the page cache with posix_fadvise(DONTNEED)), in 16 MB pieces. This disk's speed drifts by 2x or more
-               within a minute, so each repeat is compared with the mean of its two neighbours.
+               cold (dropped from the page cache with posix_fadvise(DONTNEED)), in 16 MB pieces.
+               This disk's speed drifts by 2x or more within a minute, so each repeat is compared
+               with the mean of its two neighbours.
     x disk     GB/s over disk GB/s (write for saves, read for loads), median over repeats
     blocked s  async saves only: the time the training loop cannot run, i.e. the save call plus the
                wait for staging before the next optimizer update, with no training work to overlap

@@ -70,8 +70,9 @@ _SYNC_FILE_RANGE_WRITE = 2
 def start_writeback(fd: int, offset: int, num_bytes: int) -> None:
     """Ask the kernel to start writing these bytes to disk now, without waiting for it.
 
-    A checkpoint stays far below the kernel's dirty-page limits, so without this the disk would
-    start on a file only at its fsync, and hashing, transfers and disk writes would take turns;
+    For writes through the page cache (small files, and checkpoint files where the file system
+    refuses direct I/O). A checkpoint stays far below the kernel's dirty-page limits, so without
+    this the disk would start on a file only at its fsync, and hashing, transfers and disk writes would take turns;
     with it they overlap and the closing fsync waits only for the last pieces. It is a hint:
     durability and every error come from that fsync.
     """

@@ -2,9 +2,10 @@
 
 No rank holds the whole model: each tensor has one owner rank (balanced by bytes, `assign_owners`)
 that writes it. A tensor sharded by FSDP2 travels to its owner alone, the other ranks' row blocks
-sent point to point into buffers of their size, a tensor or two in flight, so a rank's extra
-memory is bounded by the tensors it owns that are in transit. Bytes are hashed while they are written, so
-the manifest costs no extra read.
+sent point to point into buffers of their size, up to `transfer_budget` bytes of tensors in flight,
+so a rank's extra memory is bounded by the tensors it owns that are in transit. Files are written
+by `StreamingFile` (stream.py), which hashes the bytes as they go, so the manifest costs no extra
+read.
 
 Commit protocol (invariant 5): write into `step-XXXXXXXX.tmp-<id>/`, fsync every file; gather
 every rank's file list (a barrier); rank 0 writes the indexes, state and manifest, fsyncs the
@@ -138,13 +139,11 @@ def write_order(files: dict[str, list[Item]]) -> list[Item]:
     hashed on as many threads. The same on every rank (it depends on the plan only)."""
     totals = {name: max(1, sum(item.num_bytes for item in its)) for name, its in files.items()}
     done = dict.fromkeys(files, 0)
-    nexts = dict.fromkeys(files, 0)
+    queues = {name: deque(its) for name, its in files.items()}
     order = []
-    while len(order) < sum(len(its) for its in files.values()):
-        name = min((n for n in files if nexts[n] < len(files[n])), key=lambda n: (done[n] / totals[n], n))
-        item = files[name][nexts[name]]
-        order.append(item)
-        nexts[name] += 1
+    for _ in range(sum(len(its) for its in files.values())):
+        name = min((n for n in files if queues[n]), key=lambda n: (done[n] / totals[n], n))
+        order.append(item := queues[name].popleft())
         done[name] += item.num_bytes
     return order
 

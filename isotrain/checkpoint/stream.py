@@ -1,5 +1,6 @@
-"""One checkpoint file written as a stream: bytes are gathered into page-aligned 16 MB buffers, and
-each full buffer is hashed on one thread while another writes it with direct I/O.
+"""One checkpoint file written as a stream: bytes are gathered into two page-aligned buffers (16 MB,
+or smaller when asked), and each full buffer is hashed on one thread while another writes it with
+direct I/O.
 
 Direct I/O (O_DIRECT) moves the bytes from the buffer to the device without the page cache. On
 the machines measured (docs/benchmarks.md) writing through the page cache cost the kernel about

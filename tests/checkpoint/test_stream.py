@@ -5,6 +5,7 @@ moving without reordering any file's tensors."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import subprocess
 import sys
@@ -68,8 +69,6 @@ except OSError as err:
 def test_a_file_size_limit_inside_a_direct_piece_reports_the_file_too_large(tmp_path):
     """The limit cuts a direct write short at a place that is no block boundary: the rest must fail
     with EFBIG (as on a full disk), not with the EINVAL an unaligned direct write would give."""
-    import errno
-
     size, limit = CHUNK_BYTES + 2 * ALIGN, CHUNK_BYTES // 2 + 1000
     path = tmp_path / "big.safetensors"
     code = LIMITED.format(limit=limit, size=size)

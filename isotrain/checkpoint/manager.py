@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,19 +88,34 @@ def _stages(item: Item, rank: int) -> bool:
     return item.shard is not None or item.owner == rank
 
 
-def stage(items: list[Item], rank: int, buffers: dict[str, torch.Tensor]) -> None:
-    """Copy what this rank will write to host memory.
+def stage(items: list[Item], rank: int, buffers: dict[str, torch.Tensor], threads: int = 1) -> None:
+    """Copy what this rank will write to host memory, on `threads` threads.
 
-    The host buffers are kept for the next save: allocating (and, on CPU, page-faulting) fresh
-    memory would cost more than the copy itself and lengthen every save's blocking phase.
+    The copy is bound by memory bandwidth, which one core does not fill (6.8 GB/s on one core,
+    13 GB/s on two on the benchmark machine). The host buffers are kept for the next save:
+    allocating (and, on CPU, page-faulting) fresh memory would cost more than the copy itself.
     """
+    staged = []
     for item in items:
-        if not _stages(item, rank):
+        if _stages(item, rank):
+            staged.append((item, _host_buffer(item, buffers)))
+        else:
             item.local = None
-            continue
-        host = _host_buffer(item, buffers)
-        host.copy_(item.local)
-        item.local = host
+    shares: list[list] = [[] for _ in range(max(1, min(threads, len(staged))))]
+    loads = [0] * len(shares)
+    for pair in sorted(staged, key=lambda pair: -pair[0].num_bytes):  # largest first, to the lightest share
+        lightest = loads.index(min(loads))
+        shares[lightest].append(pair)
+        loads[lightest] += pair[0].num_bytes
+
+    def copy(share: list) -> None:
+        for item, host in share:
+            host.copy_(item.local)
+            item.local = host
+
+    with ThreadPoolExecutor(len(shares), thread_name_prefix="isotrain-ckpt-stage") as pool:
+        for done in [pool.submit(copy, share) for share in shares]:
+            done.result()
 
 
 def allocate_staging(items: list[Item], rank: int, buffers: dict[str, torch.Tensor]) -> None:
@@ -278,7 +294,8 @@ class CheckpointManager:
         return SaveRequest(step, items, rank_files, main_files if self.rank == 0 else {}, info)
 
     def _state_json(self, step: int, counters: dict) -> bytes:
-        names = {id(p): n for n, p in model_tensors(self.model).items()}
+        tensors = model_tensors(self.model)
+        names = {id(p): n for n, p in tensors.items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
                   for g in self.optimizer.param_groups]
         state = {
@@ -286,7 +303,7 @@ class CheckpointManager:
             **counters,
             "layout": self.layout,
             "model_dtype": self.cfg.model.dtype,
-            "tensors": {name: list(t.shape) for name, t in model_tensors(self.model).items()},
+            "tensors": {name: list(t.shape) for name, t in tensors.items()},
             "optimizer": {"type": type(self.optimizer).__name__, "param_groups": groups},
             **self.extra_state,
         }
@@ -321,7 +338,7 @@ class CheckpointManager:
             self._staged.set()
 
     def _stage_and_write(self, request: SaveRequest) -> None:
-        stage(request.items, self.rank, self._staging)
+        stage(request.items, self.rank, self._staging, torch.get_num_threads())
         self._staged.set()
         self._write(request)
 

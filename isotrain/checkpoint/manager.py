@@ -35,6 +35,7 @@ from isotrain.checkpoint.save import CheckpointError, SaveRequest, _broadcast, r
 from isotrain.checkpoint.state import (
     Item,
     assign_owners,
+    balance,
     collect_items,
     component_items,
     hf_model,
@@ -98,21 +99,18 @@ def stage(items: list[Item], rank: int, buffers: dict[str, torch.Tensor], thread
     staged = []
     for item in items:
         if _stages(item, rank):
-            staged.append((item, _host_buffer(item, buffers)))
+            _host_buffer(item, buffers)  # allocated here, before the threads share `buffers`
+            staged.append(item)
         else:
             item.local = None
-    shares: list[list] = [[] for _ in range(max(1, min(threads, len(staged))))]
-    loads = [0] * len(shares)
-    for pair in sorted(staged, key=lambda pair: -pair[0].num_bytes):  # largest first, to the lightest share
-        lightest = loads.index(min(loads))
-        shares[lightest].append(pair)
-        loads[lightest] += pair[0].num_bytes
 
-    def copy(share: list) -> None:
-        for item, host in share:
+    def copy(share: list[Item]) -> None:
+        for item in share:
+            host = buffers[item.key]
             host.copy_(item.local)
             item.local = host
 
+    shares = balance(staged, max(1, min(threads, len(staged))))
     with ThreadPoolExecutor(len(shares), thread_name_prefix="isotrain-ckpt-stage") as pool:
         for done in [pool.submit(copy, share) for share in shares]:
             done.result()

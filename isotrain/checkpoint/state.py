@@ -171,11 +171,20 @@ def assign_owners(items: list[Item], world_size: int) -> None:
     Model and optimizer tensors are balanced separately, so every rank writes a share of both.
     """
     for kind in ("model", "optimizer"):
-        load = [0] * world_size
-        for item in sorted((i for i in items if i.kind == kind), key=lambda i: (-i.num_bytes, i.key)):
-            rank = min(range(world_size), key=lambda r: (load[r], r))
-            item.owner = rank
-            load[rank] += item.num_bytes
+        for rank, share in enumerate(balance([i for i in items if i.kind == kind], world_size)):
+            for item in share:
+                item.owner = rank
+
+
+def balance(items: list[Item], bins: int) -> list[list[Item]]:
+    """`items` in `bins` lists of similar bytes: largest first, each to the lightest list (the first on ties)."""
+    shares: list[list[Item]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    for item in sorted(items, key=lambda i: (-i.num_bytes, i.key)):
+        lightest = min(range(bins), key=lambda b: (loads[b], b))
+        shares[lightest].append(item)
+        loads[lightest] += item.num_bytes
+    return shares
 
 
 def rng_state() -> dict:

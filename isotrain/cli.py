@@ -71,14 +71,15 @@ def _warm_start(cfg) -> None:
 
 def cmd_config_show(args) -> int:
     from isotrain.config import dump_config, load_config
-    from isotrain.sizes import pin_rl_global_batch, plan_batches, plan_rl_batches, resolve_degrees
+    from isotrain.parallel.dims import resolve_dims
+    from isotrain.sizes import pin_rl_global_batch, plan_batches, plan_rl_batches
 
     from isotrain.recipes import default_rl_recipe_path
 
     path, overrides = _split_config_and_overrides(args)
     cfg = load_config(path, overrides, default=default_rl_recipe_path() if args.rl else None)
     world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
-    degrees = resolve_degrees(cfg.parallel, world_size)
+    degrees = resolve_dims(cfg.parallel, world_size)
     if args.rl or "rl" in cfg.model_fields_set:  # an RL config: its global batch is derived from the rl section
         plan = plan_rl_batches(cfg, degrees)
         pin_rl_global_batch(cfg, plan)
@@ -86,7 +87,7 @@ def cmd_config_show(args) -> int:
         plan = plan_batches(cfg, degrees)
     print(dump_config(cfg), end="")
     print("# derived sizes")
-    for name, value in [*vars(degrees).items(), *plan.as_rows()]:
+    for name, value in [*degrees.as_rows(), *plan.as_rows()]:
         print(f"# {name}: {value}")
     return 0
 

@@ -143,6 +143,11 @@ class TrainConfig(Section):
     compile: bool = Field(
         False, description="torch.compile the model (per decoder layer under FSDP2); the loss is unchanged to fp tolerance."
     )
+    activation_checkpointing: Literal["none", "full"] = Field(
+        "none",
+        description="`full`: recompute every decoder layer's activations in backward (less memory, ~1/3 more "
+        "compute); the loss and gradients are unchanged.",
+    )
     log_every: int = Field(1, gt=0, description="Write a metrics row every this many steps.")
     peak_tflops: float | None = Field(
         None, gt=0, description="Peak TFLOP/s of one device, to report MFU. Default: known GPUs only."
@@ -155,7 +160,10 @@ class ParallelConfig(Section):
     )
     dp_shard: int = Field(1, description="FSDP2 shards; -1 takes every rank not used by the other degrees.")
     tp: int = Field(
-        1, gt=0, description="Tensor-parallel degree; values above 1 are rejected until tensor parallelism lands."
+        1,
+        gt=0,
+        description="Tensor-parallel degree: attention heads, MLP width and vocabulary split over this many ranks "
+        "(docs/parallelism.md).",
     )
 
 

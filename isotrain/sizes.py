@@ -1,6 +1,6 @@
 """Every derived batch size, computed in one place and checked before any work (invariant 7).
 
-    DP size   = parallel.dp_replicate × parallel.dp_shard
+    DP size   = parallel.dp_replicate × parallel.dp_shard   (parallel/dims.py; TP ranks share their data)
     GA steps  = train.global_batch_size / (train.micro_batch_size × DP size)
 
 A remainder is a configuration error whose message suggests valid values.
@@ -10,23 +10,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from isotrain.config import Config, ParallelConfig
+from isotrain.config import Config
 from isotrain.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class ParallelDegrees:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-
-    @property
-    def dp_size(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_size * self.tp
+from isotrain.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -46,41 +32,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def resolve_degrees(cfg: ParallelConfig, world_size: int) -> ParallelDegrees:
-    """Fill the one `-1` degree from the world size and check that the product matches it."""
-    degrees = {"dp_replicate": cfg.dp_replicate, "dp_shard": cfg.dp_shard, "tp": cfg.tp}
-    for name, value in degrees.items():
-        if value == 0 or value < -1:
-            raise ConfigError(f"parallel.{name}={value} is invalid; use a positive degree or -1 for 'the rest'")
-    auto = [name for name, value in degrees.items() if value == -1]
-    if len(auto) > 1:
-        raise ConfigError(
-            f"parallel.{auto[0]} and parallel.{auto[1]} are both -1; at most one degree can take the remaining ranks"
-        )
-    fixed = 1
-    for value in degrees.values():
-        fixed *= value if value != -1 else 1
-    if auto:
-        if world_size % fixed:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by the fixed parallel degrees (product {fixed}); "
-                f"launch a multiple of {fixed} processes"
-            )
-        degrees[auto[0]] = world_size // fixed
-    resolved = ParallelDegrees(**degrees)
-    if resolved.world_size != world_size:
-        raise ConfigError(
-            f"parallel.dp_replicate × dp_shard × tp = {resolved.dp_replicate} × {resolved.dp_shard} × {resolved.tp} "
-            f"= {resolved.world_size} but {world_size} processes were launched; make the product equal the world size"
-        )
-    if resolved.tp > 1:
-        raise ConfigError(
-            f"parallel.tp={resolved.tp} is not supported yet; use parallel.tp=1 with dp_replicate/dp_shard"
-        )
-    return resolved
-
-
-def plan_batches(cfg: Config, degrees: ParallelDegrees) -> BatchPlan:
+def plan_batches(cfg: Config, degrees: ParallelDims) -> BatchPlan:
     global_bs = cfg.train.global_batch_size
     micro_bs = cfg.train.micro_batch_size
     dp = degrees.dp_size
@@ -145,7 +97,7 @@ def _check_rl_global_batch(cfg: Config, samples_per_update: int) -> None:
         )
 
 
-def plan_rl_batches(cfg: Config, degrees: ParallelDegrees) -> RLBatchPlan:
+def plan_rl_batches(cfg: Config, degrees: ParallelDims) -> RLBatchPlan:
     """Every RL size, or a ConfigError naming the fields and valid values (invariant 7)."""
     from isotrain.rl.presets import GROUP_BASELINES
 

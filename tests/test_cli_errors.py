@@ -28,7 +28,7 @@ CASES = {
         ["model.config=null", "model.name_or_path=/nonexistent/model"],
         "model.name_or_path='/nonexistent/model' is not a model directory",
     ),
-    "layout mismatch": (["parallel.dp_replicate=2"], "but 1 processes were launched"),
+    "layout mismatch": (["parallel.dp_replicate=2"], "but 1 process was launched; launch 2 processes (torchrun --nproc-per-node 2)"),
     "bad format": (["data.format=csv"], "data.format='csv' is invalid"),
     "missing data file": (["data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl' does not exist"),
 }

@@ -1,8 +1,15 @@
-"""Apply data parallelism to a built model, in one fixed order: (TP later) -> FSDP2 or DDP.
+"""Apply parallelism to a built model, in one fixed order:
 
-Both wrappers are set to SUM gradients over data-parallel ranks instead of averaging them:
-every micro-batch already divides by the *global* number of trained tokens (or sequences), so
-the summed gradient is exactly the gradient of the global-batch mean (invariant 1).
+    tensor parallel -> activation checkpointing -> torch.compile -> FSDP2 (or HSDP) | DDP
+
+TP first, because it changes what a parameter is (a DTensor shard on the "tp" axis); checkpointing and
+compile then wrap the already-split computation; FSDP2 last, sharding over the data-parallel axes what
+TP left (2-D DTensors under FSDP2 × TP). Everything but DDP works on the meta device, so a model is
+parallelised before its weights exist and each rank materialises only its own shard (models/build.py).
+
+Data-parallel gradients are SUMMED, never averaged: every micro-batch already divides by the *global*
+number of trained tokens (or sequences), so the sum over DP ranks is exactly the gradient of the
+global-batch mean (invariant 1).
 """
 
 from __future__ import annotations
@@ -10,11 +17,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from isotrain.sizes import ParallelDegrees
+from isotrain.parallel.mesh import ParallelState
 
 
 def _sum_allreduce_hook(process_group, bucket):
@@ -25,23 +32,30 @@ def _sum_allreduce_hook(process_group, bucket):
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of a Hugging Face causal LM (`model.model.layers`)."""
+    """The repeated transformer blocks of a Hugging Face model (`model.model.layers`)."""
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     layers = getattr(base, "layers", None)
     return list(layers) if layers is not None else []
 
 
-def apply_fsdp(
-    model: nn.Module, mesh: DeviceMesh, degrees: ParallelDegrees, compute_dtype: torch.dtype | None
-) -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward (transformers' own per-layer checkpointing:
+    parameter names stay those of the Hugging Face model). The RNG state is restored for the recompute,
+    so dropout masks, and with them the math, do not change."""
+    if not decoder_layers(model):
+        raise ValueError("activation checkpointing needs a model with decoder layers")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_fsdp(model: nn.Module, parallel: ParallelState, compute_dtype: torch.dtype | None) -> nn.Module:
     """FSDP2 per decoder layer, then the root (embeddings, final norm, head). HSDP when dp_replicate > 1."""
-    dp_mesh = mesh if degrees.dp_replicate > 1 else mesh["dp_shard"]
     # Parameters stay in their own dtype (fp32 master weights); with a compute dtype, FSDP2 casts
     # them for forward/backward and reduces gradients in fp32.
     if compute_dtype is None:
         mp_policy = MixedPrecisionPolicy()
     else:
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    dp_mesh = parallel.dp_mesh()
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
@@ -53,31 +67,71 @@ def apply_fsdp(
     return model
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    group = mesh["dp_replicate"].get_group()
+def apply_ddp(model: nn.Module, parallel: ParallelState) -> nn.Module:
+    group = parallel.mesh["dp_replicate"].get_group()
     ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
     ddp.register_comm_hook(group, _sum_allreduce_hook)
     return ddp
 
 
-def apply_compile(model: nn.Module, degrees: ParallelDegrees) -> None:
+def apply_compile(model: nn.Module, parallel: ParallelState) -> None:
     """torch.compile in place: each decoder layer when FSDP2 will wrap them, else the whole model."""
-    if degrees.dp_shard > 1:
+    if parallel.dims.dp_shard > 1:
         for layer in decoder_layers(model):
             layer.compile()
     else:
         model.compile()
 
 
-def parallelize(
-    model: nn.Module, mesh: DeviceMesh | None, degrees: ParallelDegrees, compute_dtype: torch.dtype | None = None
-) -> nn.Module:
-    """`compute_dtype` (e.g. bf16) is only used by FSDP2; DDP and single-process runs use autocast."""
-    if mesh is None:
+def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: torch.dtype | None = None,
+                compile: bool = False, activation_checkpointing: bool = False, loss_parallel: bool = False) -> nn.Module:
+    """Everything up to the data-parallel wrapper that must come after the weights exist (`wrap_replicas`).
+
+    `compute_dtype` (e.g. bf16) is used by FSDP2 only; DDP and single-process runs use autocast.
+    `loss_parallel`: under TP, keep the LM head's logits sharded over the vocabulary (SFT's loss);
+    otherwise they are gathered (RL needs every token's log-probability).
+    """
+    if parallel.dims.tp > 1:
+        from isotrain.parallel.tp import apply_tp
+
+        apply_tp(model, parallel.tp_mesh, loss_parallel)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile:
+        apply_compile(model, parallel)
+    if parallel.dims.dp_shard > 1:
+        apply_fsdp(model, parallel, compute_dtype)
+    return model
+
+
+def wrap_replicas(model: nn.Module, parallel: ParallelState, trainable: bool = True) -> nn.Module:
+    """DDP over dp_replicate when nothing is sharded over DP. It broadcasts nothing that matters (every
+    rank loaded the same weights) but needs them to exist, so it comes after loading. Under TP the
+    replicas' gradients are summed by `sync_replica_grads` instead (DDP does not take DTensors)."""
+    if not trainable or parallel.mesh is None or parallel.dims.dp_shard > 1 or parallel.dims.tp > 1:
         return model
-    if degrees.dp_shard > 1:
-        return apply_fsdp(model, mesh, degrees, compute_dtype)
-    return apply_ddp(model, mesh)
+    if parallel.dims.dp_replicate > 1:
+        return apply_ddp(model, parallel)
+    return model
+
+
+def sync_replica_grads(model: nn.Module, parallel: ParallelState) -> None:
+    """TP × DDP: sum every gradient over the dp_replicate axis (what DDP's SUM hook does for plain tensors).
+
+    Gradients are DTensors on the tp mesh; their local parts are what each replica computed for the
+    same shard, so a plain all-reduce of the local parts over dp_replicate is the data-parallel sum."""
+    if parallel.mesh is None or parallel.dims.tp == 1 or parallel.dims.dp_shard > 1 or parallel.dims.dp_replicate == 1:
+        return
+    group = parallel.mesh["dp_replicate"].get_group()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if locals_:
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in locals_:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

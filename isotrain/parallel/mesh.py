@@ -1,19 +1,71 @@
-"""Build the DeviceMesh for the resolved parallel degrees."""
+"""One DeviceMesh for the run, with named axes, and the groups every reduction uses.
+
+    mesh axes: ("dp_replicate", "dp_shard", "tp")       flattened: "dp" = dp_replicate × dp_shard
+
+Ranks that differ only in their "tp" coordinate hold the same data. So the sampler, the token and loss
+counts, the RL rollout split and every data metric use the DP rank and the DP group, never the world:
+summing over the world would count each sample `tp` times.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from isotrain.sizes import ParallelDegrees
+from isotrain.parallel.dims import DEGREE_NAMES, ParallelDims
 
 
-def build_mesh(degrees: ParallelDegrees, device: torch.device) -> DeviceMesh | None:
-    """A 2-D (dp_replicate, dp_shard) mesh; None for a single process."""
-    if degrees.world_size == 1:
-        return None
-    return init_device_mesh(
-        device.type,
-        (degrees.dp_replicate, degrees.dp_shard),
-        mesh_dim_names=("dp_replicate", "dp_shard"),
+@dataclass(frozen=True)
+class ParallelState:
+    """The run's layout as the trainer uses it: degrees, mesh, and this rank's place in it."""
+
+    dims: ParallelDims
+    mesh: DeviceMesh | None  # None for a single process
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    # Always a real group when distributed (a group of one makes a reduction a no-op); None means "no
+    # process group at all" and must never stand for the world.
+    dp_group: object = None
+    tp_group: object = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["tp"] if self.mesh is not None and self.dims.tp > 1 else None
+
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel axes FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard."""
+        if self.dims.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp_shard"]
+
+
+def single_process(dims: ParallelDims) -> ParallelState:
+    return ParallelState(dims=dims, mesh=None, rank=0, dp_rank=0, tp_rank=0)
+
+
+def build_parallel(dims: ParallelDims, device: torch.device, rank: int) -> ParallelState:
+    """The 3-D mesh (every axis present, size 1 or more) and the flattened DP axis; a single process has none."""
+    if dims.world_size == 1:
+        return single_process(dims)
+    mesh = init_device_mesh(device.type, tuple(getattr(dims, n) for n in DEGREE_NAMES), mesh_dim_names=DEGREE_NAMES)
+    dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return ParallelState(
+        dims=dims,
+        mesh=mesh,
+        rank=rank,
+        dp_rank=dp.get_local_rank(),
+        tp_rank=mesh["tp"].get_local_rank(),
+        dp_group=dp.get_group(),
+        tp_group=mesh["tp"].get_group(),
     )

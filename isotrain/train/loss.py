@@ -16,18 +16,25 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-position cross-entropy in fp32, 0 where labels == -100. logits [B, L, V], labels [B, L] (pre-shifted)."""
+    """Per-position cross-entropy in at least fp32 (fp64 stays fp64), 0 where labels == -100. logits [B, L, V], labels [B, L] (pre-shifted).
+
+    Logits sharded over the vocabulary (a TP DTensor) need the caller's `loss_parallel()` context: each
+    rank then computes its part of the log-sum-exp and the target logit, and the per-token losses come
+    back whole on every rank."""
     flat = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
+        logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)),
         labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="none",
     )
+    if isinstance(flat, DTensor):
+        flat = flat.full_tensor()
     return flat.view(labels.shape)
 
 

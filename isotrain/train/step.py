@@ -6,20 +6,24 @@ Order of a step (the invariant each stage keeps is in brackets):
   2. per micro-batch: forward, Σ weighted token losses / global denominator, backward; DDP syncs
      (SUM) only on the last micro-batch [gradient = gradient of the global mean];
   3. all-reduce the summed loss values over DP [the logged loss is the global value];
-  4. global grad norm (DTensor-aware), clip, set the lr for this step, optimizer step.
+  4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
+     global grad norm (per mesh, then combined), clip, set the lr for this step, optimizer step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
 from isotrain.parallel.dist import all_reduce_sum
+from isotrain.parallel.apply import sync_replica_grads
 from isotrain.train.loss import loss_weights, token_losses
 
 
@@ -37,13 +41,17 @@ class StepOptions:
     loss_reduction: str = "token"
     grad_clip: float = 0.0
     autocast_dtype: torch.dtype | None = None  # set for bf16 without FSDP (which casts itself)
-    dp_group: object = None
+    dp_group: object = None  # counts and losses are summed over it; None only without a process group
+    loss_parallel: bool = False  # TP: logits arrive sharded over the vocabulary
+    parallel: object = None  # the run's ParallelState (TP × DDP gradient sums)
 
 
-def step_options(cfg, degrees) -> StepOptions:
-    """The step settings of a run: FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16."""
-    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and degrees.dp_shard == 1 else None
-    return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast)
+def step_options(cfg, parallel, loss_parallel: bool = True) -> StepOptions:
+    """The step settings of a run: FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16.
+    `loss_parallel`: the model was built with vocabulary-sharded logits under TP (SFT; RL gathers them)."""
+    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and parallel.dims.dp_shard == 1 else None
+    return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
+                       dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel)
 
 
 def global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> list[int]:
@@ -66,6 +74,14 @@ def _sync_context(model: nn.Module, is_last: bool):
     return contextlib.nullcontext()
 
 
+def _loss_parallel(options: StepOptions):
+    if not options.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
 def _autocast(options: StepOptions, device: torch.device):
     if options.autocast_dtype is None:
         return contextlib.nullcontext()
@@ -85,10 +101,13 @@ def accumulate_gradients(model: nn.Module, micro_batches: list, loss_sum, denomi
     denominator = max(denominator, 1)  # an all-masked global batch gives zero gradients, not NaN
     local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
-        with _sync_context(model, i == len(micro_batches) - 1):
+        # Vocabulary-parallel cross-entropy: forward and backward both run inside loss_parallel.
+        with _sync_context(model, i == len(micro_batches) - 1), _loss_parallel(options):
             weighted_sum = loss_sum(mb, _autocast(options, device))
             (weighted_sum / denominator).backward()
         local_loss_sum += weighted_sum.detach().double()
+    if options.parallel is not None:
+        sync_replica_grads(model, options.parallel)
     return float(all_reduce_sum(local_loss_sum, options.dp_group)) / denominator
 
 
@@ -111,18 +130,48 @@ def forward_backward(
     return accumulate_gradients(model, micro_batches, loss_sum, counts[2], options, device), counts
 
 
+def _reduce_partial_grads(parameters: list[nn.Parameter]) -> None:
+    """TP parameters replicated over ranks that each saw a different part of the input hold partial
+    gradients (`Partial` placements): sum them now, once, so the norm and the update see the whole gradient."""
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _copies(grad: torch.Tensor, world_size: int) -> int:
+    """How many ranks hold the same local values of `grad`: replicas along Replicate mesh axes, and every
+    rank outside the gradient's (sub)mesh (e.g. the other DDP replicas of a TP mesh)."""
+    if not isinstance(grad, DTensor):
+        return world_size
+    mesh = grad.device_mesh
+    replicated = math.prod(mesh.size(axis) for axis, p in enumerate(grad.placements) if isinstance(p, Replicate))
+    return world_size // mesh.size() * replicated
+
+
 def grad_norm_and_clip(parameters: list[nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm of all gradients (sharded DTensors included), clipping when max_norm > 0."""
+    """Global L2 norm of all gradients, clipping when max_norm > 0.
+
+        ‖g‖² = Σ_ranks Σ_local tensors ‖g_local‖² / copies(g)
+
+    where copies(g) counts the ranks holding the same values (replicas), so every element is counted
+    once whatever the layout; one fp64 all-reduce over all ranks, whatever meshes the parameters live on.
+    """
+    _reduce_partial_grads(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        # Sharded gradients give a partial norm; full_tensor() reduces it over the mesh.
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
-    return float(total)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    norms = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float64))
+    copies = torch.tensor([_copies(g, world_size) for g in grads], dtype=torch.float64, device=norms.device)
+    squares = all_reduce_sum((norms.square() / copies).sum())
+    total = math.sqrt(float(squares))
+    if max_norm > 0 and total > 0:
+        coefficient = max_norm / (total + 1e-6)
+        if coefficient < 1.0:
+            torch._foreach_mul_(local, coefficient)
+    return total
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter], lr: float, grad_clip: float) -> float:

@@ -4,7 +4,8 @@ import pytest
 
 from isotrain.config import build_config, load_config, parse_override
 from isotrain.errors import ConfigError
-from isotrain.sizes import plan_batches, resolve_degrees
+from isotrain.parallel.dims import resolve_dims
+from isotrain.sizes import plan_batches
 from isotrain.config import ParallelConfig
 
 BASE = {"model": {"config": {"model_type": "llama"}}, "data": {"path": "x.jsonl"}}
@@ -44,7 +45,7 @@ def test_wrong_type_names_field_and_value():
 )
 def test_grad_accum_is_derived(global_bs, micro_bs, world, ga):
     cfg = cfg_with(global_batch_size=global_bs, micro_batch_size=micro_bs)
-    plan = plan_batches(cfg, resolve_degrees(cfg.parallel, world))
+    plan = plan_batches(cfg, resolve_dims(cfg.parallel, world))
     assert plan.grad_accum_steps == ga
     assert plan.grad_accum_steps * plan.micro_batch_size * plan.dp_size == global_bs
 
@@ -52,14 +53,14 @@ def test_grad_accum_is_derived(global_bs, micro_bs, world, ga):
 def test_non_divisible_batch_suggests_values():
     cfg = cfg_with(global_batch_size=30, micro_batch_size=4)
     with pytest.raises(ConfigError) as err:
-        plan_batches(cfg, resolve_degrees(cfg.parallel, 2))
+        plan_batches(cfg, resolve_dims(cfg.parallel, 2))
     message = str(err.value)
     assert "train.global_batch_size=30 is not divisible by train.micro_batch_size (4) × DP size (2) = 8" in message
     assert "[24, 32]" in message and "micro_batch_size in [1, 3, 5, 15]" in message
 
 
 def test_degrees_fill_and_mismatch():
-    assert resolve_degrees(ParallelConfig(dp_shard=-1, dp_replicate=1), 4).dp_shard == 4
-    assert resolve_degrees(ParallelConfig(), 3).dp_replicate == 3
+    assert resolve_dims(ParallelConfig(dp_shard=-1, dp_replicate=1), 4).dp_shard == 4
+    assert resolve_dims(ParallelConfig(), 3).dp_replicate == 3
     with pytest.raises(ConfigError, match="but 4 processes were launched"):
-        resolve_degrees(ParallelConfig(dp_replicate=2, dp_shard=1), 4)
+        resolve_dims(ParallelConfig(dp_replicate=2, dp_shard=1), 4)

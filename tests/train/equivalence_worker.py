@@ -1,14 +1,17 @@
 """Run 3 optimizer steps of a tiny Llama on a fixed dataset in one layout; rank 0 saves the results.
 
 Launched by test_equivalence.py with torchrun (real processes, gloo) or in-process for 1 rank:
-    equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive]     (LAYOUTS: e.g. 2x1,1x2 = DDP then FSDP2)
-One launch covers every given layout (a mesh and a model each), both loss reductions, in fp32 and in
-fp64: results[(dp_replicate, dp_shard)][(reduction, dtype)]; run() is one layout in this process.
+    equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive|ac]
+LAYOUTS: e.g. 2x1x1,1x2x1,1x1x2 = DDP, FSDP2, TP (dp_replicate x dp_shard x tp); `ac` checkpoints every
+decoder layer's activations. One launch covers every given layout (a mesh and a model each), both loss
+reductions, in fp32 and in fp64: results[(dp_replicate, dp_shard, tp)][(reduction, dtype)]; run() is one
+layout in this process.
 """
 
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -18,14 +21,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from isotrain.data.collate import collate
 from isotrain.data.packing import Sample
 from isotrain.data.sampler import GlobalBatchSampler
-from isotrain.parallel.apply import parallelize, unwrap
+from isotrain.parallel.apply import parallelize, unwrap, wrap_replicas
+from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
-from isotrain.parallel.mesh import build_mesh
-from isotrain.sizes import ParallelDegrees
+from isotrain.parallel.mesh import build_parallel
+from isotrain.parallel.tp import check_replicated
 from isotrain.train.loss import token_losses
 from isotrain.train.optim import build_optimizer
 from isotrain.config import TrainConfig
-from isotrain.train.step import StepOptions, forward_backward, optimizer_step
+from isotrain.train.step import forward_backward, optimizer_step, step_options
 
 VOCAB = 64
 GLOBAL_BATCH = 8
@@ -51,12 +55,31 @@ def make_samples(num: int = 16, seed: int = 0) -> list[Sample]:
     return samples
 
 
-def tiny_model(dtype: torch.dtype) -> LlamaForCausalLM:
+# Tiny models of every family with a tensor-parallel plan that isotrain claims; 4 heads and 2 KV heads so
+# that TP 2 splits both. Qwen2 has biases on q/k/v (split with their columns); Qwen3 has per-head q/k norms
+# (replicated, gradients summed over TP); the llama entry ties its embeddings (one parameter under TP too).
+FAMILIES = {
+    "llama": {},
+    "llama_tied": {"model_type": "llama", "tie_word_embeddings": True},
+    "qwen2": {"model_type": "qwen2"},
+    "qwen3": {"model_type": "qwen3", "head_dim": 8},
+    "mistral": {"model_type": "mistral", "sliding_window": None},
+}
+
+
+def tiny_model(dtype: torch.dtype, family: str = "llama"):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    extra = dict(FAMILIES[family])
+    model_type = extra.pop("model_type", "llama")
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=64, **extra)
     config.use_cache = False
-    return LlamaForCausalLM(config).to(dtype)
+    if model_type == "llama" and not extra:
+        return LlamaForCausalLM(config).to(dtype)
+    return AutoModelForCausalLM.from_config(config).to(dtype)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -75,16 +98,21 @@ def naive_forward_backward(model, micro_batches) -> float:
     return total
 
 
-def run_layout(info, degrees, mesh, micro_batch: int, reduction: str, dtype: torch.dtype, naive: bool) -> dict:
-    model = parallelize(tiny_model(dtype), mesh, degrees)
+def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dtype, naive: bool,
+               checkpointing: bool = False, family: str = "llama") -> dict:
+    model = parallelize(tiny_model(dtype, family), parallel, activation_checkpointing=checkpointing,
+                        loss_parallel=True).train()
+    model = wrap_replicas(model, parallel)
     optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1))
     samples = make_samples()
     sampler = GlobalBatchSampler(len(samples), GLOBAL_BATCH, seed=0)
-    options = StepOptions(loss_reduction=reduction, grad_clip=1.0)
+    cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32"),
+                          train=SimpleNamespace(loss_reduction=reduction, grad_clip=1.0))
+    options = step_options(cfg, parallel)
     params = [p for p in model.parameters()]
     losses, first_grads, counts = [], None, []
     for step in range(NUM_STEPS):
-        index_lists = sampler.micro_batches(step, info.rank, degrees.dp_size, micro_batch)
+        index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
         if naive:
             loss, step_counts = naive_forward_backward(model, micro_batches), None
@@ -95,38 +123,59 @@ def run_layout(info, degrees, mesh, micro_batch: int, reduction: str, dtype: tor
         losses.append(loss)
         counts.append(step_counts)
         optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0)
+        if step == 0:
+            check_replicated(model, parallel.tp_group)
     weights = {n: full(p) for n, p in unwrap(model).named_parameters()}
     return {"losses": losses, "grads": first_grads, "weights": weights, "counts": counts}
 
 
-def run(out: str, dp_replicate: int, dp_shard: int, micro_batch: int, naive: bool = False) -> None:
-    """One layout in this process: results[(reduction, dtype)]."""
-    torch.save(run_layouts([(dp_replicate, dp_shard)], micro_batch, naive)[(dp_replicate, dp_shard)], out)
+def run(out: str, micro_batch: int, naive: bool = False, checkpointing: bool = False, family: str = "llama") -> None:
+    """The single-process layout in this process: results[(reduction, dtype)]."""
+    results = run_layouts([(1, 1, 1)], micro_batch, naive, checkpointing, [family])
+    torch.save(results[(1, 1, 1)] if family == "llama" else results[(family, (1, 1, 1))], out)
 
 
-def run_layouts(layouts: list[tuple[int, int]], micro_batch: int, naive: bool = False) -> dict | None:
-    """Every (dp_replicate, dp_shard) layout in turn, each with its own mesh and models, in one launch
-    (the processes start once): results[(dp_replicate, dp_shard)][(reduction, dtype)] on rank 0, else None."""
+def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bool = False,
+                checkpointing: bool = False, families: list[str] = ("llama",)) -> dict | None:
+    """Every (dp_replicate, dp_shard, tp) layout in turn, each with its own mesh and models, in one launch
+    (the processes start once): results[layout][(reduction, dtype)] on rank 0, else None; with other
+    families than llama, results[(family, layout)]."""
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
     results = {}
-    for dp_replicate, dp_shard in layouts:
-        degrees = ParallelDegrees(dp_replicate, dp_shard, 1)
-        mesh = build_mesh(degrees, info.device)
-        results[(dp_replicate, dp_shard)] = {
-            (reduction, str(dtype)): run_layout(info, degrees, mesh, micro_batch, reduction, dtype, naive)
-            for reduction in ("token", "sequence")
-            for dtype in (torch.float32, torch.float64)
-        }
+    for family in families:
+        for layout in layouts:
+            parallel = build_parallel(ParallelDims(*layout), info.device, info.rank)
+            key = layout if list(families) == ["llama"] else (family, layout)
+            results[key] = {
+                (reduction, str(dtype)): run_layout(info, parallel, micro_batch, reduction, dtype, naive,
+                                                    checkpointing, family)
+                for reduction in ("token", "sequence")
+                for dtype in (torch.float32, torch.float64)
+            }
     if info.is_distributed:
         shutdown_distributed()
     return results if info.is_main else None
 
 
 if __name__ == "__main__":
-    # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive]; LAYOUTS: DP_REPLICATExDP_SHARD[,...], e.g. 2x1,1x2
+    # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive] [ac] [families=qwen3,...] [unreduced]
+    # LAYOUTS: RxSxT[,...], e.g. 2x1x1,1x1x2; `unreduced` removes the TP gradient sum of Qwen3's q/k norms
+    # on purpose, to show that the replicated-parameter check catches a missing reduction.
     out, layouts, micro, *rest = sys.argv[1:]
+    families = next((flag.split("=", 1)[1].split(",") for flag in rest if flag.startswith("families=")), ["llama"])
+    if "unreduced" in rest:
+        import isotrain.parallel.tp as tp
+
+        styles = tp._style
+
+        def without_grad_sum(name: str, where: str):
+            if name == "replicated_with_grad_allreduce":
+                return tp.ReplicateParallel(grad_reduce=False)
+            return styles(name, where)
+
+        tp._style = without_grad_sum
     results = run_layouts([tuple(int(x) for x in layout.split("x")) for layout in layouts.split(",")], int(micro),
-                          naive=bool(rest))
+                          naive="naive" in rest, checkpointing="ac" in rest, families=families)
     if results is not None:
         torch.save(results, out)

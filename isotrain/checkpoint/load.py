@@ -130,6 +130,14 @@ class CheckpointReader:
         return json.loads((self.directory / "train_state" / "state.json").read_text())
 
 
+def shard_spec_supported(tensor: torch.Tensor) -> bool:
+    try:
+        shard_spec(tensor)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _rows(tensor: torch.Tensor, rank: int) -> tuple[int, int] | None:
     """The dim-0 rows of `tensor` (a plain tensor or DTensor) that this rank holds; None for all."""
     spec = shard_spec(tensor)
@@ -256,3 +264,23 @@ def load_component(reader: CheckpointReader, prefix: str, model: nn.Module, opti
     for name, tensor in model_tensors(model).items():
         _read_into(reader, f"{prefix}.{name}", tensor, rank)
     load_optimizer(reader, model, optimizer, rank, prefix=f"{prefix}.")
+
+
+def load_hf_weights(reader: CheckpointReader, model: nn.Module, rank: int, skip: set[str] = frozenset()) -> None:
+    """A plain Hugging Face model directory's weights into a model of any layout (names and shapes checked);
+    `skip`: tensors the caller fills itself."""
+    tensors = {name: t for name, t in model_tensors(model).items() if name not in skip}
+    for name, tensor in tensors.items():
+        if name not in reader:
+            raise CheckpointError(f"{reader.directory} has no tensor {name!r}, which this model needs; "
+                                  "it holds another model: point model.name_or_path at the right directory")
+        if reader.shape(name) != tuple(tensor.shape):
+            raise CheckpointError(f"{reader.directory} has {name} of shape {list(reader.shape(name))} but the model "
+                                  f"has {list(tensor.shape)}; point model.name_or_path at the right directory")
+    for name, tensor in tensors.items():
+        if shard_spec_supported(tensor):
+            _read_into(reader, name, tensor, rank)
+        else:
+            from isotrain.models.build import copy_into
+
+            copy_into(tensor, reader.read(name))

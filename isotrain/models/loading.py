@@ -1,4 +1,5 @@
-"""Build a causal LM from a local Hugging Face directory or from a config mapping, in fp32.
+"""The model's transformers config, from a local Hugging Face directory or from a config mapping, and the
+checks that can run on it before any work. The model itself is built by models/build.py.
 
 Parameters are always created in fp32: they are the master weights. `model.dtype=bfloat16`
 is applied as compute dtype by the trainer (autocast or FSDP2's mixed-precision policy).
@@ -9,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
 from isotrain.config import ModelConfig
 from isotrain.errors import ConfigError
@@ -41,31 +42,46 @@ def check_model_dir(name_or_path: str) -> Path:
     return path
 
 
-def build_model(cfg: ModelConfig, tokenizer, seed: int) -> PreTrainedModel:
-    if cfg.name_or_path is not None:
-        path = check_model_dir(cfg.name_or_path)
-        from transformers.utils import logging as hf_logging
+def check_layout_fits(cfg: ModelConfig, dims) -> None:
+    """Before any work: the model's heads, KV heads and MLP width split over `parallel.tp`, and the family has
+    a tensor-parallel plan. (The vocabulary, known once the tokenizer exists, is checked when building.)"""
+    if dims.tp == 1:
+        return
+    from isotrain.parallel.dims import check_model_fits
+    from isotrain.parallel.tp import layer_plan
 
-        hf_logging.disable_progress_bar()  # the run's own log says what was loaded
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=cfg.attn_implementation, local_files_only=True
-        )
+    if cfg.name_or_path is not None:
+        config = AutoConfig.from_pretrained(check_model_dir(cfg.name_or_path), local_files_only=True)
     else:
-        config = _fresh_config(cfg, tokenizer)
-        # Seeded here so that every rank initialises identical weights before sharding.
-        torch.manual_seed(seed)
+        mapping = dict(cfg.config)
         try:
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation=cfg.attn_implementation
-            )
-        except ValueError as err:
-            raise ConfigError(f"model.config cannot build a causal LM: {err}") from None
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        # New special tokens: rows initialised from the mean of the old ones (seeded, same on all ranks).
-        torch.manual_seed(seed)
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.use_cache = False
-    return model
+            config = AutoConfig.for_model(mapping.pop("model_type"), **mapping)
+        except ValueError:
+            return  # named by the builder with its own sentence
+    # A fresh model's vocabulary is not known before the tokenizer exists; the builder checks it.
+    check_model_fits(dims, config, check_vocab=cfg.name_or_path is not None)
+    layer_plan(config)
+
+
+def model_config(cfg: ModelConfig, tokenizer):
+    """The transformers config of the run's model: the directory's own, or a fresh one from `model.config`.
+
+    A tokenizer with more tokens than the model's vocabulary (added special tokens) grows the vocabulary;
+    the loader initialises the new embedding rows.
+    """
+    if cfg.name_or_path is None:
+        return _fresh_config(cfg, tokenizer)
+    path = check_model_dir(cfg.name_or_path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config.vocab_size = max(config.vocab_size, len(tokenizer))
+    return config
+
+
+def build_model(cfg: ModelConfig, tokenizer, seed: int) -> PreTrainedModel:
+    """The whole model in this process, with the same weights every layout starts from (models/build.py)."""
+    from isotrain.models.build import build_plain
+
+    return build_plain(cfg, tokenizer, seed)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

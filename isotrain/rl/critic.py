@@ -1,8 +1,9 @@
 """PPO's critic: a value model, the rollout's values, and its update on the shared gradient step.
 
 The critic is the policy's backbone with a one-output token head (transformers'
-`AutoModelForTokenClassification`, num_labels=1), initialised from the policy's weights and
-parallelised like it. V_t, read at the position that predicts response token t, estimates the
+`AutoModelForTokenClassification`, num_labels=1), built by the same model builder: its backbone starts
+from the policy's starting weights (the same files, or the same seeded initialisation), its head is
+freshly initialised, and it is parallelised like the policy. V_t, read at the position that predicts response token t, estimates the
 return from there. Its loss per token is the clipped value loss
 
     ½ · max((V − R)², (clip(V, V_old ± rl.value_clip) − R)²)
@@ -13,13 +14,10 @@ it too does not depend on the layout. The critic has its own AdamW (`rl.critic_l
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from torch import nn
 
 from isotrain.config import Config
-from isotrain.parallel.apply import apply_compile, parallelize
+from isotrain.models.build import build
 from isotrain.rl.algos import aggregation_weights, value_loss
 from isotrain.rl.experience import RolloutBatch, per_response_token
 from isotrain.train.optim import build_optimizer
@@ -28,20 +26,13 @@ from isotrain.train.step import accumulate_gradients, optimizer_step
 CRITIC_STATS = ("value_loss", "value_clipped", "value_mean")
 
 
-def build_critic(cfg: Config, plain_policy: nn.Module, device: torch.device, mesh, degrees):
+def build_critic(cfg: Config, tokenizer, device: torch.device, parallel):
     """A value model sharing the policy's initial backbone weights; parallelised; with its own optimizer."""
     from transformers import AutoModelForTokenClassification
 
-    config = copy.deepcopy(plain_policy.config)
-    config.num_labels = 1
-    torch.manual_seed(cfg.train.seed)  # the head's initialisation is the same on every rank
-    critic = AutoModelForTokenClassification.from_config(config, dtype=torch.float32,
-                                                         attn_implementation=cfg.model.attn_implementation)
-    prefix = plain_policy.base_model_prefix
-    getattr(critic, prefix).load_state_dict(getattr(plain_policy, prefix).state_dict())
-    if cfg.train.compile:
-        apply_compile(critic, degrees)
-    critic = parallelize(critic.to(device), mesh, degrees, torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
+    critic = build(cfg.model, tokenizer, cfg.train.seed, parallel, device, model_class=AutoModelForTokenClassification,
+                   config_updates={"num_labels": 1}, compile=cfg.train.compile,
+                   compute_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
     train = cfg.train.model_copy(update={"lr": cfg.rl.critic_lr or cfg.train.lr})
     return critic, build_optimizer(critic, train)
 

@@ -42,22 +42,23 @@ class RolloutBatch:
         return cls(**{f.name: [x for part in parts for x in getattr(part, f.name)] for f in fields(cls)})
 
 
-def all_gather_rollout(local: RolloutBatch) -> RolloutBatch:
-    """Every rank's samples, in rank order (= prompt order, since rank r drew the r-th slice)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return local
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    return RolloutBatch.concat(parts)
+def all_gather_rollout(local: RolloutBatch, group=None) -> RolloutBatch:
+    """Every DP rank's samples, in DP-rank order (= prompt order, since DP rank r drew the r-th slice).
+    `group` is the DP group: TP ranks of one DP rank hold the same samples and must not add them twice."""
+    return RolloutBatch.concat(_gather(local, group))
 
 
-def all_gather_lists(local: list) -> list:
-    """Concatenate per-rank lists (e.g. per-sample log-probs) in rank order."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return local
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    return [x for part in parts for x in part]
+def all_gather_lists(local: list, group=None) -> list:
+    """Concatenate per-DP-rank lists (e.g. per-sample log-probs) in DP-rank order."""
+    return [x for part in _gather(local, group) for x in part]
+
+
+def _gather(local, group) -> list:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [local]
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, local, group=group)
+    return parts
 
 
 def _place(rows: list[list[float]], prompt_lens: list[int], length: int) -> torch.Tensor:

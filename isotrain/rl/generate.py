@@ -46,7 +46,8 @@ def sampling_seed(seed: int, round_index: int, dp_rank: int) -> int:
 
 
 def generate_round(engine, tokenizer, prompts: PromptSet, stream: PromptStream, round_index: int,
-                   rl: RLConfig, reward_fn, seed: int, dp_rank: int, dp_size: int, stats: RoundStats) -> RolloutBatch:
+                   rl: RLConfig, reward_fn, seed: int, dp_rank: int, dp_size: int, stats: RoundStats,
+                   dp_group=None) -> RolloutBatch:
     indices = stream.round_indices(round_index, dp_rank, dp_size)
     params = SamplingParams(n=rl.group_size, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                             top_p=rl.top_p, seed=sampling_seed(seed, round_index, dp_rank))
@@ -60,13 +61,13 @@ def generate_round(engine, tokenizer, prompts: PromptSet, stream: PromptStream, 
         lengths = torch.tensor([len(r) for r in out.response_ids])
         penalty = overlong_penalty(lengths, rl.max_new_tokens, rl.overlong_buffer)
         rewards = [r + float(p) for r, p in zip(rewards, penalty)]
-    errors = int(all_reduce_sum(torch.tensor([scored.num_errors])).item())
+    errors = int(all_reduce_sum(torch.tensor([scored.num_errors]), dp_group).item())
     stats.reward_errors += errors
     if stats.first_error is None and scored.first_error is not None:
         stats.first_error = scored.first_error
     local = RolloutBatch(sample_prompts, out.prompt_ids, out.response_ids, out.response_logprobs, out.truncated,
                          list(scored.rewards), rewards)
-    return all_gather_rollout(local)
+    return all_gather_rollout(local, dp_group)
 
 
 def _groups(batch: RolloutBatch, n: int) -> list[RolloutBatch]:
@@ -74,14 +75,14 @@ def _groups(batch: RolloutBatch, n: int) -> list[RolloutBatch]:
 
 
 def collect(engine, tokenizer, prompts: PromptSet, stream: PromptStream, first_round: int, rl: RLConfig,
-            reward_fn, seed: int, dp_rank: int, dp_size: int) -> tuple[RolloutBatch, RoundStats]:
+            reward_fn, seed: int, dp_rank: int, dp_size: int, dp_group=None) -> tuple[RolloutBatch, RoundStats]:
     """The rollout of one RL step (P groups), starting at generation round `first_round`."""
     stats = RoundStats()
     kept: list[RolloutBatch] = []
     dropped: list[RolloutBatch] = []
     while True:
         batch = generate_round(engine, tokenizer, prompts, stream, first_round + stats.rounds, rl, reward_fn,
-                               seed, dp_rank, dp_size, stats)
+                               seed, dp_rank, dp_size, stats, dp_group)
         stats.rounds += 1
         if not rl.dynamic_sampling:
             return batch, stats

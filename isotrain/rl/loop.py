@@ -11,7 +11,6 @@ step, the optimizer step, metrics, graceful stop and the checkpoint manager.
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import json
@@ -28,10 +27,12 @@ from isotrain.checkpoint.manager import MODEL_DIR, CheckpointManager
 from isotrain.config import Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.errors import ConfigError
-from isotrain.models.loading import build_model, count_parameters
-from isotrain.parallel.apply import apply_compile, parallelize
+from isotrain.models.build import build
+from isotrain.models.loading import check_layout_fits, count_parameters, model_config
+from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
-from isotrain.parallel.mesh import build_mesh
+from isotrain.parallel.mesh import build_parallel
+from isotrain.parallel.tp import check_replicated
 from isotrain.rl.critic import build_critic, token_values
 from isotrain.rl.experience import all_gather_lists, response_logprobs
 from isotrain.rl.generate import collect, evaluate
@@ -40,11 +41,11 @@ from isotrain.rl.rewards import format_gated, load_reward
 from isotrain.rl.update import UpdateTotals, advantages, run_updates
 from isotrain.train.step import step_options
 from isotrain.rl.weights import sync_named_tensors
-from isotrain.sizes import pin_rl_global_batch, plan_rl_batches, resolve_degrees
+from isotrain.sizes import pin_rl_global_batch, plan_rl_batches
 from isotrain.train.metrics import MetricsWriter, ProgressBar
 from isotrain.train.optim import build_optimizer
 from isotrain.train.schedule import lr_at
-from isotrain.train.setup import prepare_tokenizer, start_run
+from isotrain.train.setup import compute_dtype, prepare_tokenizer, start_run
 from isotrain.train.stop import GracefulStop
 
 RL_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen", "prompt_rounds", "optimizer_steps")
@@ -61,19 +62,20 @@ class RLResult:
     model: object = None  # the trained module, single-process runs only
 
 
-def make_engine(cfg: Config, plain_model, tokenizer, output_dir: Path):
-    """The rollout engine, holding its own copy of the weights (synced after every update)."""
+def make_engine(cfg: Config, config, tokenizer, output_dir: Path):
+    """The rollout engine, holding its own copy of the weights. It starts with none usable: the loop sends
+    the policy's weights before the first rollout, and after every update."""
     if cfg.rollout.engine == "process":
         from isotrain.rl.engine_process import ProcessEngine
 
         # The child process starts from the config and tokenizer files only; weights come by update_weights.
         tokenizer_dir = output_dir / "engine_tokenizer"
         tokenizer.save_pretrained(tokenizer_dir)
-        return ProcessEngine(plain_model.config, tokenizer_dir, seed=cfg.train.seed, batch_size=cfg.rollout.batch_size,
+        return ProcessEngine(config, tokenizer_dir, seed=cfg.train.seed, batch_size=cfg.rollout.batch_size,
                              num_threads=torch.get_num_threads())
     from isotrain.rl.rollout import HFEngine
 
-    return HFEngine(plain_model, tokenizer, batch_size=cfg.rollout.batch_size)
+    return HFEngine.from_config(config, tokenizer, batch_size=cfg.rollout.batch_size)
 
 
 def _reward_fn(cfg: Config):
@@ -97,29 +99,34 @@ def _start_fingerprint(cfg: Config) -> str:
     return hashlib.sha256("".join(_file_sha256(str(f)) for f in files).encode()).hexdigest()
 
 
-def build_policy(cfg: Config, info: DistInfo, tokenizer, degrees, mesh):
-    """Policy (parallelised), a plain copy for the engine and the frozen reference (when KL is used).
+def _lora(cfg: Config):
+    """The LoRA adapters, applied to the loaded policy before any data-parallel wrapper (seeded: every rank
+    initialises the same adapters). With LoRA the KL reference is this model with its adapters off."""
+    from isotrain.rl.lora import apply_lora
 
-    The copies are taken before parallelising: the engine needs whole weights, and so does the reference.
-    """
-    model = build_model(cfg.model, tokenizer, cfg.train.seed).to(info.device)
-    engine_copy = copy.deepcopy(model)
-    reference = None
-    if cfg.lora.r > 0:
-        if degrees.dp_shard > 1:
-            raise ConfigError(f"lora.r={cfg.lora.r} runs on one process or with DDP; LoRA under FSDP2 "
-                              f"(parallel.dp_shard={degrees.dp_shard}) is not supported yet: set parallel.dp_shard=1")
-        from isotrain.rl.lora import apply_lora
-
-        # Seeded: every rank initialises the same adapters. The reference is this model with adapters off.
+    def adapt(model):
         torch.manual_seed(cfg.train.seed)
-        model = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
-    elif cfg.rl.kl_coef > 0:
-        reference = copy.deepcopy(model).eval().requires_grad_(False)
-    if cfg.train.compile:
-        apply_compile(model, degrees)
-    model = parallelize(model, mesh, degrees, torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
-    return model, build_optimizer(model, cfg.train), engine_copy, reference
+        return apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
+
+    return adapt
+
+
+def build_policy(cfg: Config, info: DistInfo, tokenizer, parallel):
+    """The policy and, when a KL term needs one, the frozen reference: both built on this rank's layout by the
+    one model builder (the reference sharded like the policy, without gradients or optimizer)."""
+    dims = parallel.dims
+    if cfg.lora.r > 0 and (dims.dp_shard > 1 or dims.tp > 1):
+        raise ConfigError(f"lora.r={cfg.lora.r} runs on one process or with DDP; LoRA under FSDP2 or tensor "
+                          f"parallelism (parallel.dp_shard={dims.dp_shard}, parallel.tp={dims.tp}) is not supported "
+                          "yet: set parallel.dp_shard=1 and parallel.tp=1")
+    common = dict(compute_dtype=compute_dtype(cfg))
+    model = build(cfg.model, tokenizer, cfg.train.seed, parallel, info.device, compile=cfg.train.compile,
+                  activation_checkpointing=cfg.train.activation_checkpointing == "full",
+                  adapt=_lora(cfg) if cfg.lora.r > 0 else None, **common)
+    reference = None
+    if cfg.lora.r == 0 and cfg.rl.kl_coef > 0:
+        reference = build(cfg.model, tokenizer, cfg.train.seed, parallel, info.device, trainable=False, **common)
+    return model, build_optimizer(model, cfg.train), reference
 
 
 def rl_train(cfg: Config, console: Console | None = None) -> RLResult:
@@ -145,25 +152,27 @@ def _evaluate(cfg, info, engine, tokenizer, held_out: PromptSet | None, reward_f
 
 def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
     log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
-    degrees = resolve_degrees(cfg.parallel, info.world_size)
+    degrees = resolve_dims(cfg.parallel, info.world_size)
     plan = plan_rl_batches(cfg, degrees)  # invariant 7: every size checked before any work
     pin_rl_global_batch(cfg, plan)
+    check_layout_fits(cfg.model, degrees)
     reward_fn = _reward_fn(cfg)
     output_dir = start_run(cfg, info, console, plan, degrees)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
     prompts = read_prompts(cfg.data.path)
     held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples) if cfg.eval.path else None
     stream = PromptStream(len(prompts.prompts), plan.prompts_per_step, cfg.train.seed)
-    mesh = build_mesh(degrees, info.device)
-    model, optimizer, engine_copy, reference = build_policy(cfg, info, tokenizer, degrees, mesh)
+    parallel = build_parallel(degrees, info.device, info.rank)
+    model, optimizer, reference = build_policy(cfg, info, tokenizer, parallel)
     critic, critic_optimizer = None, None
     if cfg.rl.advantage == "gae":
-        critic, critic_optimizer = build_critic(cfg, engine_copy, info.device, mesh, degrees)
+        critic, critic_optimizer = build_critic(cfg, tokenizer, info.device, parallel)
     log(f"policy: {count_parameters(model):,} parameters; {len(prompts.prompts)} prompts"
         + (f" ({prompts.num_skipped} malformed rows skipped)" if prompts.num_skipped else "")
         + ("; frozen reference for the KL" if reference is not None else "")
         + (f"; critic: {count_parameters(critic):,} parameters" if critic is not None else ""))
     checkpoints = _checkpoint_manager(cfg, info, degrees, model, optimizer, tokenizer, stream, log)
+    engine_config = model_config(cfg.model, tokenizer)
     if critic is not None:
         checkpoints.components = [("critic", critic, critic_optimizer)]
     checkpoints.clean_leftovers()
@@ -174,13 +183,12 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
         counters = {"step": resumed.step, **resumed.counters}
     if info.is_main:
         atomic_write_text(output_dir / "config.yaml", dump_config(cfg))
-    engine = make_engine(cfg, engine_copy, tokenizer, output_dir)
-    del engine_copy
+    engine = make_engine(cfg, engine_config, tokenizer, output_dir)
     try:
         engine.update_weights(sync_named_tensors(model))  # resumed weights (a fresh run sends the same ones)
         before = _evaluate(cfg, info, engine, tokenizer, held_out, reward_fn, log, "before RL")
-        ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=info.rank, device=info.device,  # DP rank: no TP yet
-                              options=step_options(cfg, degrees), pad_id=tokenizer.pad_token_id,
+        ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=parallel.dp_rank, device=info.device, parallel=parallel,
+                              options=step_options(cfg, parallel, loss_parallel=False), pad_id=tokenizer.pad_token_id,
                               before_update=checkpoints.before_update, reward_fn=reward_fn, tokenizer=tokenizer,
                               prompts=prompts, stream=stream, reference=reference, engine=engine, info=info,
                               held_out=held_out, log=log, critic=critic, critic_optimizer=critic_optimizer)
@@ -205,7 +213,7 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
 def _checkpoint_manager(cfg: Config, info: DistInfo, degrees, model, optimizer, tokenizer, stream: PromptStream,
                         log) -> CheckpointManager:
     """The SFT checkpoint manager, told what an RL run counts and what a resume must match."""
-    layout = {"world_size": info.world_size, **vars(degrees)}
+    layout = {"world_size": info.world_size, **dict(degrees.as_rows())}
     checkpoints = CheckpointManager(cfg, info.rank, info.world_size, layout, model, optimizer, tokenizer, log)
     checkpoints.counter_keys = RL_COUNTERS
     checkpoints.batch_field = "rl.prompts_per_step"
@@ -246,19 +254,20 @@ def _trainer_logprobs(ctx, model, batch) -> tuple[list | None, list | None, list
     score = functools.partial(response_logprobs, batch=mine, pad_id=ctx.pad_id,
                               micro_batch_size=plan.micro_batch_size, temperature=rl.temperature,
                               device=ctx.device, autocast_dtype=ctx.options.autocast_dtype)
-    old = all_gather_lists(score(model)) if need_old else None
+    group = ctx.options.dp_group
+    old = all_gather_lists(score(model), group) if need_old else None
     ref = None
     if ctx.reference is not None:
-        ref = all_gather_lists(score(ctx.reference))
+        ref = all_gather_lists(score(ctx.reference), group)
     elif rl.kl_coef > 0:  # LoRA: the reference is the policy with its adapters disabled
         from isotrain.rl.lora import reference_logits_context
 
         with reference_logits_context(model):
-            ref = all_gather_lists(score(model))
+            ref = all_gather_lists(score(model), group)
     values = None
     if ctx.critic is not None:
         values = all_gather_lists(token_values(ctx.critic, mine, ctx.pad_id, plan.micro_batch_size, ctx.device,
-                                               ctx.options.autocast_dtype))
+                                               ctx.options.autocast_dtype), group)
     return old, ref, values, time.perf_counter() - start
 
 
@@ -267,7 +276,7 @@ def rl_step(ctx, model, optimizer, counters: dict) -> dict:
     cfg, rl, plan = ctx.cfg, ctx.cfg.rl, ctx.plan
     start = time.perf_counter()
     batch, rounds = collect(ctx.engine, ctx.tokenizer, ctx.prompts, ctx.stream, counters["prompt_rounds"], rl,
-                            ctx.reward_fn, cfg.train.seed, ctx.rank, plan.dp_size)
+                            ctx.reward_fn, cfg.train.seed, ctx.rank, plan.dp_size, ctx.options.dp_group)
     generate_s = time.perf_counter() - start
     old, ref, values, logprob_s = _trainer_logprobs(ctx, model, batch)
     token_advantages, returns = advantages(batch, rl, old, ref, values)
@@ -333,8 +342,11 @@ def run_rl_steps(ctx, model, optimizer, checkpoints, writer, console, counters: 
     cfg, info = ctx.cfg, ctx.info
     enabled = info.is_main and cfg.logging.progress
     with GracefulStop() as stop, ProgressBar(cfg.train.max_steps, enabled, console, counters["step"]) as bar:
+        first_step = counters["step"]
         for _ in range(counters["step"], cfg.train.max_steps):
             row = rl_step(ctx, model, optimizer, counters)
+            if row["step"] == first_step + 1:  # a missing TP gradient reduction shows as replicas that drifted
+                check_replicated(model, ctx.parallel.tp_group)
             if cfg.rl.eval_every and row["step"] % cfg.rl.eval_every == 0 and row["step"] < cfg.train.max_steps:
                 row["eval_reward"] = _evaluate(cfg, info, ctx.engine, ctx.tokenizer, ctx.held_out, ctx.reward_fn,
                                                ctx.log, f"step {row['step']}")

@@ -131,12 +131,13 @@ def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, ste
                    for ix in micro]
             # The global denominator and counts, all-reduced before any backward.
             local = [sum(objective.denominator(mb) for mb in mbs), sum(mb["num_input_tokens"] for mb in mbs), len(mine)]
-            denominator, input_tokens, num_samples = all_reduce_sum(torch.tensor(local, dtype=torch.float64)).tolist()
+            denominator, input_tokens, num_samples = all_reduce_sum(torch.tensor(local, dtype=torch.float64),
+                                                                    ctx.options.dp_group).tolist()
             stats = torch.zeros(len(STAT_NAMES), dtype=torch.float64, device=ctx.device)
             loss = accumulate_gradients(
                 model, mbs, lambda mb, autocast: objective.loss_sum(model, mb, autocast, ctx.device, stats),
                 denominator, ctx.options, ctx.device)
-            totals.stats += all_reduce_sum(stats).cpu()
+            totals.stats += all_reduce_sum(stats, ctx.options.dp_group).cpu()
             ctx.before_update()
             totals.lr = lr_of(totals.num_updates)
             totals.grad_norm_sum += optimizer_step(optimizer, parameters, totals.lr, cfg.train.grad_clip)
@@ -144,7 +145,7 @@ def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, ste
                 critic_loss, _, critic_stats = critic_step(ctx.critic, ctx.critic_optimizer, mbs, denominator, ctx,
                                                            rl.critic_lr or totals.lr)
                 totals.critic_loss_sum += critic_loss
-                totals.critic_stats += all_reduce_sum(critic_stats).cpu()
+                totals.critic_stats += all_reduce_sum(critic_stats, ctx.options.dp_group).cpu()
             totals.loss_sum += loss
             totals.num_updates += 1
             totals.input_tokens += int(input_tokens)

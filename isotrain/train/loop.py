@@ -22,10 +22,12 @@ from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.data.collate import collate
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import read_rows
-from isotrain.models.loading import count_parameters
+from isotrain.models.loading import check_layout_fits, count_parameters
 from isotrain.parallel.dist import DistInfo, init_distributed, shutdown_distributed
-from isotrain.parallel.mesh import build_mesh
-from isotrain.sizes import plan_batches, resolve_degrees
+from isotrain.parallel.dims import resolve_dims
+from isotrain.parallel.mesh import build_parallel
+from isotrain.parallel.tp import check_replicated
+from isotrain.sizes import plan_batches
 from isotrain.train.evaluate import exact_match
 from isotrain.train.metrics import MetricsWriter, ProgressBar, flops_per_token, peak_tflops
 from isotrain.train.schedule import lr_at
@@ -85,6 +87,7 @@ class Run:
     dataset: object
     sampler: GlobalBatchSampler
     checkpoints: CheckpointManager
+    parallel: object  # ParallelState
 
 
 def _checkpoint_due(cfg: Config, step: int) -> bool:
@@ -96,7 +99,8 @@ def run_steps(cfg, info, plan, run: Run, pad_id, writer, console, counters: Coun
     """Steps counters.step .. max_steps - 1; saves checkpoints when due and stops early on SIGTERM/SIGINT.
 
     Returns the last loss and the name of the signal that stopped the run early, if any."""
-    options = step_options(cfg, resolve_degrees(cfg.parallel, info.world_size))
+    options = step_options(cfg, run.parallel)
+    first_step = counters.step
     base = getattr(run.model, "module", run.model).config
     world_peak = peak_tflops(cfg.train.peak_tflops, info.device)
     world_peak = world_peak * info.world_size if world_peak else None
@@ -105,7 +109,7 @@ def run_steps(cfg, info, plan, run: Run, pad_id, writer, console, counters: Coun
     enabled = info.is_main and cfg.logging.progress
     with GracefulStop() as stop, ProgressBar(cfg.train.max_steps, enabled, console, counters.step) as bar:
         for step in range(counters.step, cfg.train.max_steps):
-            index_lists = run.sampler.micro_batches(step, info.rank, plan.dp_size, plan.micro_batch_size)
+            index_lists = run.sampler.micro_batches(step, run.parallel.dp_rank, plan.dp_size, plan.micro_batch_size)
             micro_batches = [collate([run.dataset[i] for i in indices], pad_id) for indices in index_lists]
             lr = lr_at(step, lr=cfg.train.lr, schedule=cfg.train.schedule, warmup_steps=cfg.train.warmup_steps,
                        max_steps=cfg.train.max_steps, min_lr_ratio=cfg.train.min_lr_ratio)
@@ -113,6 +117,8 @@ def run_steps(cfg, info, plan, run: Run, pad_id, writer, console, counters: Coun
             result = train_step(run.model, run.optimizer, micro_batches, lr, options, info.device,
                                 before_update=run.checkpoints.before_update)
             step_s = time.perf_counter() - start
+            if step == first_step:  # a missing TP gradient reduction shows as replicas that drifted apart
+                check_replicated(run.model, run.parallel.tp_group)
             counters.step = step + 1
             counters.tokens_seen += result.num_input_tokens
             counters.trained_tokens += result.num_trained_tokens
@@ -170,17 +176,18 @@ def _resume_counters(resumed) -> Counters:
 def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, object]:
     # soft_wrap: a line names paths whole, in a terminal and in a log file alike
     log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
-    degrees = resolve_degrees(cfg.parallel, info.world_size)
+    degrees = resolve_dims(cfg.parallel, info.world_size)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
+    check_layout_fits(cfg.model, degrees)
     output_dir = start_run(cfg, info, console, plan, degrees)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
     dataset = prepare_data(cfg, info, tokenizer, log)
-    mesh = build_mesh(degrees, info.device)
-    model, optimizer = prepare_model(cfg, info, tokenizer, mesh, degrees)
+    parallel = build_parallel(degrees, info.device, info.rank)
+    model, optimizer = prepare_model(cfg, info, tokenizer, parallel)
     log(f"model: {count_parameters(model):,} parameters; data: {len(dataset)} samples, "
         f"{dataset.stats.total_input_tokens:,} tokens, {dataset.stats.total_trained_tokens:,} trained")
     sampler = GlobalBatchSampler(len(dataset), plan.global_batch_size, cfg.train.seed)
-    layout = {"world_size": info.world_size, **vars(degrees)}
+    layout = {"world_size": info.world_size, **dict(degrees.as_rows())}
     checkpoints = CheckpointManager(cfg, info.rank, info.world_size, layout, model, optimizer, tokenizer, log)
     checkpoints.extra_state = {
         "sampler": sampler.state_dict(),
@@ -192,7 +199,7 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, 
     counters = _resume_counters(checkpoints.resume())
     if info.is_main:  # only now: a run refused above leaves the previous run's config.yaml as it was
         atomic_write_text(output_dir / "config.yaml", dump_config(cfg))
-    run = Run(model, optimizer, dataset, sampler, checkpoints)
+    run = Run(model, optimizer, dataset, sampler, checkpoints, parallel)
     writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=counters.step)
     try:
         loss, stopped_by = run_steps(cfg, info, plan, run, tokenizer.pad_token_id, writer, console, counters)

@@ -1,7 +1,7 @@
 """Everything a run builds before its first step: RNGs, tokenizer, dataset, model, optimizer.
 
-Order (build, compile, parallelise, then optimise): tokenizer -> data -> model (seeded, identical on every
-rank) -> resize for new special tokens -> FSDP2/DDP -> optimizer over the (possibly sharded) params.
+Order: tokenizer -> data -> model (built on the meta device, parallelised, then each rank loads or
+initialises only its own shards: models/build.py) -> optimizer over the (possibly sharded) params.
 Rank 0 does the file-producing work first (tokenizer training, tokenization cache) and the other
 ranks then read its result, so every rank sees byte-identical inputs.
 """
@@ -17,11 +17,11 @@ import torch
 from isotrain.config import Config
 from isotrain.data import prepare_dataset
 from isotrain.data.sources import read_rows
-from isotrain.models.loading import build_model, check_model_dir
+from isotrain.models.build import build
+from isotrain.models.loading import check_model_dir
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
-from isotrain.parallel.apply import apply_compile, parallelize
 from isotrain.parallel.dist import DistInfo, barrier
-from isotrain.sizes import ParallelDegrees
+from isotrain.parallel.mesh import ParallelState
 from isotrain.train.optim import build_optimizer
 
 
@@ -49,7 +49,7 @@ def plan_table(plan, degrees):
     from rich.table import Table
 
     table = Table(title="batch sizes", show_header=False)
-    for name, value in [*vars(degrees).items(), *plan.as_rows()]:
+    for name, value in [*degrees.as_rows(), *plan.as_rows()]:
         table.add_row(name, str(value))
     return table
 
@@ -105,11 +105,13 @@ def _quiet(*_args, **_kwargs) -> None:
     pass
 
 
-def prepare_model(cfg: Config, info: DistInfo, tokenizer, mesh, degrees: ParallelDegrees):
-    model = build_model(cfg.model, tokenizer, cfg.train.seed).to(info.device)
-    if cfg.train.compile:
-        apply_compile(model, degrees)
-    compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
-    model = parallelize(model, mesh, degrees, compute_dtype)
+def compute_dtype(cfg: Config) -> torch.dtype | None:
+    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+
+
+def prepare_model(cfg: Config, info: DistInfo, tokenizer, parallel: ParallelState):
+    model = build(cfg.model, tokenizer, cfg.train.seed, parallel, info.device, compute_dtype=compute_dtype(cfg),
+                  compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing == "full",
+                  loss_parallel=True)
     optimizer = build_optimizer(model, cfg.train)
     return model, optimizer

@@ -62,7 +62,8 @@ def subprocess_env() -> dict:
 def torchrun(nproc: int, args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     """Launch `nproc` real processes on this machine with torchrun (gloo on CPU)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, **kwargs)
+    env = kwargs.pop("env", None) or subprocess_env()
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
 def isotrain_cli(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:

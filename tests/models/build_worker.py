@@ -84,8 +84,9 @@ def main() -> None:
         if mode == "weights":
             fresh = build(ModelConfig(config=TINY), tok, 3, parallel, info.device, loss_parallel=True)
             loaded = build(ModelConfig(name_or_path=rest[0]), tok, 3, parallel, info.device)
+            base = getattr(fresh, "module", fresh)  # inside DDP
             results[layout] = {"fresh": weights(fresh), "loaded": weights(loaded),
-                               "tied": fresh.lm_head.weight is fresh.model.embed_tokens.weight}
+                               "tied": base.lm_head.weight is base.model.embed_tokens.weight}
         else:
             cfg = ModelConfig(config=LARGER)
             mine = peak_build_bytes(lambda: build(cfg, tok, 0, parallel, info.device))

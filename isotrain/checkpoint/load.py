@@ -35,7 +35,7 @@ from isotrain.checkpoint.state import (
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
-BLOCK_BYTES = 64 << 20  # the largest buffer a block read uses
+BLOCK_BYTES = 16 << 20  # the largest buffer a block read uses (reused from block to block)
 RUN_BYTES = 64 << 10  # runs at least this long are read one pread each, straight into the target
 
 
@@ -170,20 +170,23 @@ class CheckpointReader:
         blocks (`plan_reads`). A target of another dtype or device goes through a CPU tensor.
         """
         path, fd, first = self._locate(key)
-        sizes = [n for n in self.shape(key)] if box is None else [stop - start for start, stop in box]
+        sizes = list(self.shape(key)) if box is None else [stop - start for start, stop in box]
         direct = (target.device.type == "cpu" and target.is_contiguous() and target.dtype == self.dtype(key)
                   and list(target.shape) == sizes)
         if not direct:
             target.copy_(self.read(key, box))
             return
+        scratch = torch.empty(0, dtype=target.dtype)  # one buffer for every block: faulted in once
         for read in self._plan(key, box):
             part = target[read.into]
             if read.block is None:
                 self._pread(path, fd, key, tensor_view(part), first + read.begin)
-            else:
-                block = torch.empty(read.block, dtype=target.dtype)
-                self._pread(path, fd, key, tensor_view(block), first + read.begin)
-                part.copy_(block[read.pick])
+                continue
+            if scratch.numel() < math.prod(read.block):
+                scratch = torch.empty(math.prod(read.block), dtype=target.dtype)
+            block = scratch[: math.prod(read.block)].view(read.block)
+            self._pread(path, fd, key, tensor_view(block), first + read.begin)
+            part.copy_(block[read.pick])
 
     def _pread(self, path: Path, fd: int, key: str, view: memoryview, offset: int) -> None:
         done = 0

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from helpers import TINY_LLAMA, model_weights, torchrun
 from isotrain.checkpoint.files import write_safetensors
-from isotrain.checkpoint.load import CheckpointReader, load_hf_weights, plan_reads
+from isotrain.checkpoint.load import BLOCK_BYTES, RUN_BYTES, CheckpointReader, load_hf_weights, plan_reads
 from isotrain.checkpoint.save import CheckpointError
 from isotrain.checkpoint.state import box_index
 
@@ -40,8 +40,8 @@ def _boxes(shape: tuple[int, ...]):
 
 
 @pytest.mark.parametrize("block_bytes,run_bytes", [
-    (64 << 20, 64 << 10),  # the defaults: tiny tensors go through whole-row blocks
-    (64 << 20, 1),  # every run its own pread, straight into the target
+    (BLOCK_BYTES, RUN_BYTES),  # the defaults: tiny tensors go through whole-row blocks
+    (BLOCK_BYTES, 1),  # every run its own pread, straight into the target
     (24, 64 << 10),  # blocks smaller than one row: recurse into each index of dim 0, then blocks
 ])
 def test_any_box_of_any_tensor_reads_exactly(tmp_path, block_bytes, run_bytes):

@@ -43,7 +43,7 @@ class ShardSpec:
     box_of_rank: tuple[int, ...]  # global rank -> index into `boxes`
     holders: tuple[int, ...]  # box index -> the first (lowest) rank holding it
 
-    @property
+    @functools.cached_property  # asked by every save of the tensor; a world of boxes to look through
     def row_blocks(self) -> bool:
         """Whether the boxes differ only along dim 0 and span every trailing dim: then each is one run of
         the file's bytes, written in place and read with one pread."""

@@ -1,15 +1,18 @@
 """Read a committed checkpoint into a model and optimizer of any layout.
 
-Each rank reads only what it holds: whole tensors under DDP or one process, its dim-0 rows under
-FSDP2 (a pread of those bytes into the rank's own tensor), so a checkpoint saved on N ranks loads on M.
+Each rank reads only what it holds: whole tensors under DDP or one process, its block of each
+DTensor under FSDP2, TP or both (a pread of its dim-0 rows into the rank's own tensor, or the runs
+of a block that cuts trailing dims), so a checkpoint saved on N ranks loads on M of any layout.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,10 +21,72 @@ from torch import nn
 from isotrain.checkpoint.files import SAFETENSORS_DTYPES, read_safetensors_header, tensor_view
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX
 from isotrain.checkpoint.save import CheckpointError
-from isotrain.checkpoint.state import OPTIMIZER_STATE_KEYS, local_part, model_tensors, shard_spec
+from isotrain.checkpoint.state import (
+    OPTIMIZER_STATE_KEYS,
+    Box,
+    box_index,
+    full_box,
+    local_part,
+    model_tensors,
+    shard_spec,
+)
 
 
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+BLOCK_BYTES = 16 << 20  # the largest buffer a block read uses (reused from block to block)
+RUN_BYTES = 64 << 10  # runs at least this long are read one pread each, straight into the target
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One pread of a tensor's bytes [begin, end) that fills `target[into]`: directly, or through a
+    buffer of shape `block` of which `pick` is kept."""
+
+    begin: int
+    end: int
+    into: tuple
+    block: tuple[int, ...] | None = None
+    pick: tuple = ()
+
+
+def plan_reads(shape: tuple[int, ...], box: Box, itemsize: int, block_bytes: int = BLOCK_BYTES,
+               run_bytes: int = RUN_BYTES, base: int = 0, into: tuple = ()) -> list[_Read]:
+    """The preads that bring block `box` of a row-major tensor into a contiguous target of the box's shape.
+
+    A box spanning every dim after its first is one run of bytes: one pread. Otherwise each index of
+    the first dim is a sub-tensor of `row` bytes: when the box's runs inside it are long
+    (>= `run_bytes`), or the sub-tensor is larger than a block, recurse into each index (a TP split
+    of [out, in] reads each row's part; a 3-D expert tensor each expert's part); when the runs are
+    short, read whole rows `block_bytes` at a time and keep their part, trading bytes read for
+    fewer system calls.
+    """
+    if any(stop <= start for start, stop in box):
+        return []
+    if not shape:
+        return [_Read(base, base + itemsize, into)]
+    (start, stop), inner = box[0], box[1:]
+    row = math.prod(shape[1:]) * itemsize
+    if inner == full_box(shape[1:]):
+        return [_Read(base + start * row, base + stop * row, (*into, slice(0, stop - start)))]
+    if row > block_bytes or _run_bytes(shape[1:], inner, itemsize) >= run_bytes:
+        return [read for i in range(start, stop) for read in plan_reads(
+            shape[1:], inner, itemsize, block_bytes, run_bytes, base + i * row, (*into, i - start))]
+    rows_per_block = max(1, block_bytes // row)
+    pick = (slice(None), *box_index(inner))
+    return [_Read(base + a * row, base + b * row, (*into, slice(a - start, b - start)), (b - a, *shape[1:]), pick)
+            for a in range(start, stop, rows_per_block) for b in [min(a + rows_per_block, stop)]]
+
+
+def _run_bytes(shape: tuple[int, ...], box: Box, itemsize: int) -> int:
+    """The length of the box's contiguous runs: its last cut dim's extent times the full dims after it."""
+    run = itemsize
+    for (start, stop), size in zip(reversed(box), reversed(shape)):
+        run *= stop - start
+        if (start, stop) != (0, size):
+            break
+    return run
 
 
 class CheckpointReader:
@@ -31,8 +96,9 @@ class CheckpointReader:
     directly in the tensor that keeps it.
     """
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, block_bytes: int = BLOCK_BYTES, run_bytes: int = RUN_BYTES):
         self.directory = Path(directory)
+        self.block_bytes, self.run_bytes = block_bytes, run_bytes
         self._where: dict[str, Path] = {}
         self._files: dict[Path, tuple[int, int, dict]] = {}  # fd, first data byte, header
         self._index(MODEL_INDEX, "model.safetensors")
@@ -75,50 +141,66 @@ class CheckpointReader:
     def dtype(self, key: str) -> torch.dtype:
         return _DTYPES[self._spec(key)["dtype"]]
 
-    def _locate(self, key: str, rows: tuple[int, int] | None):
-        """(path, fd, first data byte, header entry, begin, end): where tensor `key` (or its rows) lies."""
+    def _locate(self, key: str) -> tuple[Path, int, int]:
+        """(file, fd, first byte of tensor `key` in the file)."""
         path = self._where[key]
         fd, data_start, header = self._file(path)
-        spec = header[key]
-        begin, end = spec["data_offsets"]
-        if rows is not None and spec["shape"]:
-            row_bytes = (end - begin) // spec["shape"][0] if spec["shape"][0] else 0
-            begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
-        return path, fd, data_start, spec, begin, end
+        return path, fd, data_start + header[key]["data_offsets"][0]
 
-    def prefetch(self, key: str, rows: tuple[int, int] | None = None) -> int:
-        """Ask the kernel to start reading tensor `key` (or its rows) now, without waiting; returns its bytes."""
-        _, fd, data_start, _, begin, end = self._locate(key, rows)
-        if end > begin and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, data_start + begin, end - begin, os.POSIX_FADV_WILLNEED)
-        return end - begin
+    def _plan(self, key: str, box: Box | None) -> list[_Read]:
+        shape = self.shape(key)
+        return plan_reads(shape, full_box(shape) if box is None else box, self.dtype(key).itemsize,
+                          self.block_bytes, self.run_bytes)
 
-    def read_into(self, key: str, target: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
-        """Read tensor `key` (or its dim-0 rows) from its file straight into `target`'s memory.
+    def prefetch(self, key: str, box: Box | None = None) -> int:
+        """Ask the kernel to start reading tensor `key` (or its box) now, without waiting; returns the bytes."""
+        _, fd, first = self._locate(key)
+        total = 0
+        for read in self._plan(key, box):
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, first + read.begin, read.end - read.begin, os.POSIX_FADV_WILLNEED)
+            total += read.end - read.begin
+        return total
 
-        One pread per tensor and no intermediate tensor: loading is bound by the disk, not by
-        copies. A target of another dtype or device goes through a CPU tensor.
+    def read_into(self, key: str, target: torch.Tensor, box: Box | None = None) -> None:
+        """Read tensor `key` (or the block `box` of it) from its file straight into `target`'s memory.
+
+        A whole tensor or a block of dim-0 rows is one pread, with no intermediate tensor: loading
+        is bound by the disk, not by copies. Other blocks go run by run or through bounded row
+        blocks (`plan_reads`). A target of another dtype or device goes through a CPU tensor.
         """
-        path, fd, data_start, spec, begin, end = self._locate(key, rows)
-        direct = (target.device.type == "cpu" and target.is_contiguous() and target.dtype == _DTYPES[spec["dtype"]]
-                  and target.numel() * target.element_size() == end - begin)
+        path, fd, first = self._locate(key)
+        sizes = list(self.shape(key)) if box is None else [stop - start for start, stop in box]
+        direct = (target.device.type == "cpu" and target.is_contiguous() and target.dtype == self.dtype(key)
+                  and list(target.shape) == sizes)
         if not direct:
-            target.copy_(self.read(key, rows))
+            target.copy_(self.read(key, box))
             return
-        view, done = tensor_view(target), 0
+        scratch = torch.empty(0, dtype=target.dtype)  # one buffer for every block: faulted in once
+        for read in self._plan(key, box):
+            part = target[read.into]
+            if read.block is None:
+                self._pread(path, fd, key, tensor_view(part), first + read.begin)
+                continue
+            if scratch.numel() < math.prod(read.block):
+                scratch = torch.empty(math.prod(read.block), dtype=target.dtype)
+            block = scratch[: math.prod(read.block)].view(read.block)
+            self._pread(path, fd, key, tensor_view(block), first + read.begin)
+            part.copy_(block[read.pick])
+
+    def _pread(self, path: Path, fd: int, key: str, view: memoryview, offset: int) -> None:
+        done = 0
         while done < len(view):
-            got = os.preadv(fd, [view[done:]], data_start + begin + done)
+            got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
                 raise CheckpointError(f"{path} ends inside tensor {key!r}; run `isotrain ckpt verify {self.directory}`")
             done += got
 
-    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor `key` (or its dim-0 rows) as a new CPU tensor in its stored dtype."""
-        shape = list(self.shape(key))
-        if rows is not None and shape:
-            shape[0] = rows[1] - rows[0]
+    def read(self, key: str, box: Box | None = None) -> torch.Tensor:
+        """Tensor `key` (or the block `box` of it) as a new CPU tensor in its stored dtype."""
+        shape = self.shape(key) if box is None else [stop - start for start, stop in box]
         tensor = torch.empty(shape, dtype=self.dtype(key))
-        self.read_into(key, tensor, rows)
+        self.read_into(key, tensor, box)
         return tensor
 
     def close(self) -> None:
@@ -130,42 +212,33 @@ class CheckpointReader:
         return json.loads((self.directory / "train_state" / "state.json").read_text())
 
 
-def shard_spec_supported(tensor: torch.Tensor) -> bool:
-    try:
-        shard_spec(tensor)
-    except NotImplementedError:
-        return False
-    return True
-
-
-def _rows(tensor: torch.Tensor, rank: int) -> tuple[int, int] | None:
-    """The dim-0 rows of `tensor` (a plain tensor or DTensor) that this rank holds; None for all."""
+def _box(tensor: torch.Tensor, rank: int) -> Box | None:
+    """The block of `tensor` (a plain tensor or DTensor) that this rank holds; None for all of it."""
     spec = shard_spec(tensor)
-    return spec.bounds(spec.shard_of_rank[rank]) if spec is not None else None
+    return spec.box(rank) if spec is not None else None
 
 
 def _read_into(reader: CheckpointReader, key: str, target: torch.Tensor, rank: int) -> None:
     """Copy the part of tensor `key` that this rank holds into `target` (a plain tensor or DTensor)."""
     with torch.no_grad():
-        reader.read_into(key, local_part(target), _rows(target, rank))
+        reader.read_into(key, local_part(target), _box(target, rank))
 
 
 class ReadAhead:
     """Keeps the kernel reading up to `window_bytes` ahead of the tensor being read.
 
-    A rank of a sharded layout reads only its rows of each tensor, which the kernel's own
+    A rank of a sharded layout reads only its part of each tensor, which the kernel's own
     readahead does not take for a sequential stream; announcing the next reads keeps the disk
     busy while the current one is copied and faulted in.
     """
 
-    def __init__(self, reader: CheckpointReader, upcoming: list[tuple[str, tuple[int, int] | None]],
+    def __init__(self, reader: CheckpointReader, upcoming: list[tuple[str, Box | None]],
                  window_bytes: int = 256 << 20):
         self.reader, self.upcoming, self.window_bytes = reader, upcoming, window_bytes
         self.starts, position = [], 0  # where each read starts in the stream of this rank's reads
-        for key, rows in upcoming:
-            _, _, _, _, begin, end = reader._locate(key, rows)
+        for key, box in upcoming:
             self.starts.append(position)
-            position += end - begin
+            position += sum(read.end - read.begin for read in reader._plan(key, box))
         self.starts.append(position)
         self.announced = 0
 
@@ -177,32 +250,58 @@ class ReadAhead:
             self.announced += 1
 
 
-def check_model_shapes(reader: CheckpointReader, model: nn.Module, prefix: str = "") -> None:
-    """Refuse a checkpoint whose tensors do not match the model's names and shapes."""
-    tensors = model_tensors(model)
+_RESUME_HINT = "resume with the checkpoint's model.config or set checkpoint.resume=never"
+
+
+def check_model_shapes(reader: CheckpointReader, model: nn.Module, prefix: str = "", what: str = "checkpoint",
+                       hint: str = _RESUME_HINT, skip: frozenset[str] = frozenset()) -> None:
+    """Refuse a checkpoint whose tensors do not match the model's names and shapes (`skip`: not loaded here)."""
+    tensors = {name: t for name, t in model_tensors(model).items() if name not in skip}
     missing = [name for name in tensors if f"{prefix}{name}" not in reader]
     if missing:
-        raise CheckpointError(
-            f"checkpoint {reader.directory} has no tensor {prefix}{missing[0]!r} ({len(missing)} missing); "
-            "it was saved from a different model: resume with its model.config or set checkpoint.resume=never"
-        )
+        raise CheckpointError(f"{what} {reader.directory} has no tensor {prefix}{missing[0]!r} ({len(missing)} "
+                              f"missing); it was saved from a different model: {hint}")
     for name, tensor in tensors.items():
         saved = reader.shape(f"{prefix}{name}")
         if saved != tuple(tensor.shape):
-            raise CheckpointError(
-                f"checkpoint {reader.directory} has {name} of shape {list(saved)} but the model has "
-                f"{list(tensor.shape)}; resume with the checkpoint's model.config or set checkpoint.resume=never"
-            )
+            raise CheckpointError(f"{what} {reader.directory} has {name} of shape {list(saved)} but the model has "
+                                  f"{list(tensor.shape)}; {hint}")
 
 
-def load_model(reader: CheckpointReader, model: nn.Module, rank: int) -> None:
-    """Weights from the fp32 master copies when the model files are in a lower precision."""
-    tensors = model_tensors(model)
-    use_master = all(f"master.{name}" in reader for name in tensors if tensors[name].is_floating_point())
-    check_model_shapes(reader, model)
+def load_model(reader: CheckpointReader, model: nn.Module, rank: int, what: str = "checkpoint",
+               hint: str = _RESUME_HINT, skip: frozenset[str] = frozenset()) -> None:
+    """Weights from the fp32 master copies when the model files are in a lower precision; each rank
+    reads its own part of each tensor. `skip`: tensors the caller fills itself."""
+    tensors = {name: t for name, t in model_tensors(model).items() if name not in skip}
+    floating = [name for name in tensors if tensors[name].is_floating_point()]
+    use_master = bool(floating) and all(f"master.{name}" in reader for name in floating)
+    check_model_shapes(reader, model, what=what, hint=hint, skip=skip)
     for name, tensor in tensors.items():
         source = f"master.{name}" if use_master and tensor.is_floating_point() else name
         _read_into(reader, source, tensor, rank)
+
+
+def load_hf_weights(directory: Path, model: nn.Module, rank: int, skip: frozenset[str] = frozenset()) -> None:
+    """Load a Hugging Face model directory (`save_pretrained`'s model.safetensors, or shards and their
+    index) into a model already parallelised on any layout, each rank reading only its own part.
+
+    The model's tensors must exist (after building on the meta device, `to_empty` them first); tied
+    weights are one parameter, stored once under the name the model reports.
+    """
+    directory = Path(directory)
+    meta = [name for name, tensor in model_tensors(model).items() if tensor.is_meta]
+    if meta:
+        raise CheckpointError(f"cannot load {directory} into {meta[0]!r}, which is still on the meta device; "
+                              "allocate the model with to_empty(device=...) before loading weights")
+    reader = CheckpointReader(directory)
+    try:
+        if not reader.keys():
+            raise CheckpointError(f"{directory} holds no model.safetensors or model.safetensors.index.json; "
+                                  "point to a Hugging Face model directory saved with safetensors")
+        load_model(reader, model, rank, what="model directory",
+                   hint="point to the directory of this model (the same config.json)", skip=frozenset(skip))
+    finally:
+        reader.close()
 
 
 def _new_moments(param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -227,7 +326,7 @@ def load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch.
                 f"checkpoint {reader.directory} has no optimizer state for {name!r}; it is not a training "
                 "checkpoint of this model: set checkpoint.load_only=model to start from its weights only"
             )
-    reads = [(f"{key}.{prefix}{names[id(param)]}", _rows(param, rank)) for param in params
+    reads = [(f"{key}.{prefix}{names[id(param)]}", _box(param, rank)) for param in params
              for key in OPTIMIZER_STATE_KEYS if key != "step"]  # moments share their parameter's layout
     ahead = ReadAhead(reader, reads)
     with ThreadPoolExecutor(max_workers=1) as allocator:
@@ -265,22 +364,3 @@ def load_component(reader: CheckpointReader, prefix: str, model: nn.Module, opti
         _read_into(reader, f"{prefix}.{name}", tensor, rank)
     load_optimizer(reader, model, optimizer, rank, prefix=f"{prefix}.")
 
-
-def load_hf_weights(reader: CheckpointReader, model: nn.Module, rank: int, skip: set[str] = frozenset()) -> None:
-    """A plain Hugging Face model directory's weights into a model of any layout (names and shapes checked);
-    `skip`: tensors the caller fills itself."""
-    tensors = {name: t for name, t in model_tensors(model).items() if name not in skip}
-    for name, tensor in tensors.items():
-        if name not in reader:
-            raise CheckpointError(f"{reader.directory} has no tensor {name!r}, which this model needs; "
-                                  "it holds another model: point model.name_or_path at the right directory")
-        if reader.shape(name) != tuple(tensor.shape):
-            raise CheckpointError(f"{reader.directory} has {name} of shape {list(reader.shape(name))} but the model "
-                                  f"has {list(tensor.shape)}; point model.name_or_path at the right directory")
-    for name, tensor in tensors.items():
-        if shard_spec_supported(tensor):
-            _read_into(reader, name, tensor, rank)
-        else:
-            from isotrain.models.build import copy_into
-
-            copy_into(tensor, reader.read(name))

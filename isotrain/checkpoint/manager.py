@@ -85,8 +85,9 @@ def _host_buffer(item: Item, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def _stages(item: Item, rank: int) -> bool:
-    """Whether this rank copies `item` for an async save: its shards, and the whole tensors it owns."""
-    return item.shard is not None or item.owner == rank
+    """Whether this rank copies `item` for an async save: what it writes (the tensors it owns, its own part
+    of them) and the parts it sends to their owners — not parts that another replica sends."""
+    return item.saved_by(rank)
 
 
 def stage(items: list[Item], rank: int, buffers: dict[str, torch.Tensor], threads: int = 1) -> None:

@@ -1,8 +1,8 @@
 """Write a checkpoint directory: every rank writes its share of the tensors, rank 0 commits.
 
 No rank holds the whole model: each tensor has one owner rank (balanced by bytes, `assign_owners`)
-that writes it. A tensor sharded by FSDP2 travels to its owner alone, the other ranks' row blocks
-sent point to point into buffers of their size, up to `transfer_budget` bytes of tensors in flight,
+that writes it. A sharded tensor (FSDP2, TP, both) travels to its owner alone, each other box of it
+sent once point to point into a buffer of its size, up to `transfer_budget` bytes of tensors in flight,
 so a rank's extra memory is bounded by the tensors it owns that are in transit. Files are written
 by `StreamingFile` (stream.py), which hashes the bytes as they go, so the manifest costs no extra
 read.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from isotrain.checkpoint.files import CHUNK_BYTES, FileEntry, fsync_dir, safetensors_header, tensor_view, write_chunks
 from isotrain.checkpoint.layout import LATEST, step_dir_name, write_latest
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_manifest
-from isotrain.checkpoint.state import Item
+from isotrain.checkpoint.state import Item, box_index, is_empty
 from isotrain.checkpoint.stream import StreamingFile
 from isotrain.errors import IsotrainError
 
@@ -82,54 +82,62 @@ def index_files(files: dict[str, list[Item]]) -> dict[str, bytes]:
 
 @dataclass
 class _Transfer:
-    """One tensor on its way to its owner: there, its row blocks in file order (complete once `works` are
-    done); None elsewhere."""
+    """One tensor on its way to its owner: there, its pieces in file order (complete once `works` are
+    done and `fills` copied); None elsewhere."""
 
     item: Item
     pieces: list[torch.Tensor] | None
     works: list
     sent: torch.Tensor | None = None  # kept alive until the send completes
+    fills: list[tuple[tuple[slice, ...], torch.Tensor]] = field(default_factory=list)  # received box -> its place
 
-
-def _holders(spec) -> dict[int, int]:
-    """Shard coordinate -> the first rank holding it (under HSDP, replicas hold the same rows)."""
-    holder: dict[int, int] = {}
-    for r, shard in enumerate(spec.shard_of_rank):
-        holder.setdefault(shard, r)
-    return holder
+    def complete(self) -> list[torch.Tensor] | None:
+        """Wait for the transfers; the owner gets the pieces to write."""
+        for work in self.works:
+            work.wait()
+        if self.pieces is not None:
+            for index, received in self.fills:
+                self.pieces[0][index] = received
+        return self.pieces
 
 
 def _start_transfer(item: Item, rank: int, group) -> _Transfer:
     """Start moving `item` to its owner; every rank calls this for every item, in the same order.
 
-    Shards are dim-0 row blocks, so the file holds them one after the other: the owner writes its
-    own block from where it lies and receives each other block point to point into a buffer of
-    that block's size. Its extra memory is the tensor minus its own rows; nothing is copied twice.
+    Each distinct box travels once, from its first holder, point to point into a buffer of its
+    size on the owner. Row blocks (boxes that differ only along dim 0) lie one after the other in
+    the file: the owner writes its own block from where it lies and each received block as it is,
+    so its extra memory is the tensor minus its own rows and nothing is copied twice. Any other
+    boxes (TP's column split, 2-D layouts) are assembled into one full tensor on the owner: its
+    extra memory is then that tensor plus the boxes in flight, at most twice the tensor.
     """
     spec = item.shard
     if spec is None:  # every rank holds it whole
         return _Transfer(item, [item.local] if rank == item.owner else None, [])
-    holder = _holders(spec)
-    owner_shard = spec.shard_of_rank[item.owner]
     if rank != item.owner:
-        mine = spec.shard_of_rank[rank]
-        start, stop = spec.bounds(mine)
-        if holder[mine] != rank or mine == owner_shard or stop <= start:
+        if not spec.sends(rank, item.owner):
             return _Transfer(item, None, [])
         sent = item.local.contiguous()
         return _Transfer(item, None, [dist.isend(sent, dst=item.owner, group=group)], sent)
-    pieces, works = [], []
-    for shard, source in sorted(holder.items()):
-        start, stop = spec.bounds(shard)
-        if stop <= start:
+    own = spec.box_of_rank[rank]
+    rows = spec.row_blocks
+    full = None if rows else torch.empty(item.shape, dtype=item.local.dtype)
+    pieces, works, fills = [] if rows else [full], [], []
+    for index, (box, source) in enumerate(zip(spec.boxes, spec.holders)):
+        if is_empty(box):
             continue
-        if shard == owner_shard:
-            pieces.append(item.local)
+        if index == own:
+            received = item.local
         else:
-            block = torch.empty((stop - start, *item.shape[1:]), dtype=item.local.dtype)
-            works.append(dist.irecv(block, src=source, group=group))
-            pieces.append(block)
-    return _Transfer(item, pieces, works)
+            received = torch.empty([stop - start for start, stop in box], dtype=item.local.dtype)
+            works.append(dist.irecv(received, src=source, group=group))
+        if rows:
+            pieces.append(received)
+        elif index == own:
+            full[box_index(box)] = received
+        else:
+            fills.append((box_index(box), received))
+    return _Transfer(item, pieces, works, fills=fills)
 
 
 def write_order(files: dict[str, list[Item]]) -> list[Item]:
@@ -161,13 +169,12 @@ def write_tensor_files(directory: Path, items: list[Item], rank: int, group, tra
 
     def finish(transfer: _Transfer) -> None:
         nonlocal error
-        for work in transfer.works:
-            work.wait()
-        if transfer.pieces is None or error is not None:
+        pieces = transfer.complete()
+        if pieces is None or error is not None:
             return
         try:
             item = transfer.item
-            for piece in transfer.pieces:
+            for piece in pieces:
                 open_files[file_of[item.key]].append(tensor_view(piece.to(item.dtype)))
         except OSError as err:
             error = err

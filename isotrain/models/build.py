@@ -21,15 +21,14 @@ import copy
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from isotrain.checkpoint.state import box_index, shard_spec
 from isotrain.config import ModelConfig
 from isotrain.models.loading import model_config
 from isotrain.parallel.apply import parallelize, wrap_replicas
-from isotrain.parallel.dims import check_model_fits
+from isotrain.parallel.dims import ParallelDims, check_model_fits
 from isotrain.parallel.mesh import ParallelState, single_process
-from isotrain.parallel.dims import ParallelDims
 
 
 @contextlib.contextmanager
@@ -49,20 +48,13 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def local_region(shape: torch.Size, target: torch.Tensor) -> tuple[slice, ...] | None:
-    """The slices of the full tensor that this rank's part of `target` holds; None when it holds all of it."""
-    if not isinstance(target, DTensor):
-        return None
-    local_shape, offset = compute_local_shape_and_global_offset(shape, target.device_mesh, target.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
-
-
-def copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of the full tensor `full` into `target` (a plain tensor or a DTensor)."""
+def copy_into(target: torch.Tensor, full: torch.Tensor, rank: int) -> None:
+    """Copy this rank's block of the full tensor `full` into `target` (a plain tensor or a DTensor); the block
+    is the one the checkpoint code reads and writes for this rank (checkpoint/state.py `shard_spec`)."""
+    spec = shard_spec(target)
     with torch.no_grad():
-        region = local_region(full.shape, target)
         local = target.to_local() if isinstance(target, DTensor) else target
-        local.copy_(full if region is None else full[region])
+        local.copy_(full if spec is None else full[box_index(spec.box(rank))])
 
 
 def _post_order(module: nn.Module, prefix: str = ""):
@@ -72,7 +64,8 @@ def _post_order(module: nn.Module, prefix: str = ""):
     yield prefix.rstrip("."), module
 
 
-def init_fresh(model: nn.Module, skeleton: PreTrainedModel, seed: int, only: set[str] | None = None) -> None:
+def init_fresh(model: nn.Module, skeleton: PreTrainedModel, seed: int, rank: int,
+               only: set[str] | None = None) -> None:
     """Initialise the (parallelised, materialised) `model` as `skeleton`'s family would, module by module.
 
     Each module's own parameters get full-size CPU scratch tensors in the meta `skeleton`, the family's
@@ -90,7 +83,7 @@ def init_fresh(model: nn.Module, skeleton: PreTrainedModel, seed: int, only: set
                                                    requires_grad=param.requires_grad)
         skeleton._init_weights(module)
         for key, meta_param in own:
-            copy_into(live[name]._parameters[key], module._parameters[key])
+            copy_into(live[name]._parameters[key], module._parameters[key], rank)
             module._parameters[key] = meta_param
 
 
@@ -149,7 +142,7 @@ def build(cfg: ModelConfig, tokenizer, seed: int, parallel: ParallelState, devic
                         activation_checkpointing=activation_checkpointing, loss_parallel=loss_parallel)
     _materialise(model, device)
     if cfg.name_or_path is None:
-        init_fresh(model, skeleton, seed)
+        init_fresh(model, skeleton, seed, parallel.rank)
     else:
         load_pretrained(cfg.name_or_path, model, skeleton, seed, parallel.rank)
     if adapt is not None:
@@ -179,13 +172,13 @@ def load_pretrained(path: str, model: nn.Module, skeleton: PreTrainedModel, seed
         heads = {name for name in tensors if name not in reader and not name.startswith(backbone)}
         grown = {name for name, t in tensors.items() if name in reader and t.ndim == 2
                  and reader.shape(name)[1:] == tuple(t.shape[1:]) and reader.shape(name)[0] < t.shape[0]}
-        load_hf_weights(reader, model, rank, skip=heads | grown)
+        load_hf_weights(path, model, rank, skip=frozenset(heads | grown))
         for name in sorted(grown):
-            copy_into(tensors[name], _grown_rows(skeleton, reader.read(name), tensors[name].shape[0], seed))
+            copy_into(tensors[name], _grown_rows(skeleton, reader.read(name), tensors[name].shape[0], seed), rank)
     finally:
         reader.close()
     if heads:
-        init_fresh(model, skeleton, seed, only=heads)
+        init_fresh(model, skeleton, seed, rank, only=heads)
 
 
 def _grown_rows(skeleton: PreTrainedModel, saved: torch.Tensor, rows: int, seed: int) -> torch.Tensor:

@@ -12,14 +12,20 @@ from isotrain.checkpoint.state import Item, ShardSpec
 
 
 def items(seed: int) -> list[Item]:
-    """Whole tensors owned by rank 0 or 1 and shards (held by both) of assorted sizes and dtypes."""
+    """Whole tensors owned by rank 0 or 1 and shards of assorted sizes and dtypes."""
     generator = torch.Generator().manual_seed(seed)
     made = []
     for i, (shape, dtype) in enumerate([((300, 7), torch.float32), ((5,), torch.bfloat16), ((64, 64), torch.float32),
                                         ((1,), torch.int64), ((4097,), torch.float32), ((33, 3), torch.bfloat16)]):
         local = torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point else torch.tensor([7 + i])
-        shard = ShardSpec(2, (0, 1), 2 * shape[0]) if i % 3 == 2 else None
+        full = (2 * shape[0], *shape[1:])
+        boxes = tuple(((k * shape[0], (k + 1) * shape[0]), *((0, n) for n in shape[1:])) for k in range(2))
+        shard = ShardSpec(full, boxes, (0, 1), (0, 1)) if i % 3 == 2 else None
         made.append(Item(f"t{i}", "model", shape, dtype, local, shard, owner=i % 2))
+    # Four ranks in two replicas of a two-way split (HSDP, or TP with data parallelism): rank 1 holds the
+    # same box as rank 0, which sends it, so rank 1 copies nothing.
+    replicated = ShardSpec((6, 2), (((0, 3), (0, 2)), ((3, 6), (0, 2))), (0, 0, 1, 1), (0, 2))
+    made.append(Item("t6", "model", (6, 2), torch.float32, torch.randn((3, 2), generator=generator), replicated, 2))
     return made
 
 
@@ -30,7 +36,7 @@ def test_staging_copies_exactly_what_this_rank_writes(threads):
     originals = [item.local for item in staged]
     stage(staged, rank=1, buffers=buffers, threads=threads)
     for item, source, original in zip(staged, live, originals):
-        if item.shard is None and item.owner != 1:
+        if not item.saved_by(1):
             assert item.local is None, item.key
             continue
         assert item.local is buffers[item.key] and item.local.data_ptr() != original.data_ptr()

@@ -1,5 +1,5 @@
 """Exact resume after a real SIGKILL (same layout: byte-identical files) and elastic resume
-(other world size or DDP <-> FSDP2: same data order, weights within 1e-6)."""
+(other world size, DDP <-> FSDP2 <-> TP <-> FSDP2 × TP: same data order, weights within 1e-6)."""
 
 from __future__ import annotations
 
@@ -32,20 +32,22 @@ LAYOUTS = {
     "fsdp2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=2"]),
     "fsdp4": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=4"]),
     "hsdp4": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+    "tp2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.tp=2"]),
+    "fsdp2tp2": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.tp=2"]),
 }
 
 
-def command(layout: str, run_dir) -> list[str]:
+def command(layout: str, run_dir, *more: str) -> list[str]:
     nproc, extra = LAYOUTS[layout]
-    args = ["-m", "isotrain", "train", *TINY, *extra, f"output_dir={run_dir}"]
+    args = ["-m", "isotrain", "train", *TINY, *extra, f"output_dir={run_dir}", *more]
     if nproc == 1:
         return [sys.executable, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
-def run(layout: str, run_dir) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command(layout, run_dir), env=subprocess_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+def run(layout: str, run_dir, *more: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(command(layout, run_dir, *more), env=subprocess_env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -65,7 +67,7 @@ def kill_after_checkpoint(layout: str, run_dir, step: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "ddp2", "fsdp2"])
+@pytest.mark.parametrize("layout", ["single", "ddp2", "fsdp2", "tp2"])
 def test_sigkill_then_resume_is_byte_identical(tmp_path, layout):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # Independent runs: side by side, one per core.
@@ -190,3 +192,64 @@ def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path, fsdp2_referenc
                           env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "model.layers.0.mlp.gate_proj.weight of shape [128, 64] but the model has [96, 64]" in proc.stderr
+
+
+# The resharding matrix: a checkpoint saved on each of these layouts resumes on each other one.
+MATRIX = ["single", "fsdp2", "tp2", "fsdp2tp2"]
+SHORT = ["train.max_steps=6", "checkpoint.every_steps=3"]
+
+
+@pytest.fixture(scope="module")
+def saved_on(tmp_path_factory):
+    """saved_on(layout): a 6-step run on that layout, checkpoints at 3 and 6, run once per module."""
+    done = {}
+
+    def get(layout: str):
+        if layout not in done:
+            run_dir = tmp_path_factory.mktemp(layout) / "run"
+            run(layout, run_dir, *SHORT)
+            done[layout] = run_dir
+        return done[layout]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", MATRIX)
+def test_checkpoint_resumes_on_every_other_layout(tmp_path, saved_on, source):
+    """Save on `source`, resume step 3 on each other layout: the same samples form steps 4-6 (exact counts),
+    the losses agree and the final weights are those of the uninterrupted run (fp32, 1e-6)."""
+    reference = saved_on(source)
+    expected = model_weights(reference / "checkpoints" / "step-00000006")
+    for target in (layout for layout in MATRIX if layout != source):
+        run_dir = tmp_path / target / "run"
+        shutil.copytree(reference, run_dir)
+        shutil.rmtree(run_dir / "checkpoints" / "step-00000006")
+        shutil.rmtree(run_dir / "model")
+        write_latest(run_dir / "checkpoints", "step-00000003")
+        proc = run(target, run_dir, *SHORT)
+        assert "resumed from" in proc.stdout and "step-00000003" in proc.stdout, target
+        for key in ("tokens_seen", "trained_tokens", "samples_seen", "lr"):
+            assert [r[key] for r in metrics(reference)[3:]] == [r[key] for r in metrics(run_dir)[3:]], (target, key)
+        for a, b in zip(metrics(reference)[3:], metrics(run_dir)[3:]):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), target
+        got = model_weights(run_dir / "checkpoints" / "step-00000006")
+        assert expected.keys() == got.keys(), target
+        for name in expected:
+            scale = expected[name].abs().max().clamp_min(1e-12)
+            assert ((got[name] - expected[name]).abs().max() / scale) <= 1e-6, (target, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2tp2"])
+def test_tensor_parallel_model_directory_loads_in_plain_transformers(saved_on, layout):
+    """The final model of a TP run is a Hugging Face directory: from_pretrained alone loads it, and its
+    weights and logits are the single-process run's (the same math on another layout)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(saved_on(layout) / "model", dtype=torch.float32)
+    single = AutoModelForCausalLM.from_pretrained(saved_on("single") / "model", dtype=torch.float32)
+    for (name, a), (_, b) in zip(model.state_dict().items(), single.state_dict().items(), strict=True):
+        assert ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) <= 1e-6, name
+    ids = torch.tensor([[1, 5, 7, 3, 9, 2]])
+    assert torch.allclose(model(ids).logits, single(ids).logits, rtol=1e-5, atol=1e-6)

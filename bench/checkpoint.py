@@ -218,8 +218,8 @@ def build(args, world_size: int, output_dir: Path, async_save: bool = False):
     from isotrain.config import build_config
     from isotrain.models.tokenizer import train_tokenizer
     from isotrain.parallel.dist import init_distributed
-    from isotrain.parallel.mesh import build_mesh
-    from isotrain.sizes import resolve_degrees
+    from isotrain.parallel.dims import resolve_dims
+    from isotrain.parallel.mesh import build_parallel
     from isotrain.train.setup import prepare_model
 
     cfg = build_config({
@@ -232,12 +232,12 @@ def build(args, world_size: int, output_dir: Path, async_save: bool = False):
         "eval": {"path": None},
     })
     info = init_distributed()
-    degrees = resolve_degrees(cfg.parallel, world_size)
+    degrees = resolve_dims(cfg.parallel, world_size)
     tokenizer = train_tokenizer(["abcdefghijklmnopqrstuvwxyz 0123456789"], "char", cfg.tokenizer.vocab_size)
-    model, optimizer = prepare_model(cfg, info, tokenizer, build_mesh(degrees, info.device), degrees)
+    model, optimizer = prepare_model(cfg, info, tokenizer, build_parallel(degrees, info.device, info.rank))
     # Real AdamW state: both moments and the step count, so the optimizer files have their real size.
     train_step(args, model, optimizer)
-    layout = {"world_size": world_size, **vars(degrees)}
+    layout = {"world_size": world_size, **dict(degrees.as_rows())}
     manager = CheckpointManager(cfg, info.rank, world_size, layout, model, optimizer, tokenizer, log=lambda *a: None)
     manager.extra_state = {"bench": True}
     return info, model, optimizer, manager

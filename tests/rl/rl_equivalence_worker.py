@@ -24,15 +24,16 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from isotrain.config import build_config
-from isotrain.parallel.apply import parallelize, unwrap
+from isotrain.parallel.apply import parallelize, unwrap, wrap_replicas
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
-from isotrain.parallel.mesh import build_mesh
+from isotrain.parallel.dims import ParallelDims
+from isotrain.parallel.mesh import build_parallel
 from isotrain.rl.algos import LOSS_AGG_MODES
 from isotrain.rl.experience import RolloutBatch, make_micro_batch, response_logprobs
 from isotrain.rl.objective import STAT_NAMES, RLObjective
 from isotrain.rl.update import advantages, mini_batch_samples, run_updates
 from isotrain.train.step import step_options
-from isotrain.sizes import ParallelDegrees, plan_rl_batches
+from isotrain.sizes import plan_rl_batches
 from isotrain.train.optim import build_optimizer
 
 VOCAB = 64
@@ -51,11 +52,11 @@ def tiny_model() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def make_config(loss_agg: str, mask_truncated: bool, micro_batch: int, dp_replicate: int, dp_shard: int):
+def make_config(loss_agg: str, mask_truncated: bool, micro_batch: int, dp_replicate: int, dp_shard: int, tp: int = 1):
     return build_config({
         "model": {"config": MODEL_CONFIG},
         "train": {"micro_batch_size": micro_batch, "seed": 0, "grad_clip": 1.0},
-        "parallel": {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": 1},
+        "parallel": {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp},
         "rl": {"algorithm": "grpo", "prompts_per_step": PROMPTS, "group_size": GROUP, "mini_batch_prompts": PROMPTS,
                "loss_agg": loss_agg, "mask_truncated": mask_truncated, "max_new_tokens": MAX_NEW_TOKENS,
                "clip_low": 0.1, "clip_high": 0.12, "kl_coef": 0.1, "kl_in_reward": False, "kl_estimator": "k3",
@@ -101,20 +102,21 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def run_mode(info, degrees, mesh, loss_agg: str, mask_truncated: bool, micro_batch: int) -> dict:
-    cfg = make_config(loss_agg, mask_truncated, micro_batch, degrees.dp_replicate, degrees.dp_shard)
+def run_mode(info, parallel, loss_agg: str, mask_truncated: bool, micro_batch: int) -> dict:
+    degrees = parallel.dims
+    cfg = make_config(loss_agg, mask_truncated, micro_batch, degrees.dp_replicate, degrees.dp_shard, degrees.tp)
     plan = plan_rl_batches(cfg, degrees)
     batch = make_rollout()
     per_token = per_token_arrays(batch, cfg)
-    model = parallelize(tiny_model(), mesh, degrees)
+    model = wrap_replicas(parallelize(tiny_model(), parallel), parallel)
     optimizer = build_optimizer(model, cfg.train)
     captured = {}
 
     def before_update():  # after every backward, before clipping and the optimizer step
         captured["grads"] = {n: full(p.grad) for n, p in unwrap(model).named_parameters()}
 
-    ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=info.rank, device=info.device, pad_id=0,
-                          options=step_options(cfg, degrees), before_update=before_update)
+    ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=parallel.dp_rank, device=info.device, pad_id=0,
+                          options=step_options(cfg, parallel, loss_parallel=False), before_update=before_update)
     totals = run_updates(model, optimizer, batch, per_token, ctx, step=0, lr_of=lambda k: LR)
     return {"loss": totals.loss_sum, "grads": captured["grads"], "stats": totals.stats.clone(),
             "grad_norm": totals.grad_norm_sum, "input_tokens": totals.input_tokens, "samples": totals.samples,
@@ -125,7 +127,7 @@ def naive_mode(loss_agg: str, micro_batch: int) -> dict:
     """The classic bug, in one process: each micro-batch divided by its own denominator, then the
     per-micro-batch means averaged. Same rollout, same objective, same micro-batches as run_updates."""
     cfg = make_config(loss_agg, False, micro_batch, 1, 1)
-    plan = plan_rl_batches(cfg, ParallelDegrees(1, 1, 1))
+    plan = plan_rl_batches(cfg, ParallelDims(1, 1, 1))
     batch = make_rollout()
     per_token = per_token_arrays(batch, cfg)
     model = tiny_model()
@@ -149,24 +151,23 @@ def run(out: str, dp_replicate: int, dp_shard: int, micro_batch: int) -> None:
     torch.save(run_layouts([(dp_replicate, dp_shard)], micro_batch)[(dp_replicate, dp_shard)], out)
 
 
-def run_layouts(layouts: list[tuple[int, int]], micro_batch: int) -> dict | None:
-    """Every (dp_replicate, dp_shard) layout in turn, each with its own mesh and models, in one launch
-    (the processes start once): results[(dp_replicate, dp_shard)][(loss_agg, mask_truncated)] on rank 0."""
+def run_layouts(layouts: list[tuple[int, ...]], micro_batch: int) -> dict | None:
+    """Every (dp_replicate, dp_shard[, tp]) layout in turn, each with its own mesh and models, in one launch
+    (the processes start once): results[layout][(loss_agg, mask_truncated)] on rank 0."""
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
     results = {}
-    for dp_replicate, dp_shard in layouts:
-        degrees = ParallelDegrees(dp_replicate, dp_shard, 1)
-        mesh = build_mesh(degrees, info.device)
-        results[(dp_replicate, dp_shard)] = {(mode, masked): run_mode(info, degrees, mesh, mode, masked, micro_batch)
-                                             for mode in LOSS_AGG_MODES for masked in (False, True)}
+    for layout in layouts:
+        parallel = build_parallel(ParallelDims(*layout, *(1,) * (3 - len(layout))), info.device, info.rank)
+        results[layout] = {(mode, masked): run_mode(info, parallel, mode, masked, micro_batch)
+                           for mode in LOSS_AGG_MODES for masked in (False, True)}
     if info.is_distributed:
         shutdown_distributed()
     return results if info.is_main else None
 
 
 if __name__ == "__main__":
-    # rl_equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH; LAYOUTS: DP_REPLICATExDP_SHARD[,...], e.g. 2x1,1x2
+    # rl_equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH; LAYOUTS: DP_REPLICATExDP_SHARD[xTP][,...], e.g. 2x1,1x1x2
     out, layouts, micro = sys.argv[1:]
     results = run_layouts([tuple(int(x) for x in layout.split("x")) for layout in layouts.split(",")], int(micro))
     if results is not None:

@@ -7,7 +7,7 @@ same loss, the same gradient of every parameter (DTensors compared in full), the
 norm and the same logged token statistics (totals.stats: tokens, pg_loss, clipped, kl, entropy,
 logprob_diff sums) in these layouts:
     1 process × 1 micro-batch of 16 (reference), 1 process × GA 4,
-    2 DDP ranks × GA 2, 2 FSDP2 ranks × GA 2 (real processes, torchrun, gloo).
+    2 DDP ranks × GA 2, 2 FSDP2 ranks × GA 2, TP 2 × GA 4 (real processes, torchrun, gloo).
 Counts (tokens, clipped tokens, input tokens, samples) must match exactly; losses, gradients and the
 other statistics within 1e-6 relative (gradients: max abs difference / max abs value per tensor), in
 fp32. What remains is fp32 rounding of differently padded micro-batches, the same for every layout
@@ -39,10 +39,10 @@ def _single(tmp_path, micro_batch: int) -> dict:
     return torch.load(out)
 
 
-def _multi(tmp_path, layouts: list[tuple[int, int]], micro_batch: int) -> dict:
-    """One torchrun launch of 2 processes runs every layout in turn: {(dp_replicate, dp_shard): results}."""
+def _multi(tmp_path, layouts: list[tuple[int, ...]], micro_batch: int) -> dict:
+    """One torchrun launch of 2 processes runs every layout in turn: {(dp_replicate, dp_shard[, tp]): results}."""
     out = tmp_path / f"multi-{micro_batch}.pt"
-    proc = torchrun(2, [WORKER, str(out), ",".join(f"{r}x{s}" for r, s in layouts), str(micro_batch)])
+    proc = torchrun(2, [WORKER, str(out), ",".join("x".join(map(str, layout)) for layout in layouts), str(micro_batch)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
@@ -113,14 +113,15 @@ def test_gradient_accumulation_matches_one_micro_batch(tmp_path, reference):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """DDP and FSDP2 share one launch: starting the processes costs far more than the optimizer steps."""
-    return _multi(tmp_path_factory.mktemp("multi"), [(2, 1), (1, 2)], micro_batch=4)
+    """DDP, FSDP2 and TP share one launch: starting the processes costs far more than the optimizer steps."""
+    return _multi(tmp_path_factory.mktemp("multi"), [(2, 1), (1, 2), (1, 1, 2)], micro_batch=4)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp_replicate,dp_shard", [(2, 1), (1, 2)], ids=["ddp2-ga2", "fsdp2-ga2"])
-def test_data_parallel_matches_single_process(two_ranks, reference, dp_replicate, dp_shard):
-    assert_equivalent(two_ranks[(dp_replicate, dp_shard)], reference, grad_accum_steps=2)
+@pytest.mark.parametrize("layout,grad_accum_steps", [((2, 1), 2), ((1, 2), 2), ((1, 1, 2), 4)],
+                         ids=["ddp2-ga2", "fsdp2-ga2", "tp2-ga4"])
+def test_parallel_layout_matches_single_process(two_ranks, reference, layout, grad_accum_steps):
+    assert_equivalent(two_ranks[layout], reference, grad_accum_steps=grad_accum_steps)
 
 
 @pytest.mark.parametrize("mode", MODES)

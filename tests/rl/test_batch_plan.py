@@ -13,7 +13,8 @@ import pytest
 
 from isotrain.config import ParallelConfig, build_config, dump_config, _yaml_load
 from isotrain.errors import ConfigError
-from isotrain.sizes import RLBatchPlan, pin_rl_global_batch, plan_rl_batches, resolve_degrees
+from isotrain.parallel.dims import resolve_dims
+from isotrain.sizes import RLBatchPlan, pin_rl_global_batch, plan_rl_batches
 
 
 def make_config(rl: dict, train: dict | None = None, parallel: dict | None = None):
@@ -26,7 +27,7 @@ def make_config(rl: dict, train: dict | None = None, parallel: dict | None = Non
 
 def plan(rl: dict, train: dict | None = None, world_size: int = 1, parallel: dict | None = None) -> RLBatchPlan:
     cfg = make_config(rl, train, parallel)
-    return plan_rl_batches(cfg, resolve_degrees(cfg.parallel, world_size))
+    return plan_rl_batches(cfg, resolve_dims(cfg.parallel, world_size))
 
 
 # P, n, M (None: unset), ppo_epochs, micro, world size, extra rl/train/parallel settings, then the expected
@@ -90,7 +91,7 @@ def test_the_doc_example_row_by_row():
 
 def test_parallel_config_given_directly():
     cfg = make_config({"prompts_per_step": 16, "group_size": 4, "mini_batch_prompts": 8}, {"micro_batch_size": 2})
-    degrees = resolve_degrees(ParallelConfig(dp_replicate=2, dp_shard=2), 4)
+    degrees = resolve_dims(ParallelConfig(dp_replicate=2, dp_shard=2), 4)
     got = plan_rl_batches(cfg, degrees)
     assert (got.dp_size, got.grad_accum_steps, got.prompts_per_rank_per_rollout) == (4, 4, 4)
 
@@ -99,7 +100,7 @@ def test_default_global_batch_size_is_ignored_by_rl():
     # train.global_batch_size defaults to 8 for SFT; left unset, it never conflicts with M × n.
     cfg = make_config({"prompts_per_step": 16, "group_size": 8})
     assert cfg.train.global_batch_size == 8 and "global_batch_size" not in cfg.train.model_fields_set
-    assert plan_rl_batches(cfg, resolve_degrees(cfg.parallel, 1)).samples_per_optimizer_step == 128
+    assert plan_rl_batches(cfg, resolve_dims(cfg.parallel, 1)).samples_per_optimizer_step == 128
 
 
 # rl settings, train settings, world size, the full sentence the user sees.
@@ -172,9 +173,9 @@ def test_resolved_config_round_trips():
     # A run pins the derived global batch, then writes dump_config(cfg) to <output_dir>/config.yaml;
     # reading it back must plan the same batches (the SFT default 8 would be refused as set by hand).
     cfg = make_config({"prompts_per_step": 16, "group_size": 4})
-    pin_rl_global_batch(cfg, plan_rl_batches(cfg, resolve_degrees(cfg.parallel, 1)))
+    pin_rl_global_batch(cfg, plan_rl_batches(cfg, resolve_dims(cfg.parallel, 1)))
     again = build_config(_yaml_load(dump_config(cfg)))
-    degrees = resolve_degrees(cfg.parallel, 1)
+    degrees = resolve_dims(cfg.parallel, 1)
     assert plan_rl_batches(again, degrees) == plan_rl_batches(cfg, degrees)
 
 

@@ -38,14 +38,13 @@ from isotrain.checkpoint.state import (
     balance,
     collect_items,
     component_items,
-    hf_model,
-    is_lora,
     model_tensors,
     rng_state,
     set_rng_state,
 )
 from isotrain.config import Config, dump_config
 from isotrain.errors import ConfigError
+from isotrain.models.unwrap import hf_model, is_lora
 
 MODEL_DIR = "model"
 

@@ -20,6 +20,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from isotrain.models.unwrap import is_lora, unwrap
+from isotrain.models.weights import sync_named_tensors
+
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -55,10 +58,6 @@ class Item:
     @property
     def num_bytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)
 
 
 def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
@@ -100,22 +99,10 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def is_lora(model: nn.Module) -> bool:
-    return hasattr(unwrap(model), "peft_config")
-
-
-def hf_model(model: nn.Module) -> nn.Module:
-    """The Hugging Face model itself, inside DDP and a peft wrapper."""
-    base = unwrap(model)
-    return base.get_base_model() if is_lora(base) else base
-
-
 def _lora_items(model: nn.Module, params: dict[str, torch.Tensor], save_dtype: torch.dtype) -> list[Item]:
     """A LoRA model's files hold the merged weights W + scale·B@A under Hugging Face names, so the
     directory loads in transformers as the trained policy (invariant 6); the adapters themselves,
     which resume needs, go to train_state as `adapter.<peft name>` beside their optimizer state."""
-    from isotrain.rl.weights import sync_named_tensors
-
     items = [Item(name, "model", tuple(t.shape), save_dtype if t.is_floating_point() else t.dtype, t, None)
              for name, t in sync_named_tensors(model)]
     items += [Item(f"adapter.{name}", "optimizer", tuple(t.shape), t.dtype, local_part(t).detach(), shard_spec(t))

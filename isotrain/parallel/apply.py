@@ -78,7 +78,3 @@ def parallelize(
     if degrees.dp_shard > 1:
         return apply_fsdp(model, mesh, degrees, compute_dtype)
     return apply_ddp(model, mesh)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model

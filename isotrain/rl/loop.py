@@ -39,7 +39,7 @@ from isotrain.rl.prompts import PromptSet, PromptStream, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
 from isotrain.rl.update import UpdateTotals, advantages, run_updates
 from isotrain.train.step import step_options
-from isotrain.rl.weights import sync_named_tensors
+from isotrain.models.weights import sync_named_tensors
 from isotrain.sizes import pin_rl_global_batch, plan_rl_batches, resolve_degrees
 from isotrain.train.metrics import MetricsWriter, ProgressBar
 from isotrain.train.optim import build_optimizer

@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from isotrain.config import build_config
-from isotrain.parallel.apply import parallelize, unwrap
+from isotrain.models.unwrap import unwrap
+from isotrain.parallel.apply import parallelize
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_mesh
 from isotrain.rl.algos import LOSS_AGG_MODES

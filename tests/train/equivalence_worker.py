@@ -18,7 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from isotrain.data.collate import collate
 from isotrain.data.packing import Sample
 from isotrain.data.sampler import GlobalBatchSampler
-from isotrain.parallel.apply import parallelize, unwrap
+from isotrain.models.unwrap import unwrap
+from isotrain.parallel.apply import parallelize
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_mesh
 from isotrain.sizes import ParallelDegrees

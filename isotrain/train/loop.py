@@ -37,6 +37,8 @@ from isotrain.train.step import StepOptions, step_options, train_step
 
 @dataclass
 class Counters:
+    """What a finished SFT run reports: its step and the exact sums over all ranks."""
+
     step: int = 0
     tokens_seen: int = 0
     trained_tokens: int = 0

@@ -214,7 +214,7 @@ def llama(args) -> dict:
 
 def build(args, world_size: int, output_dir: Path, async_save: bool = False):
     """isotrain's own model, optimizer (after one real AdamW step) and checkpoint manager for this rank."""
-    from isotrain.checkpoint.manager import CheckpointManager
+    from isotrain.checkpoint.manager import CheckpointContract, CheckpointManager
     from isotrain.config import build_config
     from isotrain.models.tokenizer import train_tokenizer
     from isotrain.parallel.dist import init_distributed
@@ -238,8 +238,8 @@ def build(args, world_size: int, output_dir: Path, async_save: bool = False):
     # Real AdamW state: both moments and the step count, so the optimizer files have their real size.
     train_step(args, model, optimizer)
     layout = {"world_size": world_size, **dict(degrees.as_rows())}
-    manager = CheckpointManager(cfg, info.rank, world_size, layout, model, optimizer, tokenizer, log=lambda *a: None)
-    manager.extra_state = {"bench": True}
+    manager = CheckpointManager(cfg, info.rank, world_size, layout, model, optimizer, tokenizer,
+                                CheckpointContract(extra_state={"bench": True}), log=lambda *a: None)
     return info, model, optimizer, manager
 
 

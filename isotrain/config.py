@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from isotrain.errors import ConfigError
+from isotrain.presets import PRESETS
 
 
 class _Loader(yaml.SafeLoader):
@@ -276,8 +277,6 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _apply_preset(self) -> RLConfig:
-        from isotrain.rl.presets import PRESETS
-
         for name, value in PRESETS[self.algorithm].items():
             if name in type(self).model_fields and getattr(self, name) is None:
                 object.__setattr__(self, name, value(self) if callable(value) else value)
@@ -285,8 +284,6 @@ class RLConfig(Section):
 
     @property
     def advantage(self) -> str:
-        from isotrain.rl.presets import PRESETS
-
         return PRESETS[self.algorithm]["advantage"]
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from isotrain.config import Config
 from isotrain.errors import ConfigError
 from isotrain.parallel.dims import ParallelDims
+from isotrain.presets import GROUP_BASELINES
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,6 @@ def _check_rl_global_batch(cfg: Config, samples_per_update: int) -> None:
 
 def plan_rl_batches(cfg: Config, degrees: ParallelDims) -> RLBatchPlan:
     """Every RL size, or a ConfigError naming the fields and valid values (invariant 7)."""
-    from isotrain.rl.presets import GROUP_BASELINES
-
     rl, dp, micro = cfg.rl, degrees.dp_size, cfg.train.micro_batch_size
     prompts, group = rl.prompts_per_step, rl.group_size
     mini = rl.mini_batch_prompts if rl.mini_batch_prompts is not None else prompts

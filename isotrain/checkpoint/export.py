@@ -20,7 +20,7 @@ import torch
 
 from isotrain.checkpoint.files import (
     FileEntry,
-    fsync_dir,
+    commit,
     safetensors_header,
     tensor_view,
     write_chunks,
@@ -110,11 +110,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_ke
         entries = _write(source, tmp, shards, shapes, read, target_name)
         info = {"kind": "model", "step": manifest.get("step"), "exported_from": str(source.resolve())}
         write_manifest(tmp, entries, info)
-        fsync_dir(tmp)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        tmp.rename(out)
-        fsync_dir(out.parent)
+        commit(tmp, out)  # an existing `out` is empty (checked above): the rename replaces it
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

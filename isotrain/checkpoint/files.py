@@ -1,7 +1,9 @@
 """Durable file writing: bytes are hashed as they are written, fsynced, and replaced atomically.
 
 Every checkpoint file goes through `write_chunks`, so its sha256 costs no second read of the data
-and no file is ever reported written before it is on disk (invariant 5).
+and no file is ever reported written before it is on disk (invariant 5). Everything that must appear
+whole or not at all (a checkpoint, an exported model, a data-cache entry, `latest`, config.yaml) is
+written under a temporary name and given its real one by `commit`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import ctypes
 import hashlib
 import json
 import os
+import shutil
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -115,13 +118,34 @@ def write_json(path: Path, value) -> FileEntry:
     return write_text(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
+def commit(tmp: Path, final: Path, aside: str | None = None) -> None:
+    """Give `tmp`, written in full (a file or a directory, every file in it fsynced), the name `final`.
+
+    A reader sees the old `final` or the new one, never a part: fsync `tmp`'s list of names (a
+    directory), rename (atomic), then fsync the parent so that the new name itself is on disk.
+    A file replaces an existing `final` in that one rename; a directory can replace only an empty
+    one, so with `aside` an existing `final` directory is first renamed to `<final>.<aside>` and
+    deleted after the commit (in between no `final` exists); without it, renaming onto a non-empty
+    directory raises OSError and leaves both as they were.
+    """
+    if tmp.is_dir():
+        fsync_dir(tmp)
+    old = None
+    if aside is not None and final.is_dir():
+        old = final.with_name(f"{final.name}.{aside}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` so that a reader sees the old or the new content, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
     write_text(tmp, text)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    commit(tmp, path)
 
 
 def sha256_file(path: Path) -> str:

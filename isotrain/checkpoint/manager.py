@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,16 +38,28 @@ from isotrain.checkpoint.state import (
     balance,
     collect_items,
     component_items,
-    hf_model,
-    is_lora,
     model_tensors,
     rng_state,
     set_rng_state,
 )
 from isotrain.config import Config, dump_config
 from isotrain.errors import ConfigError
+from isotrain.models.unwrap import hf_model, is_lora
 
 MODEL_DIR = "model"
+SFT_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen")
+
+
+@dataclass(frozen=True)
+class CheckpointContract:
+    """What a recipe's checkpoints hold beside the model and its optimizer, and what a resume must match."""
+
+    # Written into state.json, checked on resume: sampler (batch size, seed, data size), schedule, fingerprints.
+    extra_state: dict = field(default_factory=dict)
+    counter_keys: tuple[str, ...] = SFT_COUNTERS  # saved with the step; a checkpoint without them is refused
+    batch_field: str = "train.global_batch_size"  # the setting behind the sampler's batch size, named in errors
+    # Other trained models of the run as (prefix, model, optimizer), e.g. PPO's critic.
+    components: tuple[tuple[str, torch.nn.Module, torch.optim.Optimizer], ...] = ()
 
 
 @dataclass
@@ -127,19 +139,15 @@ def allocate_staging(items: list[Item], rank: int, buffers: dict[str, torch.Tens
 
 class CheckpointManager:
     def __init__(self, cfg: Config, rank: int, world_size: int, layout: dict, model, optimizer, tokenizer,
-                 log=print):
+                 contract: CheckpointContract, log=print):
         self.cfg, self.rank, self.world_size, self.layout = cfg, rank, world_size, layout
-        self.model, self.optimizer, self.log = model, optimizer, log
+        self.model, self.optimizer, self.contract, self.log = model, optimizer, contract, log
         self.root = checkpoints_root(cfg.output_dir)
         self.save_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         # Saves talk over their own group so a background save never interleaves with training collectives.
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
         self.run_id = _broadcast(uuid.uuid4().hex[:12], rank, self.group)
         self.static = static_files(model, tokenizer, self.save_dtype) if rank == 0 else {}
-        self.extra_state: dict = {}  # set by the loop: sampler, scheduler, fingerprints
-        self.counter_keys: tuple[str, ...] = ("tokens_seen", "trained_tokens", "samples_seen")
-        self.components: list[tuple[str, object, object]] = []  # (prefix, model, optimizer), e.g. PPO's critic
-        self.batch_field = "train.global_batch_size"  # the setting behind the sampler's batch size
         self.last_saved_step: int | None = None
         self.blocked_s = 0.0  # time the loop spent waiting on saves
         self._thread: threading.Thread | None = None
@@ -207,7 +215,7 @@ class CheckpointManager:
             state = reader.state()
             weights_only = self.cfg.checkpoint.load_only == "model"
             if not weights_only:
-                missing = [key for key in self.counter_keys if key not in state]
+                missing = [key for key in self.contract.counter_keys if key not in state]
                 if missing:  # e.g. an SFT checkpoint given to an RL run
                     raise CheckpointError(f"checkpoint {choice} was saved by another kind of run (no {missing[0]} "
                                           "counter); set checkpoint.load_only=model to start from its weights only")
@@ -224,7 +232,7 @@ class CheckpointManager:
                 self.log(f"started from the weights of {choice} (step {state['step']}); optimizer and counters are new")
                 return Resumed(Path(choice), 0, {}, True)
             load_optimizer(reader, self.model, self.optimizer, self.rank)
-            for prefix, model, optimizer in self.components:
+            for prefix, model, optimizer in self.contract.components:
                 load_component(reader, prefix, model, optimizer, self.rank)
         finally:
             reader.close()
@@ -239,19 +247,20 @@ class CheckpointManager:
         self.last_saved_step = state["step"]
         self.log(f"resumed from {choice} at step {state['step']} (saved on {state['layout']['world_size']} "
                  f"rank(s), now {self.world_size})")
-        counters = {key: state[key] for key in self.counter_keys}
+        counters = {key: state[key] for key in self.contract.counter_keys}
         return Resumed(Path(choice), state["step"], counters, False)
 
     def _check_compatible(self, directory: Path, state: dict) -> None:
         allowed = set(self.cfg.checkpoint.allow_changes)
-        saved_sampler, sampler = state["sampler"], self.extra_state["sampler"]
+        extra = self.contract.extra_state
+        saved_sampler, sampler = state["sampler"], extra["sampler"]
         checks = [
             ("global_batch_size", saved_sampler["global_batch_size"], sampler["global_batch_size"],
-             self.batch_field),
+             self.contract.batch_field),
             ("seed", saved_sampler["seed"], sampler["seed"], "train.seed"),
             ("data", (saved_sampler["num_samples"], state["data_fingerprint"]),
-             (sampler["num_samples"], self.extra_state["data_fingerprint"]), "data (data.path or its settings)"),
-            ("tokenizer", state["tokenizer_sha256"], self.extra_state["tokenizer_sha256"], "the tokenizer"),
+             (sampler["num_samples"], extra["data_fingerprint"]), "data (data.path or its settings)"),
+            ("tokenizer", state["tokenizer_sha256"], extra["tokenizer_sha256"], "the tokenizer"),
         ]
         for name, saved, current, what in checks:
             if saved != current and name not in allowed:
@@ -276,7 +285,7 @@ class CheckpointManager:
         if kind == "model":
             items = [item for item in items if item.kind == "model"]
         else:
-            for prefix, model, optimizer in self.components:
+            for prefix, model, optimizer in self.contract.components:
                 items += component_items(prefix, model, optimizer)
         assign_owners(items, self.world_size)
         return items
@@ -304,15 +313,30 @@ class CheckpointManager:
             "model_dtype": self.cfg.model.dtype,
             "tensors": {name: list(t.shape) for name, t in tensors.items()},
             "optimizer": {"type": type(self.optimizer).__name__, "param_groups": groups},
-            **self.extra_state,
+            **self.contract.extra_state,
         }
         return (json.dumps(state, indent=2, default=str) + "\n").encode()
 
+    def save_due(self, step: int, stopping: bool = False) -> bool:
+        """Whether the state after `step` steps is saved: every checkpoint.every_steps steps, after the last
+        step, and when the run stops early; never with checkpoint.every_steps=0."""
+        every = self.cfg.checkpoint.every_steps
+        return every > 0 and (stopping or step % every == 0 or step == self.cfg.train.max_steps)
+
+    def maybe_save(self, step: int, counters: dict, stopping: bool = False) -> bool:
+        """Save a checkpoint after `step` steps if one is due (`save_due`); returns whether it did."""
+        if not self.save_due(step, stopping):
+            return False
+        self.save(step, counters)
+        return True
+
     def save(self, step: int, counters: dict) -> None:
-        """Save a checkpoint of the state after `step` optimizer steps (in the background when async)."""
+        """Save a checkpoint of the state after `step` optimizer steps (in the background when async).
+
+        `counters` may hold more than the contract's counter keys; only those are saved."""
         self.wait()
         start = time.perf_counter()
-        request = self._request(step, counters, "checkpoint")
+        request = self._request(step, {key: counters[key] for key in self.contract.counter_keys}, "checkpoint")
         if self.cfg.checkpoint.async_save:
             request.transfer_budget, request.piece_bytes = 0, 4 << 20
             self._staged.clear()

@@ -24,7 +24,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from isotrain.checkpoint.files import CHUNK_BYTES, FileEntry, fsync_dir, safetensors_header, tensor_view, write_chunks
+from isotrain.checkpoint.files import (
+    CHUNK_BYTES,
+    FileEntry,
+    commit,
+    fsync_dir,
+    safetensors_header,
+    tensor_view,
+    write_chunks,
+)
 from isotrain.checkpoint.layout import LATEST, step_dir_name, write_latest
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_manifest
 from isotrain.checkpoint.state import Item, box_index, is_empty
@@ -294,17 +302,15 @@ def _commit(root: Path, tmp: Path, final: Path, gathered: list[dict], info: dict
     try:
         entries = {name: entry for part in gathered for name, entry in part.items()}
         write_manifest(tmp, entries, info)
-        for directory in sorted({(tmp / name).parent for name in entries} | {tmp}, reverse=True):
-            fsync_dir(directory)
-        if final.exists():  # a stale copy of this step (e.g. after resuming from an older one)
-            stale = final.with_name(f"{final.name}.old-{run_id}")
-            os.replace(final, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.replace(tmp, final)
+        for directory in sorted({(tmp / name).parent for name in entries} - {tmp}, reverse=True):
+            fsync_dir(directory)  # subdirectories (train_state/); `commit` syncs tmp itself
+        # A stale copy of this step (e.g. after resuming from an older one) is set aside as `.old-`.
+        commit(tmp, final, aside=f"old-{run_id}")
     except OSError as err:
+        if final.is_dir() and not tmp.exists():  # renamed: committed, only the parent's fsync failed
+            return f"{root} could not be synced ({err.strerror or err})", True
         return f"could not commit {final} ({err.strerror or err})", False
     try:
-        fsync_dir(root)
         if latest:
             write_latest(root, final.name)
     except OSError as err:

@@ -22,6 +22,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from isotrain.models.unwrap import is_lora, unwrap
+from isotrain.models.weights import sync_named_tensors
+
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 _SHARDS = (Shard, _StridedShard)  # FSDP2 over TP marks the dim it shards again as _StridedShard, not a Shard
 
@@ -91,10 +94,6 @@ class Item:
     def saved_by(self, rank: int) -> bool:
         """Whether `rank` takes part in saving this item: it writes it, or sends its box to the owner."""
         return rank == self.owner or (self.shard is not None and self.shard.sends(rank, self.owner))
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)
 
 
 def shard_spec(tensor: torch.Tensor) -> ShardSpec | None:
@@ -188,22 +187,10 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def is_lora(model: nn.Module) -> bool:
-    return hasattr(unwrap(model), "peft_config")
-
-
-def hf_model(model: nn.Module) -> nn.Module:
-    """The Hugging Face model itself, inside DDP and a peft wrapper."""
-    base = unwrap(model)
-    return base.get_base_model() if is_lora(base) else base
-
-
 def _lora_items(model: nn.Module, params: dict[str, torch.Tensor], save_dtype: torch.dtype) -> list[Item]:
     """A LoRA model's files hold the merged weights W + scale·B@A under Hugging Face names, so the
     directory loads in transformers as the trained policy (invariant 6); the adapters themselves,
     which resume needs, go to train_state as `adapter.<peft name>` beside their optimizer state."""
-    from isotrain.rl.weights import sync_named_tensors
-
     items = [Item(name, "model", tuple(t.shape), save_dtype if t.is_floating_point() else t.dtype, t, None)
              for name, t in sync_named_tensors(model)]
     items += [Item(f"adapter.{name}", "optimizer", tuple(t.shape), t.dtype, local_part(t).detach(), shard_spec(t))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from isotrain.checkpoint.files import commit
 from isotrain.data.packing import Sample
 
 # Bump when the arrays, their meaning (e.g. label shifting) or tokenization rules change.
@@ -178,7 +179,7 @@ def save_entry(entry: Path, samples: list[Sample], stats: dict) -> None:
         }
         _write_file(tmp / "manifest.json", lambda h: h.write(json.dumps(manifest, indent=1).encode()))
         try:
-            os.rename(tmp, entry)
+            commit(tmp, entry)
         except OSError:
             # Another process renamed its (identical) entry into place first; keep that one.
             if not entry.exists():

@@ -133,6 +133,3 @@ def sync_replica_grads(model: nn.Module, parallel: ParallelState) -> None:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model

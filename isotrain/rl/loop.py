@@ -1,12 +1,13 @@
 """The RL post-training loop, top to bottom.
 
 set up (every size checked first) -> build the policy, its engine copy and the frozen reference ->
-resume -> for each RL step: generate and score a rollout (generate.py) -> trainer log-probs ->
-advantages and optimizer steps (update.py) -> sync the new weights to the engine -> metrics and
-checkpoints -> final model and held-out evaluation.
+resume -> run_loop with `rl_step` (generate and score a rollout (generate.py) -> trainer log-probs ->
+advantages and optimizer steps (update.py) -> sync the new weights to the engine -> metrics row) ->
+final model and held-out evaluation.
 
 It shares with SFT the config tree, tokenizer and model set-up, the globally normalised gradient
-step, the optimizer step, metrics, graceful stop and the checkpoint manager.
+step, the optimizer step, the run loop (metrics, progress, evaluation, graceful stop, when to save)
+and the checkpoint manager.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from rich.console import Console
 
 from isotrain.checkpoint.files import atomic_write_text
-from isotrain.checkpoint.manager import MODEL_DIR, CheckpointManager
+from isotrain.checkpoint.manager import MODEL_DIR, CheckpointContract, CheckpointManager
 from isotrain.config import Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.errors import ConfigError
@@ -40,13 +41,13 @@ from isotrain.rl.prompts import PromptSet, PromptStream, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
 from isotrain.rl.update import UpdateTotals, advantages, run_updates
 from isotrain.train.step import step_options
-from isotrain.rl.weights import sync_named_tensors
+from isotrain.models.weights import sync_named_tensors
 from isotrain.sizes import pin_rl_global_batch, plan_rl_batches
-from isotrain.train.metrics import MetricsWriter, ProgressBar
+from isotrain.train.metrics import MetricsWriter
 from isotrain.train.optim import build_optimizer
-from isotrain.train.schedule import lr_at
+from isotrain.train.run_loop import RunState, run_loop
+from isotrain.train.schedule import lr_at, schedule_settings
 from isotrain.train.setup import compute_dtype, prepare_tokenizer, start_run
-from isotrain.train.stop import GracefulStop
 
 RL_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen", "prompt_rounds", "optimizer_steps")
 
@@ -171,19 +172,17 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
         + (f" ({prompts.num_skipped} malformed rows skipped)" if prompts.num_skipped else "")
         + ("; frozen reference for the KL" if reference is not None else "")
         + (f"; critic: {count_parameters(critic):,} parameters" if critic is not None else ""))
-    checkpoints = _checkpoint_manager(cfg, info, degrees, model, optimizer, tokenizer, stream, log)
-    engine_config = model_config(cfg.model, tokenizer)
-    if critic is not None:
-        checkpoints.components = [("critic", critic, critic_optimizer)]
+    components = (("critic", critic, critic_optimizer),) if critic is not None else ()
+    checkpoints = _checkpoint_manager(cfg, info, degrees, model, optimizer, tokenizer, stream, components, log)
     checkpoints.clean_leftovers()
     resumed = checkpoints.resume()
-    _check_reference(cfg, resumed, checkpoints.extra_state["start_model_sha256"])
-    counters = {"step": 0, **{k: 0 for k in RL_COUNTERS}}
+    _check_reference(cfg, resumed, checkpoints.contract.extra_state["start_model_sha256"])
+    state = RunState(0, {k: 0 for k in RL_COUNTERS})
     if resumed is not None and not resumed.weights_only:
-        counters = {"step": resumed.step, **resumed.counters}
+        state = RunState(resumed.step, dict(resumed.counters))
     if info.is_main:
         atomic_write_text(output_dir / "config.yaml", dump_config(cfg))
-    engine = make_engine(cfg, engine_config, tokenizer, output_dir)
+    engine = make_engine(cfg, model_config(cfg.model, tokenizer), tokenizer, output_dir)
     try:
         engine.update_weights(sync_named_tensors(model))  # resumed weights (a fresh run sends the same ones)
         before = _evaluate(cfg, info, engine, tokenizer, held_out, reward_fn, log, "before RL")
@@ -192,14 +191,16 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
                               before_update=checkpoints.before_update, reward_fn=reward_fn, tokenizer=tokenizer,
                               prompts=prompts, stream=stream, reference=reference, engine=engine, info=info,
                               held_out=held_out, log=log, critic=critic, critic_optimizer=critic_optimizer)
-        writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=counters["step"])
+        writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=state.step)
         try:
-            stopped_by = run_rl_steps(ctx, model, optimizer, checkpoints, writer, console, counters)
-            checkpoints.wait()
+            run_loop(cfg, info, state, functools.partial(rl_step, ctx, model, optimizer), checkpoints, writer,
+                     console, functools.partial(_evaluate_at, ctx), cfg.rl.eval_every,
+                     after_first_step=lambda: check_replicated(model, parallel.tp_group))
         finally:
             writer.close()
-        if stopped_by is not None:
-            log(f"{stopped_by} received: stopped after step {counters['step']}; run again to resume")
+        counters = {"step": state.step, **state.counters}
+        if state.stopped_by is not None:
+            log(f"{state.stopped_by} received: stopped after step {state.step}; run again to resume")
             return RLResult(output_dir, None, counters, before, stopped=True)
         model_dir = checkpoints.save_model(output_dir / MODEL_DIR)
         after = _evaluate(cfg, info, engine, tokenizer, held_out, reward_fn, log, "after RL")
@@ -211,20 +212,22 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
 
 
 def _checkpoint_manager(cfg: Config, info: DistInfo, degrees, model, optimizer, tokenizer, stream: PromptStream,
-                        log) -> CheckpointManager:
-    """The SFT checkpoint manager, told what an RL run counts and what a resume must match."""
+                        components: tuple, log) -> CheckpointManager:
+    """The checkpoint manager, told what an RL run counts, what else it trains and what a resume must match."""
+    contract = CheckpointContract(
+        extra_state={
+            "sampler": stream.state_dict(),
+            "schedule": schedule_settings(cfg.train),
+            "data_fingerprint": _file_sha256(cfg.data.path),
+            "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+            "start_model_sha256": _start_fingerprint(cfg),
+        },
+        counter_keys=RL_COUNTERS,
+        batch_field="rl.prompts_per_step",
+        components=components,
+    )
     layout = {"world_size": info.world_size, **dict(degrees.as_rows())}
-    checkpoints = CheckpointManager(cfg, info.rank, info.world_size, layout, model, optimizer, tokenizer, log)
-    checkpoints.counter_keys = RL_COUNTERS
-    checkpoints.batch_field = "rl.prompts_per_step"
-    checkpoints.extra_state = {
-        "sampler": stream.state_dict(),
-        "schedule": {k: getattr(cfg.train, k) for k in ("lr", "schedule", "warmup_steps", "max_steps", "min_lr_ratio")},
-        "data_fingerprint": _file_sha256(cfg.data.path),
-        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
-        "start_model_sha256": _start_fingerprint(cfg),
-    }
-    return checkpoints
+    return CheckpointManager(cfg, info.rank, info.world_size, layout, model, optimizer, tokenizer, contract, log)
 
 
 def _check_reference(cfg: Config, resumed, fingerprint: str) -> None:
@@ -271,9 +274,9 @@ def _trainer_logprobs(ctx, model, batch) -> tuple[list | None, list | None, list
     return old, ref, values, time.perf_counter() - start
 
 
-def rl_step(ctx, model, optimizer, counters: dict) -> dict:
-    """One RL step: rollout, log-probs, advantages, updates, weight sync; returns its metrics row."""
-    cfg, rl, plan = ctx.cfg, ctx.cfg.rl, ctx.plan
+def rl_step(ctx, model, optimizer, state: RunState) -> dict:
+    """RL step `state.step`: rollout, log-probs, advantages, updates, weight sync; returns its metrics row."""
+    cfg, rl, plan, counters = ctx.cfg, ctx.cfg.rl, ctx.plan, state.counters
     start = time.perf_counter()
     batch, rounds = collect(ctx.engine, ctx.tokenizer, ctx.prompts, ctx.stream, counters["prompt_rounds"], rl,
                             ctx.reward_fn, cfg.train.seed, ctx.rank, plan.dp_size, ctx.options.dp_group)
@@ -290,17 +293,19 @@ def rl_step(ctx, model, optimizer, counters: dict) -> dict:
                      max_steps=total_updates, min_lr_ratio=cfg.train.min_lr_ratio)
 
     update_start = time.perf_counter()
-    totals = run_updates(model, optimizer, batch, per_token, ctx, counters["step"], lr_of)
+    totals = run_updates(model, optimizer, batch, per_token, ctx, state.step, lr_of)
     update_s = time.perf_counter() - update_start
     sync_start = time.perf_counter()
     ctx.engine.update_weights(sync_named_tensors(model))
     sync_s = time.perf_counter() - sync_start
-    counters["step"] += 1
     counters["prompt_rounds"] += rounds.rounds
     counters["optimizer_steps"] += totals.num_updates
     counters["tokens_seen"] += totals.input_tokens
     counters["trained_tokens"] += int(totals.stats[0])
     counters["samples_seen"] += totals.samples
+    if rounds.reward_errors and ctx.info.is_main:
+        ctx.log(f"[yellow]step {state.step + 1}: the reward function failed on {rounds.reward_errors} "
+                f"sample(s), scored 0[/]")
     return _metrics_row(counters, batch, rounds, totals, ctx.critic is not None, time.perf_counter() - start,
                         {"generate_s": generate_s, "logprob_s": logprob_s, "update_s": update_s, "sync_s": sync_s})
 
@@ -309,7 +314,6 @@ def _metrics_row(counters: dict, batch, rounds, totals: UpdateTotals, with_criti
                  timings: dict) -> dict:
     rewards = torch.tensor(batch.rewards, dtype=torch.float64)
     return {
-        "step": counters["step"],
         "loss": totals.loss_sum / totals.num_updates,
         "lr": totals.lr,
         "grad_norm": totals.grad_norm_sum / totals.num_updates,
@@ -338,29 +342,7 @@ def _metrics_row(counters: dict, batch, rounds, totals: UpdateTotals, with_criti
     }
 
 
-def run_rl_steps(ctx, model, optimizer, checkpoints, writer, console, counters: dict) -> str | None:
-    cfg, info = ctx.cfg, ctx.info
-    enabled = info.is_main and cfg.logging.progress
-    with GracefulStop() as stop, ProgressBar(cfg.train.max_steps, enabled, console, counters["step"]) as bar:
-        first_step = counters["step"]
-        for _ in range(counters["step"], cfg.train.max_steps):
-            row = rl_step(ctx, model, optimizer, counters)
-            if row["step"] == first_step + 1:  # a missing TP gradient reduction shows as replicas that drifted
-                check_replicated(model, ctx.parallel.tp_group)
-            if cfg.rl.eval_every and row["step"] % cfg.rl.eval_every == 0 and row["step"] < cfg.train.max_steps:
-                row["eval_reward"] = _evaluate(cfg, info, ctx.engine, ctx.tokenizer, ctx.held_out, ctx.reward_fn,
-                                               ctx.log, f"step {row['step']}")
-            if row["reward_errors"] and info.is_main:
-                ctx.log(f"[yellow]step {row['step']}: the reward function failed on {row['reward_errors']} "
-                        f"sample(s), scored 0[/]")
-            if row["step"] % cfg.train.log_every == 0 or row["step"] == cfg.train.max_steps:
-                writer.write(row)
-            bar.update(row["step"], row["loss"], row["tokens_per_s"])
-            stopping = stop.requested(info.device)
-            every = cfg.checkpoint.every_steps
-            if (every > 0 and (row["step"] % every == 0 or row["step"] == cfg.train.max_steps)) or \
-                    (stopping and every > 0):
-                checkpoints.save(row["step"], {k: counters[k] for k in RL_COUNTERS})
-            if stopping:
-                return stop.signal_name or "a signal on another rank"
-    return None
+def _evaluate_at(ctx, step: int) -> dict:
+    """rl.eval_every: the held-out score after `step` RL steps, as the metrics field eval_reward."""
+    return {"eval_reward": _evaluate(ctx.cfg, ctx.info, ctx.engine, ctx.tokenizer, ctx.held_out, ctx.reward_fn,
+                                     ctx.log, f"step {step}")}

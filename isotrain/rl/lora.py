@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from isotrain.errors import ConfigError
-from isotrain.rl.weights import sync_named_tensors
+from isotrain.models.unwrap import unwrap
+from isotrain.models.weights import sync_named_tensors
 
 
 def _import_peft():
@@ -61,7 +62,7 @@ def apply_lora(model: nn.Module, r: int, alpha: int, target_modules: list[str], 
 
 
 def _peft_model(model: nn.Module):
-    model = getattr(model, "module", model)  # DDP
+    model = unwrap(model)
     if not hasattr(model, "disable_adapter"):
         raise TypeError(f"{type(model).__name__} has no LoRA adapters; build it with apply_lora")
     return model

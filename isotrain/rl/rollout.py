@@ -2,7 +2,7 @@
 
 An engine is anything that samples responses and accepts new weights; the RL loop talks to it
 only through `RolloutEngine`, so an external engine (vLLM, SGLang) can replace `HFEngine`
-later. The weight contract is the one of `isotrain.rl.weights.sync_named_tensors`: Hugging Face
+later. The weight contract is the one of `isotrain.models.weights.sync_named_tensors`: Hugging Face
 names of the plain causal LM, full logical shapes.
 
 Log-probs: the engine reports, for each response token y_t,
@@ -24,8 +24,9 @@ from typing import Protocol
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from isotrain.models.unwrap import unwrap
+from isotrain.models.weights import tensor_sha256
 from isotrain.rl.decode import sample
-from isotrain.rl.weights import tensor_sha256
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def _special_ids(tokenizer) -> tuple[int, int]:
 
 def _plain_copy(model: torch.nn.Module) -> PreTrainedModel:
     """A deep copy of the plain causal LM behind DDP / peft wrappers (LoRA merged into the copy)."""
-    model = getattr(model, "module", model)  # DDP
+    model = unwrap(model)
     if any(hasattr(p, "full_tensor") for p in model.parameters()):
         raise ValueError(
             "HFEngine cannot copy an FSDP2-sharded model; build it with HFEngine.from_config and "

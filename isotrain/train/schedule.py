@@ -29,3 +29,8 @@ def lr_at(step: int, *, lr: float, schedule: str, warmup_steps: int, max_steps: 
     else:
         raise ValueError(f"unknown schedule {schedule!r}")
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * factor)
+
+
+def schedule_settings(train) -> dict:
+    """The train.* settings `lr_at` depends on, as a checkpoint records them."""
+    return {key: getattr(train, key) for key in ("lr", "schedule", "warmup_steps", "max_steps", "min_lr_ratio")}

@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from isotrain.config import build_config
-from isotrain.parallel.apply import parallelize, unwrap, wrap_replicas
+from isotrain.models.unwrap import unwrap
+from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.mesh import build_parallel

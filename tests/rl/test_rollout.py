@@ -7,7 +7,7 @@ import torch
 import engine_models
 
 from isotrain.rl.rollout import HFEngine, SamplingParams
-from isotrain.rl.weights import checksums, sync_named_tensors
+from isotrain.models.weights import checksums, sync_named_tensors
 
 PROMPTS = [[1, 7, 8], [1, 9, 9, 9, 10, 11], [1, 12]]  # different lengths: left padding is exercised
 

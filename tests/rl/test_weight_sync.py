@@ -18,7 +18,7 @@ from isotrain.errors import ConfigError
 from isotrain.rl.engine_process import ProcessEngine
 from isotrain.rl.lora import apply_lora, merged_state_dict, reference_logits_context, save_adapter
 from isotrain.rl.rollout import HFEngine, SamplingParams
-from isotrain.rl.weights import checksums, sync_named_tensors
+from isotrain.models.weights import checksums, sync_named_tensors
 
 PROMPTS = [[1, 7, 8], [1, 9, 9, 9, 10, 11], [1, 12]]
 GREEDY = SamplingParams(n=1, max_new_tokens=8, greedy=True)

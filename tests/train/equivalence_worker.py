@@ -16,12 +16,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from isotrain.data.collate import collate
 from isotrain.data.packing import Sample
 from isotrain.data.sampler import GlobalBatchSampler
-from isotrain.parallel.apply import parallelize, unwrap, wrap_replicas
+from isotrain.models.unwrap import unwrap
+from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
@@ -57,7 +57,7 @@ def make_samples(num: int = 16, seed: int = 0) -> list[Sample]:
 
 # Tiny models of every family with a tensor-parallel plan that isotrain claims; 4 heads and 2 KV heads so
 # that TP 2 splits both. Qwen2 has biases on q/k/v (split with their columns); Qwen3 has per-head q/k norms
-# (replicated, gradients summed over TP); the llama entry ties its embeddings (one parameter under TP too).
+# (replicated, gradients summed over TP); llama_tied ties its embeddings (one parameter under TP too).
 FAMILIES = {
     "llama": {},
     "llama_tied": {"model_type": "llama", "tie_word_embeddings": True},
@@ -77,8 +77,6 @@ def tiny_model(dtype: torch.dtype, family: str = "llama"):
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=64, **extra)
     config.use_cache = False
-    if model_type == "llama" and not extra:
-        return LlamaForCausalLM(config).to(dtype)
     return AutoModelForCausalLM.from_config(config).to(dtype)
 
 

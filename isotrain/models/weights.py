@@ -1,4 +1,5 @@
-"""What the trainer sends to a rollout engine: the plain causal LM's weights, one tensor at a time.
+"""The plain causal LM's weights by Hugging Face name, one tensor at a time: what the trainer sends to a
+rollout engine, and what the model files of a LoRA run's checkpoint hold.
 
 Whatever wraps the trainer's model (DDP, FSDP2 shards, a peft LoRA model), the engine receives
 the weights of the equivalent *plain* Hugging Face model: full logical shapes, fp32, CPU, under
@@ -21,7 +22,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+
+from isotrain.models.unwrap import hf_model
 
 # Parameter names of a peft LoRA layer: `<module>.base_layer.<leaf>` holds the frozen weight,
 # `<module>.lora_A.<adapter>.weight` / `lora_B` the adapters, merged into `<module>.<leaf>`.
@@ -39,17 +41,6 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 def checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """{name: tensor_sha256(tensor)}, e.g. of `sync_named_tensors(model)` to compare with an engine's."""
     return {name: tensor_sha256(tensor) for name, tensor in named_tensors}
-
-
-def plain_model(model: nn.Module) -> nn.Module:
-    """The Hugging Face model inside DDP and/or a peft wrapper (LoRA layers, if any, still injected)."""
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
-        model = model.get_base_model()  # PeftModel -> the HF model with LoRA layers injected
-    elif hasattr(model, "peft_config") and hasattr(model, "model"):
-        model = model.model  # a bare LoraModel
-    return model
 
 
 def full_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,7 +61,7 @@ def sync_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     lora_* tensors) without modifying the trainer's model. Tied weights appear once, under the
     first name (`named_parameters()` de-duplicates them).
     """
-    model = plain_model(model)
+    model = hf_model(model)
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         if any(marker in name for marker in _ADAPTER_MARKERS):

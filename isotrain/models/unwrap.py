@@ -1,0 +1,30 @@
+"""The Hugging Face model inside what training wraps it in: DDP, and peft's LoRA wrappers.
+
+FSDP2 (`fully_shard`) and in-place `torch.compile` change a module's class, not its nesting, so
+they need no unwrapping; only DDP (`.module`) and peft (`PeftModel` -> `LoraModel` -> the model)
+nest the model inside another module.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP; any other model as it is (a peft model stays a peft model)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def is_lora(model: nn.Module) -> bool:
+    return hasattr(unwrap(model), "peft_config")
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside DDP and/or a peft wrapper (LoRA layers, if any, still injected)."""
+    model = unwrap(model)
+    if not is_lora(model):
+        return model
+    if hasattr(model, "get_base_model"):
+        return model.get_base_model()  # PeftModel -> the HF model with LoRA layers injected
+    return model.model  # a bare LoraModel

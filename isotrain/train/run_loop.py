@@ -1,0 +1,70 @@
+"""The step loop every recipe runs (SFT, RL, later embedding training), top to bottom.
+
+    for each step from the resumed one up to train.max_steps:
+        row = step_fn(state)          the recipe's step: batch -> loss -> update; adds to state.counters
+        evaluation every `eval_every` steps (not after the last: the recipe evaluates its final model)
+        a metrics row every train.log_every steps and after the last step; the progress bar
+        a stop signal on any rank -> save (when checkpoints are on) and end after this step
+        otherwise save when the checkpoint manager says one is due
+
+Recipes differ only in what a step does; when to log, evaluate, save and stop is decided here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from isotrain.train.metrics import ProgressBar
+from isotrain.train.stop import GracefulStop
+
+
+@dataclass
+class RunState:
+    """Where a run is: its step and counters (what a checkpoint saves beside the tensors), how it ended."""
+
+    step: int = 0  # steps done: optimizer steps for SFT, RL steps (a rollout and its updates) for RL
+    counters: dict[str, int] = field(default_factory=dict)  # exact sums over all ranks, e.g. tokens_seen
+    loss: float = float("nan")  # of the last step
+    stopped_by: str | None = None  # the signal that ended the run early, if one did
+
+
+# Runs step number `state.step` (0-based), adds to `state.counters` and returns the step's metrics row
+# without "step"; the row holds at least "loss" and "tokens_per_s" (shown by the progress bar).
+StepFn = Callable[[RunState], dict]
+# Evaluates after `step` steps; its fields are added to that step's metrics row.
+EvaluateFn = Callable[[int], dict]
+
+
+def run_loop(cfg, info, state: RunState, step_fn: StepFn, checkpoints, writer, console,
+             evaluate: EvaluateFn | None = None, eval_every: int = 0,
+             after_first_step: Callable[[], None] | None = None) -> RunState:
+    """Steps state.step .. train.max_steps - 1; returns `state`, with `stopped_by` set if a signal ended it early.
+
+    `checkpoints` is the run's CheckpointManager: it decides whether a save is due; the loop waits for the
+    last (asynchronous) save before returning. `after_first_step` runs once, after this run's first step
+    (the tensor-parallel replica check)."""
+    max_steps = cfg.train.max_steps
+    first_step = state.step
+    enabled = info.is_main and cfg.logging.progress
+    with GracefulStop() as stop, ProgressBar(max_steps, enabled, console, state.step) as bar:
+        while state.step < max_steps:
+            row = step_fn(state)
+            if after_first_step is not None and state.step == first_step:
+                after_first_step()
+            state.step += 1
+            state.loss = row["loss"]
+            row = {"step": state.step, **row}
+            if evaluate is not None and eval_every and state.step % eval_every == 0 and state.step < max_steps:
+                row.update(evaluate(state.step))
+            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
+                writer.write(row)
+            bar.update(state.step, row["loss"], row["tokens_per_s"])
+            # Every rank learns of a signal on any rank here, so all stop (and save) after the same step.
+            stopping = stop.requested(info.device)
+            checkpoints.maybe_save(state.step, state.counters, stopping)
+            if stopping:
+                state.stopped_by = stop.signal_name or "a signal on another rank"
+                break
+    checkpoints.wait()
+    return state

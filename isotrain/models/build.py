@@ -144,7 +144,8 @@ def build(cfg: ModelConfig, tokenizer, seed: int, parallel: ParallelState, devic
     if cfg.name_or_path is None:
         init_fresh(model, skeleton, seed, parallel.rank)
     else:
-        load_pretrained(cfg.name_or_path, model, skeleton, seed, parallel.rank)
+        load_pretrained(cfg.name_or_path, model, skeleton, seed, parallel.rank,
+                        new_heads=model_class is not AutoModelForCausalLM)
     if adapt is not None:
         model = adapt(model)
     if trainable:
@@ -154,13 +155,14 @@ def build(cfg: ModelConfig, tokenizer, seed: int, parallel: ParallelState, devic
     return wrap_replicas(model, parallel, trainable)
 
 
-def load_pretrained(path: str, model: nn.Module, skeleton: PreTrainedModel, seed: int, rank: int) -> None:
+def load_pretrained(path: str, model: nn.Module, skeleton: PreTrainedModel, seed: int, rank: int,
+                    new_heads: bool = False) -> None:
     """Weights from a Hugging Face directory, each rank reading its own part of each tensor.
 
     Two differences from the files are handled: a vocabulary grown for added special tokens (the new
-    rows are initialised like transformers' `resize_token_embeddings`, seeded), and a head that the files
-    do not have because they hold another task's model (PPO's critic from a causal LM: its value head is
-    initialised fresh). Any other missing or mismatched tensor is refused by the loader.
+    rows are initialised like transformers' `resize_token_embeddings`, seeded), and, with `new_heads`, a head
+    that the files do not have because they hold another task's model (PPO's critic from a causal LM: its
+    value head is initialised fresh). Any other missing or mismatched tensor is refused by the loader.
     """
     from isotrain.checkpoint.load import CheckpointReader, load_hf_weights
     from isotrain.checkpoint.state import model_tensors
@@ -169,7 +171,8 @@ def load_pretrained(path: str, model: nn.Module, skeleton: PreTrainedModel, seed
     try:
         tensors = model_tensors(model)
         backbone = f"{getattr(skeleton, 'base_model_prefix', 'model')}."
-        heads = {name for name in tensors if name not in reader and not name.startswith(backbone)}
+        heads = {name for name in tensors if name not in reader and not name.startswith(backbone)} \
+            if new_heads else set()
         grown = {name for name, t in tensors.items() if name in reader and t.ndim == 2
                  and reader.shape(name)[1:] == tuple(t.shape[1:]) and reader.shape(name)[0] < t.shape[0]}
         load_hf_weights(path, model, rank, skip=frozenset(heads | grown))

@@ -32,6 +32,9 @@ import torch
 from helpers import REPO, isotrain_cli, kill_after_commit, model_weights, run_concurrently, subprocess_env, torchrun
 
 SFT_STEPS = 400
+# A guard against hangs, not a speed test: on a shared 2-core machine the SFT run took 54-222 s and
+# one 40-step learning run 130-370 s, and a loaded machine stretches that further.
+LONG_RUN_TIMEOUT_S = 900
 
 # Small rollouts for the resume, layout and engine tests: P=4 prompts × n=4 samples per step.
 SMALL = [
@@ -66,7 +69,7 @@ def sft(tmp_path_factory):
     """The starting model: the bundled SFT recipe stopped early, with one checkpoint at its last step."""
     run_dir = tmp_path_factory.mktemp("sft") / "sft"
     proc = isotrain_cli(["train", f"train.max_steps={SFT_STEPS}", f"output_dir={run_dir}", "logging.progress=false",
-                         f"checkpoint.every_steps={SFT_STEPS}"], cwd=run_dir.parent)
+                         f"checkpoint.every_steps={SFT_STEPS}"], timeout=LONG_RUN_TIMEOUT_S, cwd=run_dir.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracy = float(re.search(r"exact-match accuracy on 200 held-out prompts: ([\d.]+)%", proc.stdout)[1]) / 100
     # RL needs a start that is sometimes right (a signal) and often wrong (room to improve).
@@ -146,7 +149,7 @@ def learning_runs(sft, tmp_path_factory):
         extra = ["rl.max_generation_rounds=2"] if algorithm == "dapo" else []
         commands[("rise", algorithm)] = [*RISE, f"rl.algorithm={algorithm}", *extra]
     dirs = {key: root / "-".join(key) for key in commands}
-    procs = run_concurrently({key: functools.partial(rl_cli, sft, dirs[key], *overrides)
+    procs = run_concurrently({key: functools.partial(rl_cli, sft, dirs[key], *overrides, timeout=LONG_RUN_TIMEOUT_S)
                               for key, overrides in commands.items()})
     for key, proc in procs.items():
         assert proc.returncode == 0, (key, proc.stderr[-3000:])

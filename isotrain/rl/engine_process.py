@@ -12,7 +12,11 @@ and the child copies from the buffer into its parameters. Tensors go in buckets 
 bucket.
 
 Reproducibility: before the k-th generate call (k = 0, 1, ...) the child seeds torch's RNG with
-`seed + k`, so a run with the same seed and the same calls samples the same rollouts.
+`seed + k`, so a run with the same seed and the same calls samples the same rollouts. The child
+computes with the caller's thread count unless told otherwise: a CPU matmul's rounding depends on
+how its rows are split among threads (MKL's sgemm, torch 2.13 and 2.14 alike, rounds the rows past
+the last multiple of 4 of a 5- to 11-row batch differently with 1 and 2 threads), so the thread
+count is part of what makes the child's log-probs those of an in-process engine, bit for bit.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class ProcessEngine:
         timeout_s: float = 600.0,
         bucket_bytes: int = _DEFAULT_BUCKET_BYTES,
     ):
+        if num_threads is None:
+            num_threads = torch.get_num_threads()  # a spawned child starts at torch's default, not the caller's
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._timeout_s = timeout_s
@@ -167,7 +173,7 @@ def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
     return buffer.copy_(tensor.detach())
 
 
-def _child_main(conn, config, tokenizer_dir: str, seed: int, batch_size: int, num_threads: int | None) -> None:
+def _child_main(conn, config, tokenizer_dir: str, seed: int, batch_size: int, num_threads: int) -> None:
     """The child's loop: one (op, args) message in, one ("ok", result) or ("error", text) out."""
     try:
         engine = _build_engine(config, tokenizer_dir, batch_size, num_threads)
@@ -198,10 +204,9 @@ def _child_main(conn, config, tokenizer_dir: str, seed: int, batch_size: int, nu
             conn.send(("error", _describe(err)))
 
 
-def _build_engine(config, tokenizer_dir: str, batch_size: int, num_threads: int | None):
+def _build_engine(config, tokenizer_dir: str, batch_size: int, num_threads: int):
     # Imported here: the spawned child imports only what it needs, after choosing its thread count.
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
+    torch.set_num_threads(num_threads)
     from isotrain.models.tokenizer import load_tokenizer
     from isotrain.rl.rollout import HFEngine
 

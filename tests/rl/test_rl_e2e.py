@@ -2,7 +2,8 @@
 
 One briefly trained SFT model of the bundled recipe (it gets some sums right, most wrong) is the
 start of every run. The tests prove that:
-- GRPO and DAPO raise a learnable reward (rl_e2e_rewards.py), sampled and greedy, in 40 steps;
+- GRPO and DAPO raise a learnable reward (rl_e2e_rewards.py), sampled and greedy, in 40 steps,
+  and DAPO raises the expected exact-match accuracy of a sampled answer on the bundled task;
 - metrics.jsonl keeps its contract (the fields, counters that only grow, samples = steps × P × n);
 - a SIGKILL after checkpoint k, then `checkpoint.resume=auto`, ends with byte-identical weights,
   optimizer state and metrics (invariants 4 and 5), also with PPO mini-batches and epochs and with
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -30,6 +32,9 @@ import torch
 from helpers import REPO, isotrain_cli, kill_after_commit, model_weights, run_concurrently, subprocess_env, torchrun
 
 SFT_STEPS = 400
+# A guard against hangs, not a speed test: on a shared 2-core machine the SFT run took 54-222 s and
+# one 40-step learning run 130-370 s, and a loaded machine stretches that further.
+LONG_RUN_TIMEOUT_S = 900
 
 # Small rollouts for the resume, layout and engine tests: P=4 prompts × n=4 samples per step.
 SMALL = [
@@ -64,7 +69,7 @@ def sft(tmp_path_factory):
     """The starting model: the bundled SFT recipe stopped early, with one checkpoint at its last step."""
     run_dir = tmp_path_factory.mktemp("sft") / "sft"
     proc = isotrain_cli(["train", f"train.max_steps={SFT_STEPS}", f"output_dir={run_dir}", "logging.progress=false",
-                         f"checkpoint.every_steps={SFT_STEPS}"], cwd=run_dir.parent)
+                         f"checkpoint.every_steps={SFT_STEPS}"], timeout=LONG_RUN_TIMEOUT_S, cwd=run_dir.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracy = float(re.search(r"exact-match accuracy on 200 held-out prompts: ([\d.]+)%", proc.stdout)[1]) / 100
     # RL needs a start that is sometimes right (a signal) and often wrong (room to improve).
@@ -103,25 +108,48 @@ def greedy_rewards(stdout: str) -> tuple[float, float]:
 
 
 # The bundled task itself: exact match with the sum, the bundled RL recipe's sizes (P=64, n=8, lr 3e-4).
-EXACT = ["train.max_steps=40", "train.warmup_steps=5", "eval.max_samples=100", "rl.max_generation_rounds=2"]
+EXACT = ["train.max_steps=40", "train.warmup_steps=5", "eval.max_samples=200", "rl.max_generation_rounds=2"]
+HELD_OUT = REPO / "isotrain" / "recipes" / "data" / "addition_eval.jsonl"  # the bundled RL recipe's eval.path
+
+
+def answer_probability(model_dir) -> float:
+    """Mean over the 200 held-out prompts of p(answer + EOS | prompt) at temperature 1.
+
+    This is the exact-match reward that one sampled response expects (whitespace variants of the
+    answer aside), computed exactly: no sampling noise, and it moves with every shift of
+    probability, where greedy accuracy moves only when an argmax flips.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from isotrain.rl.experience import RolloutBatch, response_logprobs
+    from isotrain.rl.generate import encode_prompts
+    from isotrain.rl.prompts import read_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    held_out = read_prompts(str(HELD_OUT))
+    answers = [tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id] for a in held_out.answers]
+    n = len(answers)
+    batch = RolloutBatch(list(range(n)), encode_prompts(tokenizer, held_out.prompts), answers, [[]] * n,
+                         [False] * n, [0.0] * n, [0.0] * n)
+    logprobs = response_logprobs(model, batch, tokenizer.pad_token_id, 64, 1.0, torch.device("cpu"))
+    return sum(math.exp(sum(row)) for row in logprobs) / n
 
 
 @pytest.fixture(scope="module")
 def learning_runs(sft, tmp_path_factory):
-    """The four learning runs from the SFT model, (stdout, run directory) per (reward, algorithm):
-    40 GRPO and 40 DAPO steps on the learnable reward ("rise") and on the bundled task ("exact").
+    """The three learning runs from the SFT model, (stdout, run directory) per (reward, algorithm):
+    40 GRPO and 40 DAPO steps on the learnable reward ("rise"), 40 DAPO steps on the bundled task ("exact").
 
     They are independent single-process runs, so they run side by side, one per CPU core (longest first)."""
     root = tmp_path_factory.mktemp("learning")
-    commands = {}
-    for algorithm in ("dapo", "grpo"):
-        commands[("exact", algorithm)] = [*EXACT, f"rl.algorithm={algorithm}"]
+    commands = {("exact", "dapo"): [*EXACT, "rl.algorithm=dapo"]}
     for algorithm in ("dapo", "grpo"):
         # DAPO: at most 2 prompt rounds per step (of the default 4), to halve its generation time.
         extra = ["rl.max_generation_rounds=2"] if algorithm == "dapo" else []
         commands[("rise", algorithm)] = [*RISE, f"rl.algorithm={algorithm}", *extra]
     dirs = {key: root / "-".join(key) for key in commands}
-    procs = run_concurrently({key: functools.partial(rl_cli, sft, dirs[key], *overrides)
+    procs = run_concurrently({key: functools.partial(rl_cli, sft, dirs[key], *overrides, timeout=LONG_RUN_TIMEOUT_S)
                               for key, overrides in commands.items()})
     for key, proc in procs.items():
         assert proc.returncode == 0, (key, proc.stderr[-3000:])
@@ -156,19 +184,29 @@ def test_reward_rises(rise_runs, algorithm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["grpo", "dapo"])
-def test_exact_match_accuracy_rises_on_the_bundled_task(learning_runs, algorithm):
-    stdout, run_dir = learning_runs[("exact", algorithm)]
-    found = dict(re.findall(r"(before|after) RL: exact-match accuracy on 100 held-out prompts: ([\d.]+)%",
+def test_exact_match_accuracy_rises_on_the_bundled_task(sft, learning_runs):
+    stdout, run_dir = learning_runs[("exact", "dapo")]
+    found = dict(re.findall(r"(before|after) RL: exact-match accuracy on 200 held-out prompts: ([\d.]+)%",
                             stdout))
-    before, after = float(found["before"]), float(found["after"])
+    greedy_before, greedy_after = float(found["before"]), float(found["after"])
+    expected_before, expected_after = answer_probability(sft / "model"), answer_probability(run_dir / "model")
     rows = metrics(run_dir)
     first = sum(r["score_mean"] for r in rows[:WINDOW]) / WINDOW
     last = sum(r["score_mean"] for r in rows[-WINDOW:]) / WINDOW
-    summary = f"held-out accuracy {before}% -> {after}%, sampled score {first:.3f} -> {last:.3f}"
-    # Measured here: GRPO 57% -> 68%, DAPO 57% -> 72% (sampled 0.40 -> 0.43 and 0.49 -> 0.54).
-    assert after >= before + 5, summary
-    assert last > first, summary
+    summary = (f"held-out expected accuracy {expected_before:.4f} -> {expected_after:.4f}, greedy accuracy "
+               f"{greedy_before}% -> {greedy_after}%, sampled score {first:.3f} -> {last:.3f}")
+    # Measured from this SFT model (held-out expected accuracy 0.469, greedy 72%), train.seed 0, 1, 2,
+    # torch 2.14.1 (2.13.0 gave bit-identical weights and curves on the seeds run with it: DAPO 0, GRPO 0 and 1):
+    #   DAPO  expected accuracy +0.042, +0.036, +0.044; sampled score +0.058, +0.062, +0.067;
+    #         greedy accuracy +1, -3, -0.5 points;
+    #   GRPO  expected accuracy +0.049, -0.001, +0.063; sampled score +0.071, -0.001, +0.082;
+    #         greedy accuracy 0, -9, +1.5 points.
+    # Greedy accuracy is not a signal in 40 steps from this start (it moves only when an argmax
+    # flips; 100 prompts gave 72% -> 71% at seed 0), and GRPO's rise does not hold across seeds
+    # (seed 1: none), so GRPO's learning is checked on the learnable reward above and here DAPO's
+    # expected accuracy and sampled score must rise, by thresholds well below the smallest measured rise.
+    assert expected_after >= expected_before + 0.015, summary
+    assert last >= first + 0.025, summary
 
 
 @pytest.mark.slow

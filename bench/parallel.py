@@ -5,8 +5,8 @@ FSDP2 × TP 2 × 2 (1×2×2, 4 processes). Each layout is a fresh `torchrun --st
 (`--worker LAYOUT`) on gloo; its ranks build a fresh Llama with the trainer's own `prepare_model`
 (`isotrain.models.build.build`: built on the meta device, parallelised, each rank materialises and
 initialises only its shards; then isotrain's AdamW), seed 0: vocab 8192, hidden --hidden (default 512),
---layers (default 4) layers, heads = max(hidden / 64, 4) (as many KV heads), MLP width ≈ 8/3 × hidden rounded up to
-a multiple of 16, untied embeddings, fp32. Every layout trains on the same global batches: --global-batch
+--layers (default 4) layers, heads = max(hidden / 64, 4) (as many KV heads), MLP width ≈ 8/3 × hidden
+rounded up to a multiple of 16, untied embeddings, fp32. Every layout trains on the same global batches: --global-batch
 (default 8) generated sequences of exactly 256 random token ids (no padding), ordered by isotrain's
 GlobalBatchSampler (seed 0) and cut by DP rank into one micro-batch each (GA 1: micro-batch = global batch
 / DP size; TP ranks share their data), collated by isotrain's `collate`, trained by isotrain's `train_step`
@@ -23,7 +23,8 @@ Measured per rank, then shown as the worst rank (max; tokens/s from the slowest 
                      start-up needs on top of the process's base. "own + largest" is the bound that
                      models/build.py promises: this rank's parameter bytes plus the largest full tensor
                      (a fresh initialisation draws each module's full tensors into scratch memory, one
-                     module at a time)
+                     module at a time). DDP adds its gradient buckets, allocated when the model is
+                     wrapped: about one more copy of the model
     train peak       VmHWM over warm-up + timed steps (reset after start-up), absolute: the process's
                      base (interpreter, torch, transformers: the "base" column) is included
     tokens/s         global non-padding input tokens of a step / that step's time, median over the timed
@@ -35,6 +36,12 @@ Threads: OMP_NUM_THREADS (and torch.set_num_threads) make the total equal the ma
 for 1 process, 1 per rank otherwise. 4 processes on 2 cores are oversubscribed (two ranks per core, taking
 turns at every collective), so the FSDP2 × TP row measures the layout's cost on this machine, not its
 speed on 4 devices; the table marks it. Nothing is saved: no checkpoint, no metrics file.
+
+Only a quiet machine gives ratios worth keeping (the table's title shows the load average during the
+runs). Under load the layouts are not compared fairly: 4 processes get a larger share of the CPUs than
+1, and the 2 OpenMP threads of one process wait for each other at every parallel region (at load ≈ 5,
+one process ran 1.8 × slower on 2 threads than on 1; one process on 2 threads made 113 tokens/s at
+load 7 and 1200 at load 3 on the same machine, minutes apart).
 
     python bench/parallel.py [--steps 10] [--warmup 2] [--hidden 512] [--layers 4] [--global-batch 8]
                              [--layouts single ddp2 fsdp2 tp2 fsdp2xtp2] [--json results.json]

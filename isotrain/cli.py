@@ -71,6 +71,7 @@ def _warm_start(cfg) -> None:
 
 def cmd_config_show(args) -> int:
     from isotrain.config import dump_config, load_config
+    from isotrain.models.loading import check_layout_fits
     from isotrain.parallel.dims import resolve_dims
     from isotrain.sizes import pin_rl_global_batch, plan_batches, plan_rl_batches
 
@@ -80,6 +81,7 @@ def cmd_config_show(args) -> int:
     cfg = load_config(path, overrides, default=default_rl_recipe_path() if args.rl else None)
     world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
     degrees = resolve_dims(cfg.parallel, world_size)
+    check_layout_fits(cfg.model, degrees)
     if args.rl or "rl" in cfg.model_fields_set:  # an RL config: its global batch is derived from the rl section
         plan = plan_rl_batches(cfg, degrees)
         pin_rl_global_batch(cfg, plan)

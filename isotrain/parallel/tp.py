@@ -78,6 +78,9 @@ class ReplicateParallel(ParallelStyle):
         return module
 
 
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
+
+
 def _style(name: str, where: str) -> ParallelStyle:
     styles = {
         "colwise": lambda: ColwiseParallel(),
@@ -103,6 +106,12 @@ def layer_plan(config) -> dict[str, str]:
             f"model type {config.model_type!r} has no tensor-parallel plan (neither transformers nor isotrain ships "
             f"one{'; isotrain adds: ' + ', '.join(known) if known else ''}); use parallel.tp=1 for this model"
         )
+    for where, name in plan.items():
+        if name not in STYLES:
+            raise ConfigError(
+                f"the tensor-parallel plan of model type {config.model_type!r} uses style {name!r} for {where}, which "
+                f"isotrain does not support (supported: {', '.join(STYLES)}); use parallel.tp=1 for this model"
+            )
     return dict(plan)
 
 

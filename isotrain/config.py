@@ -37,11 +37,11 @@ class _Loader(yaml.SafeLoader):
                 key = self.construct_object(key_node, deep=deep)
                 line = key_node.start_mark.line + 1
                 try:
-                    first_line = lines.setdefault(key, line)
+                    if key in lines:
+                        raise _DuplicateKey(key, lines[key], line)
+                    lines[key] = line
                 except TypeError:  # an unhashable key: the base constructor names the problem
                     continue
-                if first_line != line:
-                    raise _DuplicateKey(key, first_line, line)
         return super().construct_mapping(node, deep=deep)
 
 
@@ -438,7 +438,7 @@ def read_yaml(path: str | Path) -> dict:
     try:
         tree = _yaml_load(path.read_text())
     except _DuplicateKey as err:
-        raise ConfigError(f"config file {str(path)!r} writes {err.key!r} twice in one section (lines {err.first_line} "
+        raise ConfigError(f"config file {str(path)!r} writes {err.key!r} twice (lines {err.first_line} "
                           f"and {err.line}); YAML would silently drop the first: merge them into one") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)

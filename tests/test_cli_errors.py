@@ -158,8 +158,8 @@ def test_config_show_prints_derived_sizes(cli_runs):
 
 def test_a_section_written_twice_is_refused(cli_runs):
     path = cli_runs["root"] / "twice.yaml"
-    assert_error_sentence(cli_runs["duplicate section"], f"config file {str(path)!r} writes 'train' twice in one "
-                          "section (lines 3 and 7); YAML would silently drop the first: merge them into one")
+    assert_error_sentence(cli_runs["duplicate section"], f"config file {str(path)!r} writes 'train' twice "
+                          "(lines 3 and 7); YAML would silently drop the first: merge them into one")
 
 
 def test_a_non_finite_gradient_stops_before_the_update_and_saves_nothing_non_finite(cli_runs):

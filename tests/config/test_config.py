@@ -86,7 +86,10 @@ def test_non_finite_optimizer_settings_are_refused(override, expected):
 def test_a_key_written_twice_is_refused_with_its_lines(tmp_path):
     path = tmp_path / "twice.yaml"
     path.write_text("model:\n  config:\n    model_type: llama\ntrain:\n  lr: 1.0e-3\n  seed: 1\n  lr: 2.0e-3\n")
-    with pytest.raises(ConfigError, match=re.escape("writes 'lr' twice in one section (lines 5 and 7)")):
+    with pytest.raises(ConfigError, match=re.escape("writes 'lr' twice (lines 5 and 7)")):
+        load_config(path)
+    path.write_text("model: {config: {model_type: llama}, config: {model_type: qwen2}}\n")
+    with pytest.raises(ConfigError, match=re.escape("writes 'config' twice (lines 1 and 1)")):
         load_config(path)
 
 

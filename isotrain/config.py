@@ -12,14 +12,37 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from isotrain.errors import ConfigError
 from isotrain.presets import PRESETS
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, first_line: int, line: int):
+        super().__init__(f"{key!r} is written twice")
+        self.key, self.first_line, self.line = key, first_line, line
+
+
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads `3e-4` as a string; ML configs mean a float."""
+    """YAML 1.1 reads `3e-4` as a string; ML configs mean a float. A key written twice in one mapping is
+    refused: plain YAML keeps the last, silently dropping e.g. a whole first `train:` section."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be overridden by design
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in lines:
+                        raise _DuplicateKey(key, lines[key], line)
+                    lines[key] = line
+                except TypeError:  # an unhashable key: the base constructor names the problem
+                    continue
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -122,8 +145,10 @@ class TrainConfig(Section):
     max_steps: int = Field(
         100, gt=0, description="Optimizer steps to run; for `isotrain rl`, RL steps (each a rollout and its updates)."
     )
-    seed: int = Field(0, description="Seed of model initialisation, data order and every RNG.")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    seed: int = Field(
+        0, ge=0, le=2**32 - 1, description="Seed of model initialisation, data order and every RNG (0 to 2**32 - 1)."
+    )
+    lr: float = Field(3e-4, gt=0, allow_inf_nan=False, description="Peak learning rate.")
     schedule: Literal["constant", "linear", "cosine"] = Field(
         "cosine", description="Learning-rate decay after warm-up (formula in docs/batch-sizes.md)."
     )
@@ -131,10 +156,14 @@ class TrainConfig(Section):
     min_lr_ratio: float = Field(
         0.0, ge=0, le=1, description="Final learning rate as a fraction of `lr` (linear and cosine; no effect with constant)."
     )
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay (not applied to norms and biases).")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value; 0 disables.")
+    weight_decay: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="AdamW decoupled weight decay (not applied to norms and biases)."
+    )
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False, description="AdamW epsilon.")
+    grad_clip: float = Field(
+        1.0, ge=0, allow_inf_nan=False, description="Clip the global gradient norm to this value; 0 disables."
+    )
     loss_reduction: Literal["token", "sequence"] = Field(
         "token",
         description="`token`: mean over every trained token of the global batch; `sequence`: mean over "
@@ -153,6 +182,14 @@ class TrainConfig(Section):
     peak_tflops: float | None = Field(
         None, gt=0, description="Peak TFLOP/s of one device, to report MFU. Default: known GPUs only."
     )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in betas):  # also refuses NaN and inf
+            raise ValueError(f"train.betas={list(betas)} is invalid: each AdamW beta must be in [0, 1); "
+                             "use e.g. train.betas=[0.9,0.95]")
+        return betas
 
 
 class ParallelConfig(Section):
@@ -245,7 +282,7 @@ class RLConfig(Section):
     value_clip: float | None = Field(
         0.2, gt=0, description="PPO critic: new values stay within ± this of the rollout's values in the loss; null: no clip."
     )
-    critic_lr: float | None = Field(None, gt=0, description="PPO critic learning rate. Default: train.lr.")
+    critic_lr: float | None = Field(None, gt=0, allow_inf_nan=False, description="PPO critic learning rate. Default: train.lr.")
     dynamic_sampling: bool | None = Field(
         None, description="Drop groups whose rewards are all equal and generate more until P groups remain. Default: preset."
     )
@@ -361,6 +398,17 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
             _check_keys(value, annotation, f"{dotted}.")
 
 
+# What a valid value looks like, for the fields whose bad values otherwise train garbage or fail deep inside.
+_VALID = {
+    "train.lr": "a finite number > 0, e.g. 3e-4",
+    "train.eps": "a finite number > 0, e.g. 1e-8",
+    "train.seed": "an integer from 0 to 4294967295 (2**32 - 1)",
+    "train.grad_clip": "a finite number >= 0 (0 disables clipping)",
+    "train.weight_decay": "a finite number >= 0",
+    "rl.critic_lr": "a finite number > 0, or null to use train.lr",
+}
+
+
 def _describe_validation_error(err: ValidationError) -> str:
     first = err.errors()[0]
     location = ".".join(str(p) for p in first["loc"])
@@ -369,7 +417,8 @@ def _describe_validation_error(err: ValidationError) -> str:
         return message.removeprefix("Value error, ")
     given = first.get("input")
     shown = "" if isinstance(given, dict) else f"={given!r}"
-    return f"config value {location}{shown} is invalid: {message}"
+    fix = f"; use {_VALID[location]}" if location in _VALID else ""
+    return f"config value {location}{shown} is invalid: {message}{fix}"
 
 
 def build_config(tree: dict) -> Config:
@@ -388,6 +437,9 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML config")
     try:
         tree = _yaml_load(path.read_text())
+    except _DuplicateKey as err:
+        raise ConfigError(f"config file {str(path)!r} writes {err.key!r} twice (lines {err.first_line} "
+                          f"and {err.line}); YAML would silently drop the first: merge them into one") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -11,3 +11,7 @@ class ConfigError(IsotrainError):
 
 class DataError(IsotrainError):
     """A missing, unreadable or unusable data file."""
+
+
+class TrainingError(IsotrainError):
+    """Training cannot go on without making garbage: a non-finite loss or gradient, a reward that always fails."""

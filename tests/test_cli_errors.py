@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 
-from helpers import isotrain_cli, run_concurrently
+from helpers import REPO, TINY_RUN, isotrain_cli, run_concurrently
 
 
 def write(path, text):
@@ -31,13 +32,40 @@ CASES = {
     "layout mismatch": (["parallel.dp_replicate=2"], "but 1 process was launched; launch 2 processes (torchrun --nproc-per-node 2)"),
     "bad format": (["data.format=csv"], "data.format='csv' is invalid"),
     "missing data file": (["data.path=/nonexistent/data.jsonl"], "/nonexistent/data.jsonl' does not exist"),
+    "infinite lr": (["train.lr=.inf"],
+                    "config value train.lr=inf is invalid: Input should be a finite number; use a finite number > 0, "
+                    "e.g. 3e-4"),
+    "nan lr": (["train.lr=nan"],
+               "config value train.lr='nan' is invalid: Input should be a finite number; use a finite number > 0, "
+               "e.g. 3e-4"),
+    "betas out of range": (["train.betas=[1.5,2]"],
+                           "train.betas=[1.5, 2.0] is invalid: each AdamW beta must be in [0, 1); use e.g. "
+                           "train.betas=[0.9,0.95]"),
+    "negative seed": (["train.seed=-1"],
+                      "config value train.seed=-1 is invalid: Input should be greater than or equal to 0; use an "
+                      "integer from 0 to 4294967295 (2**32 - 1)"),
+    "seed too large": ([f"train.seed={2**32}"],
+                       "config value train.seed=4294967296 is invalid: Input should be less than or equal to "
+                       "4294967295; use an integer from 0 to 4294967295 (2**32 - 1)"),
+    "infinite grad clip": (["train.grad_clip=.inf"],
+                           "config value train.grad_clip=inf is invalid: Input should be a finite number; use a finite "
+                           "number >= 0 (0 disables clipping)"),
 }
+
+# A fresh tiny policy on the bundled prompts: each RL run below takes seconds.
+TINY_RL = ["rl", "model.name_or_path=null", "model.config.model_type=llama", "model.config.hidden_size=32",
+           "model.config.intermediate_size=64", "model.config.num_hidden_layers=2",
+           "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2", "tokenizer.type=char",
+           "rl.prompts_per_step=4", "rl.group_size=4", "train.micro_batch_size=8", "train.max_steps=2",
+           "eval.path=null", "logging.progress=false"]
+FAILING_REWARDS = REPO / "tests" / "rl" / "failing_rewards.py"
 
 
 # Every case below is an independent `isotrain` process: they run side by side, one per CPU core,
 # once per module (cli_runs), and each test checks its own process.
 OTHER_COMMANDS = ("override without value", "missing config file", "invalid yaml", "all rows malformed",
-                  "empty data file", "debug", "config show")
+                  "empty data file", "debug", "config show", "duplicate section", "diverging lr", "reward always fails",
+                  "reward sometimes fails")
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +85,22 @@ def cli_runs(tmp_path_factory):
     commands["debug"] = ["--debug", "train", "train.lrr=1"]
     commands["config show"] = ["config", "show", "train.global_batch_size=64", "train.micro_batch_size=8",
                                "--world-size", "2"]
+    commands["duplicate section"] = ["train", write(root / "twice.yaml", "model:\n  config: {model_type: llama}\n"
+                                                    "train:\n  lr: 1.0e-3\ndata:\n  packing: true\ntrain:\n  max_steps: 3\n")]
+    # lr=1e30: the first update throws the weights to ~1e30, the next step's gradients are NaN.
+    commands["diverging lr"] = ["train", *TINY_RUN, "train.lr=1e30", "train.max_steps=4", "checkpoint.every_steps=1",
+                                f"output_dir={root / 'diverging' / 'run'}"]
+    commands["reward always fails"] = [*TINY_RL, f"rl.reward={FAILING_REWARDS}:always_raises",
+                                       "checkpoint.every_steps=1", f"output_dir={root / 'reward-fails' / 'run'}"]
+    commands["reward sometimes fails"] = [*TINY_RL, f"rl.reward={FAILING_REWARDS}:raises_on_odd_answers",
+                                          f"output_dir={root / 'reward-sometimes' / 'run'}"]
     assert set(commands) == {*CASES, *OTHER_COMMANDS}
-    return run_concurrently({name: functools.partial(isotrain_cli, args) for name, args in commands.items()})
+    # The training runs take longest: they start first.
+    slow = ["diverging lr", "reward always fails", "reward sometimes fails"]
+    order = [*slow, *(name for name in commands if name not in slow)]
+    runs = run_concurrently({name: functools.partial(isotrain_cli, commands[name]) for name in order})
+    runs["root"] = root
+    return runs
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -73,6 +115,13 @@ def assert_clean_error(proc, expected: str) -> None:
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and expected in " ".join(lines[0].split()), proc.stderr
+
+
+def assert_error_sentence(proc, sentence: str) -> None:
+    """Exit code 2 and exactly `error: <sentence>` on stderr, nothing else."""
+    assert_clean_error(proc, sentence)
+    assert proc.returncode == 2
+    assert " ".join(proc.stderr.split()) == f"error: {sentence}"
 
 
 def test_override_without_value(cli_runs):
@@ -105,3 +154,49 @@ def test_config_show_prints_derived_sizes(cli_runs):
     assert proc.returncode == 0, proc.stderr
     assert "# grad_accum_steps: 4" in proc.stdout and "# dp_size: 2" in proc.stdout
     assert "global_batch_size: 64" in proc.stdout
+
+
+def test_a_section_written_twice_is_refused(cli_runs):
+    path = cli_runs["root"] / "twice.yaml"
+    assert_error_sentence(cli_runs["duplicate section"], f"config file {str(path)!r} writes 'train' twice "
+                          "(lines 3 and 7); YAML would silently drop the first: merge them into one")
+
+
+def test_a_non_finite_gradient_stops_before_the_update_and_saves_nothing_non_finite(cli_runs):
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    assert_error_sentence(cli_runs["diverging lr"], "step 2: the gradient norm is nan; the run stopped before this "
+                          "update, so the weights and every saved checkpoint stay finite; lower train.lr or check "
+                          "the data")
+    run = cli_runs["root"] / "diverging" / "run"
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step-00000001"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-00000001"]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    files = sorted(checkpoints.rglob("*.safetensors"))
+    assert files
+    for path in files:
+        for name, tensor in load_file(path).items():
+            assert torch.isfinite(tensor.double()).all(), (path, name)
+    # The first update really was huge: the guard, not luck, kept the weights finite.
+    weights = load_file(checkpoints / "step-00000001" / "model.safetensors")
+    assert max(float(t.abs().max()) for t in weights.values()) > 1e20
+
+
+def test_a_reward_that_always_fails_stops_the_run(cli_runs):
+    assert_error_sentence(cli_runs["reward always fails"], "step 1: the reward function failed on all 16 samples of "
+                          "this step, first with ValueError: cannot score '64'; fix "
+                          f"rl.reward='{FAILING_REWARDS}:always_raises' and run again")
+    assert not (cli_runs["root"] / "reward-fails" / "run" / "checkpoints" / "latest").exists()
+
+
+def test_a_reward_that_sometimes_fails_is_shown_once(cli_runs):
+    proc = cli_runs["reward sometimes fails"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = ("the reward function raised KeyError: 'odd answer' on a sample; such samples are scored 0 and counted "
+             "in the metric reward_errors")
+    assert proc.stdout.count(shown) == 1, proc.stdout
+    assert proc.stdout.count("KeyError") == 1

@@ -120,6 +120,16 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
             buf.copy_(buffers[name])
 
 
+def empty_model(config, model_class=AutoModelForCausalLM) -> nn.Module:
+    """The whole model in this process with uninitialised parameters (real buffers, ties kept): for a copy
+    whose weights arrive later (a rollout engine). Draws nothing from the RNGs, so building it never
+    shifts a seeded or resumed run's random stream."""
+    with parameters_on_meta():
+        model = model_class.from_config(config, dtype=torch.float32)
+    _materialise(model, torch.device("cpu"))
+    return model
+
+
 def build(cfg: ModelConfig, tokenizer, seed: int, parallel: ParallelState, device: torch.device, *,
           model_class=AutoModelForCausalLM, compute_dtype: torch.dtype | None = None, compile: bool = False,
           activation_checkpointing: bool = False, loss_parallel: bool = False, trainable: bool = True,

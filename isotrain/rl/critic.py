@@ -70,5 +70,5 @@ def critic_step(critic, optimizer, mbs: list[dict], denominator: float, ctx, lr:
 
     loss = accumulate_gradients(critic, mbs, loss_sum, denominator, ctx.options, ctx.device)
     parameters = [p for p in critic.parameters() if p.requires_grad]
-    norm = optimizer_step(optimizer, parameters, lr, ctx.cfg.train.grad_clip)
+    norm = optimizer_step(optimizer, parameters, lr, ctx.cfg.train.grad_clip, loss, of="the critic's ")
     return loss, norm, stats

@@ -30,8 +30,9 @@ class RoundStats:
     rounds: int = 0
     filtered_groups: int = 0  # groups dropped by dynamic sampling (all scores equal)
     filler_groups: int = 0  # dropped groups used anyway because the round bound was reached
-    reward_errors: int = 0  # samples whose reward function failed (scored 0)
-    first_error: str | None = None
+    reward_errors: int = 0  # samples whose reward function failed (scored 0), over all ranks
+    num_scored: int = 0  # samples scored, over all ranks
+    first_error: str | None = None  # "ValueError: ..." of this rank's first failure
 
 
 def encode_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -67,7 +68,9 @@ def generate_round(engine, tokenizer, prompts: PromptSet, stream: PromptStream, 
         stats.first_error = scored.first_error
     local = RolloutBatch(sample_prompts, out.prompt_ids, out.response_ids, out.response_logprobs, out.truncated,
                          list(scored.rewards), rewards)
-    return all_gather_rollout(local, dp_group)
+    gathered = all_gather_rollout(local, dp_group)
+    stats.num_scored += len(gathered)
+    return gathered
 
 
 def _groups(batch: RolloutBatch, n: int) -> list[RolloutBatch]:

@@ -22,12 +22,13 @@ from types import SimpleNamespace
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from isotrain.checkpoint.files import atomic_write_text
 from isotrain.checkpoint.manager import MODEL_DIR, CheckpointContract, CheckpointManager
 from isotrain.config import Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
-from isotrain.errors import ConfigError
+from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.build import build
 from isotrain.models.loading import check_layout_fits, count_parameters, model_config
 from isotrain.parallel.dims import resolve_dims
@@ -190,7 +191,8 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
                               options=step_options(cfg, parallel, loss_parallel=False), pad_id=tokenizer.pad_token_id,
                               before_update=checkpoints.before_update, reward_fn=reward_fn, tokenizer=tokenizer,
                               prompts=prompts, stream=stream, reference=reference, engine=engine, info=info,
-                              held_out=held_out, log=log, critic=critic, critic_optimizer=critic_optimizer)
+                              held_out=held_out, log=log, critic=critic, critic_optimizer=critic_optimizer,
+                              reward_error_shown=False)
         writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=state.step)
         try:
             run_loop(cfg, info, state, functools.partial(rl_step, ctx, model, optimizer), checkpoints, writer,
@@ -281,6 +283,7 @@ def rl_step(ctx, model, optimizer, state: RunState) -> dict:
     batch, rounds = collect(ctx.engine, ctx.tokenizer, ctx.prompts, ctx.stream, counters["prompt_rounds"], rl,
                             ctx.reward_fn, cfg.train.seed, ctx.rank, plan.dp_size, ctx.options.dp_group)
     generate_s = time.perf_counter() - start
+    _refuse_failed_rewards(ctx.cfg.rl.reward, rounds)
     old, ref, values, logprob_s = _trainer_logprobs(ctx, model, batch)
     token_advantages, returns = advantages(batch, rl, old, ref, values)
     per_token = {"advantages": token_advantages, "old_logprobs": old, "ref_logprobs": ref,
@@ -303,11 +306,29 @@ def rl_step(ctx, model, optimizer, state: RunState) -> dict:
     counters["tokens_seen"] += totals.input_tokens
     counters["trained_tokens"] += int(totals.stats[0])
     counters["samples_seen"] += totals.samples
-    if rounds.reward_errors and ctx.info.is_main:
-        ctx.log(f"[yellow]step {state.step + 1}: the reward function failed on {rounds.reward_errors} "
-                f"sample(s), scored 0[/]")
+    _report_reward_errors(ctx, state.step + 1, rounds)
     return _metrics_row(counters, batch, rounds, totals, ctx.critic is not None, time.perf_counter() - start,
                         {"generate_s": generate_s, "logprob_s": logprob_s, "update_s": update_s, "sync_s": sync_s})
+
+
+def _refuse_failed_rewards(reward: str, rounds) -> None:
+    """A rollout whose every reward failed has no signal to learn from: stop before updating on it.
+    Both counts are global, so every rank stops at the same step."""
+    if rounds.num_scored and rounds.reward_errors == rounds.num_scored:
+        raise TrainingError(f"the reward function failed on all {rounds.num_scored} samples of this step, first "
+                            f"with {rounds.first_error}; fix rl.reward={reward!r} and run again")
+
+
+def _report_reward_errors(ctx, step: int, rounds) -> None:
+    """Some samples' rewards failed (scored 0): show the first exception once per run, then only counts."""
+    if not rounds.reward_errors:
+        return
+    if rounds.first_error is not None and not ctx.reward_error_shown:
+        ctx.reward_error_shown = True
+        ctx.log(f"[yellow]step {step}: the reward function raised {escape(rounds.first_error)} on a sample; such "
+                "samples are scored 0 and counted in the metric reward_errors[/]")
+    else:
+        ctx.log(f"[yellow]step {step}: the reward function failed on {rounds.reward_errors} sample(s), scored 0[/]")
 
 
 def _metrics_row(counters: dict, batch, rounds, totals: UpdateTotals, with_critic: bool, step_s: float,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from isotrain.models.unwrap import unwrap
 from isotrain.models.weights import tensor_sha256
@@ -85,9 +85,11 @@ class HFEngine:
     @classmethod
     def from_config(cls, config: PretrainedConfig, tokenizer, batch_size: int = 64) -> HFEngine:
         """An engine with no usable weights yet (all stale): call update_weights before generate."""
+        from isotrain.models.build import empty_model
+
         engine = cls.__new__(cls)
-        engine._setup(AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer, batch_size)
-        engine.release_memory()  # the random initialisation must never produce a rollout
+        engine._setup(empty_model(config), tokenizer, batch_size)
+        engine.release_memory()  # uninitialised weights must never produce a rollout
         return engine
 
     def _setup(self, model: PreTrainedModel, tokenizer, batch_size: int) -> None:

@@ -140,7 +140,7 @@ def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, ste
             totals.stats += all_reduce_sum(stats, ctx.options.dp_group).cpu()
             ctx.before_update()
             totals.lr = lr_of(totals.num_updates)
-            totals.grad_norm_sum += optimizer_step(optimizer, parameters, totals.lr, cfg.train.grad_clip)
+            totals.grad_norm_sum += optimizer_step(optimizer, parameters, totals.lr, cfg.train.grad_clip, loss)
             if getattr(ctx, "critic", None) is not None:
                 critic_loss, _, critic_stats = critic_step(ctx.critic, ctx.critic_optimizer, mbs, denominator, ctx,
                                                            rl.critic_lr or totals.lr)

@@ -5,6 +5,7 @@
         evaluation every `eval_every` steps (not after the last: the recipe evaluates its final model)
         a metrics row every train.log_every steps and after the last step; the progress bar
         a stop signal on any rank -> save (when checkpoints are on) and end after this step
+        a refused step (TrainingError: a non-finite loss, ...) -> let the last save finish, stop with the step named
         otherwise save when the checkpoint manager says one is due
 
 Recipes differ only in what a step does; when to log, evaluate, save and stop is decided here.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from isotrain.errors import TrainingError
 from isotrain.train.metrics import ProgressBar
 from isotrain.train.stop import GracefulStop
 
@@ -49,7 +51,12 @@ def run_loop(cfg, info, state: RunState, step_fn: StepFn, checkpoints, writer, c
     enabled = info.is_main and cfg.logging.progress
     with GracefulStop() as stop, ProgressBar(max_steps, enabled, console, state.step) as bar:
         while state.step < max_steps:
-            row = step_fn(state)
+            try:
+                row = step_fn(state)
+            except TrainingError as err:
+                # Every rank refuses the same step (its values are global); the previous checkpoint commits.
+                checkpoints.wait()
+                raise TrainingError(f"step {state.step + 1}: {err}") from None
             if after_first_step is not None and state.step == first_step:
                 after_first_step()
             state.step += 1

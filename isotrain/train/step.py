@@ -7,7 +7,8 @@ Order of a step (the invariant each stage keeps is in brackets):
      (SUM) only on the last micro-batch [gradient = gradient of the global mean];
   3. all-reduce the summed loss values over DP [the logged loss is the global value];
   4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
-     global grad norm (per mesh, then combined), clip, set the lr for this step, optimizer step.
+     global grad norm (per mesh, then combined), clip, set the lr for this step, optimizer step;
+     a NaN or infinite loss or norm stops the run before the update [weights and checkpoints stay finite].
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
+from isotrain.errors import TrainingError
 from isotrain.parallel.dist import all_reduce_sum
 from isotrain.parallel.apply import sync_replica_grads
 from isotrain.train.loss import loss_weights, token_losses
@@ -174,8 +176,24 @@ def grad_norm_and_clip(parameters: list[nn.Parameter], max_norm: float) -> float
     return total
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter], lr: float, grad_clip: float) -> float:
+def check_finite(loss: float, grad_norm: float, of: str = "") -> None:
+    """Refuse an update computed from a NaN or infinite loss or gradient norm.
+
+    Both values are global (all-reduced) floats already on the host, so every rank refuses the same
+    step and the check costs no synchronisation. Raised before the optimizer changes a weight, so the
+    weights, and every checkpoint saved before, stay finite. `of`: whose loss ("the critic's ")."""
+    for name, value in (("loss", loss), ("gradient norm", grad_norm)):
+        if not math.isfinite(value):
+            raise TrainingError(f"{of or 'the '}{name} is {value}; the run stopped before this update, so the "
+                                "weights and every saved checkpoint stay finite; lower train.lr or check the data")
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter], lr: float, grad_clip: float,
+                   loss: float, of: str = "") -> float:
+    """Clip and apply the accumulated gradients of `loss` (its global value); returns the gradient norm.
+    Raises TrainingError, before any update, when the loss or the norm is not finite."""
     norm = grad_norm_and_clip(parameters, grad_clip)
+    check_finite(loss, norm, of)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -198,7 +216,7 @@ def train_step(
     if before_update is not None:
         before_update()
     parameters = [p for p in model.parameters() if p.requires_grad]
-    norm = optimizer_step(optimizer, parameters, lr, options.grad_clip)
+    norm = optimizer_step(optimizer, parameters, lr, options.grad_clip, loss)
     return StepResult(
         loss=loss, grad_norm=norm, num_input_tokens=counts[0], num_trained_tokens=counts[1], num_samples=counts[3]
     )

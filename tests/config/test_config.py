@@ -1,8 +1,10 @@
 """Config loading: overrides, unknown keys, types, and the one batch-size derivation."""
 
+import re
+
 import pytest
 
-from isotrain.config import build_config, load_config, parse_override
+from isotrain.config import build_config, load_config, parse_override, read_yaml
 from isotrain.errors import ConfigError
 from isotrain.parallel.dims import resolve_dims
 from isotrain.sizes import plan_batches
@@ -64,3 +66,34 @@ def test_degrees_fill_and_mismatch():
     assert resolve_dims(ParallelConfig(), 3).dp_replicate == 3
     with pytest.raises(ConfigError, match="but 4 processes were launched"):
         resolve_dims(ParallelConfig(dp_replicate=2, dp_shard=1), 4)
+
+
+def test_the_edges_of_the_value_ranges_are_accepted():
+    cfg = load_config(None, ["train.seed=4294967295", "train.betas=[0,0.999]", "train.grad_clip=0", "train.lr=1e30"])
+    assert (cfg.train.seed, cfg.train.betas, cfg.train.grad_clip, cfg.train.lr) == (2**32 - 1, (0.0, 0.999), 0.0, 1e30)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.eps=.nan", "config value train.eps=nan is invalid: Input should be a finite number; use a finite number > 0"),
+    ("train.betas=[0.9,.inf]", "train.betas=[0.9, inf] is invalid: each AdamW beta must be in [0, 1)"),
+    ("rl.critic_lr=.inf", "config value rl.critic_lr=inf is invalid: Input should be a finite number"),
+])
+def test_non_finite_optimizer_settings_are_refused(override, expected):
+    with pytest.raises(ConfigError, match="^" + re.escape(expected)):
+        load_config(None, [override])
+
+
+def test_a_key_written_twice_is_refused_with_its_lines(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("model:\n  config:\n    model_type: llama\ntrain:\n  lr: 1.0e-3\n  seed: 1\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match=re.escape("writes 'lr' twice (lines 5 and 7)")):
+        load_config(path)
+    path.write_text("model: {config: {model_type: llama}, config: {model_type: qwen2}}\n")
+    with pytest.raises(ConfigError, match=re.escape("writes 'config' twice (lines 1 and 1)")):
+        load_config(path)
+
+
+def test_a_yaml_merge_key_may_still_be_overridden(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("optim: &base {lr: 1.0e-3, seed: 1}\ntrain:\n  <<: *base\n  lr: 2.0e-3\n")
+    assert read_yaml(path)["train"] == {"lr": 2.0e-3, "seed": 1}

@@ -120,7 +120,7 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
             first_grads = {n: full(p.grad) for n, p in unwrap(model).named_parameters()}
         losses.append(loss)
         counts.append(step_counts)
-        optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0)
+        optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0, loss=loss)
         if step == 0:
             check_replicated(model, parallel.tp_group)
     weights = {n: full(p) for n, p in unwrap(model).named_parameters()}

@@ -64,6 +64,8 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoint import reset_peak_rss, rss_bytes  # bench/ is the script's folder, so on sys.path
+
 CORES = 2
 SEQ_LEN = 256
 VOCAB = 8192
@@ -79,19 +81,6 @@ LAYOUTS = {  # key: (label, (dp_replicate, dp_shard, tp))
 
 
 # ----- memory -------------------------------------------------------------------------------
-def status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current VmRSS (Linux >= 4.0)
-
-
 def release_free_heap() -> None:
     """Give malloc's free pages back to the system, so that start-up cannot reuse memory that an earlier
     allocation left resident (its peak would then look smaller than its allocations)."""
@@ -185,12 +174,12 @@ def run_worker(args) -> None:
     release_free_heap()
 
     barrier()
-    base_rss = status_bytes("VmRSS")
+    base_rss = rss_bytes("VmRSS")
     reset_peak_rss()
     start = time.perf_counter()
     model, optimizer = prepare_model(cfg, info, tokenizer, parallel)
     startup_s = time.perf_counter() - start
-    startup_peak = status_bytes("VmHWM") - base_rss
+    startup_peak = rss_bytes("VmHWM") - base_rss
     own_bytes, model_bytes, largest_bytes = parameter_bytes(model)
 
     barrier()
@@ -210,7 +199,7 @@ def run_worker(args) -> None:
         if step == 0:  # as the trainer does: TP replicas that drifted apart would make the numbers meaningless
             check_replicated(model, parallel.tp_group)
     rank = {"rank": info.rank, "startup_s": startup_s, "base_rss_bytes": base_rss, "startup_peak_bytes": startup_peak,
-            "train_peak_bytes": status_bytes("VmHWM"), "own_param_bytes": own_bytes, "step_s": step_s}
+            "train_peak_bytes": rss_bytes("VmHWM"), "own_param_bytes": own_bytes, "step_s": step_s}
     ranks = [rank]
     if dist.is_initialized():
         ranks = [None] * info.world_size

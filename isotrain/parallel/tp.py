@@ -32,10 +32,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from isotrain.errors import ConfigError, IsotrainError
 
-# Plans of families whose transformers config ships none (keys relative to the base model, as in transformers).
-ISOTRAIN_PLANS: dict[str, dict[str, str]] = {}
-
-
 class ReplicateParallel(ParallelStyle):
     """Parameters as `Replicate` DTensors; the module computes on local views of them.
 
@@ -99,12 +95,11 @@ def _style(name: str, where: str) -> ParallelStyle:
 
 def layer_plan(config) -> dict[str, str]:
     """The model family's plan for its decoder layers, keys relative to the base model (`layers.*.mlp.up_proj`)."""
-    plan = getattr(config, "base_model_tp_plan", None) or ISOTRAIN_PLANS.get(config.model_type)
+    plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
-        known = sorted(ISOTRAIN_PLANS)
         raise ConfigError(
-            f"model type {config.model_type!r} has no tensor-parallel plan (neither transformers nor isotrain ships "
-            f"one{'; isotrain adds: ' + ', '.join(known) if known else ''}); use parallel.tp=1 for this model"
+            f"model type {config.model_type!r} has no tensor-parallel plan (its transformers config ships none); "
+            "use parallel.tp=1 for this model"
         )
     for where, name in plan.items():
         if name not in STYLES:

@@ -8,6 +8,7 @@ LAYOUTS: RxSxT[,...] (dp_replicate x dp_shard x tp).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -95,10 +96,15 @@ def main() -> None:
             gathered = [None] * info.world_size
             torch.distributed.all_gather_object(gathered, (mine, whole, model_bytes))
             results[layout] = gathered
-    if info.is_distributed:
-        shutdown_distributed()
     if info.is_main:
         torch.save(results, out)
+    if info.is_distributed:
+        shutdown_distributed()
+    # Skip the interpreter's teardown: once, a rank aborted there ("terminate called without an active
+    # exception", a C++ thread destroyed at exit) after its work was done and the results were saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,22 @@ from isotrain.config import ModelConfig
 from isotrain.errors import ConfigError
 
 
-def _fresh_config(cfg: ModelConfig, tokenizer):
+def _mapping_config(cfg: ModelConfig):
+    """The transformers config `model.config` describes, before the tokenizer has a say."""
     mapping = dict(cfg.config)
     model_type = mapping.pop("model_type")
     try:
-        config = AutoConfig.for_model(model_type, **mapping)
+        return AutoConfig.for_model(model_type, **mapping)
     except ValueError:
         raise ConfigError(
             f"model.config.model_type={model_type!r} is not a transformers model type; use e.g. llama, qwen2 or qwen3"
         ) from None
+
+
+def _fresh_config(cfg: ModelConfig, tokenizer):
+    config = _mapping_config(cfg)
     # The tokenizer decides the vocabulary unless the config asks for more rows (e.g. padding to 64).
-    config.vocab_size = max(mapping.get("vocab_size") or 0, len(tokenizer))
+    config.vocab_size = max(cfg.config.get("vocab_size") or 0, len(tokenizer))
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(config, name, getattr(tokenizer, name))
     return config
@@ -53,11 +58,7 @@ def check_layout_fits(cfg: ModelConfig, dims) -> None:
     if cfg.name_or_path is not None:
         config = AutoConfig.from_pretrained(check_model_dir(cfg.name_or_path), local_files_only=True)
     else:
-        mapping = dict(cfg.config)
-        try:
-            config = AutoConfig.for_model(mapping.pop("model_type"), **mapping)
-        except ValueError:
-            return  # named by the builder with its own sentence
+        config = _mapping_config(cfg)
     # A fresh model's vocabulary is not known before the tokenizer exists; the builder checks it.
     check_model_fits(dims, config, check_vocab=cfg.name_or_path is not None)
     layer_plan(config)

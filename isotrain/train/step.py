@@ -7,7 +7,7 @@ Order of a step (the invariant each stage keeps is in brackets):
      (SUM) only on the last micro-batch [gradient = gradient of the global mean];
   3. all-reduce the summed loss values over DP [the logged loss is the global value];
   4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
-     global grad norm (per mesh, then combined), clip, set the lr for this step, optimizer step;
+     global grad norm (every element counted once, one fp64 all-reduce), clip, set the lr, optimizer step;
      a NaN or infinite loss or norm stops the run before the update [weights and checkpoints stay finite].
 """
 

@@ -71,7 +71,8 @@ def _warm_start(cfg) -> None:
 
 def cmd_config_show(args) -> int:
     from isotrain.config import dump_config, load_config
-    from isotrain.models.loading import check_layout_fits
+    from isotrain.errors import ConfigError
+    from isotrain.models.loading import check_layout_fits, checked_config
     from isotrain.parallel.dims import resolve_dims
     from isotrain.sizes import pin_rl_global_batch, plan_batches, plan_rl_batches
 
@@ -80,7 +81,10 @@ def cmd_config_show(args) -> int:
     path, overrides = _split_config_and_overrides(args)
     cfg = load_config(path, overrides, default=default_rl_recipe_path() if args.rl else None)
     world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
+    if world_size < 1:
+        raise ConfigError(f"--world-size {world_size} is invalid; pass the number of processes, 1 or more")
     degrees = resolve_dims(cfg.parallel, world_size)
+    checked_config(cfg)
     check_layout_fits(cfg.model, degrees)
     if args.rl or "rl" in cfg.model_fields_set:  # an RL config: its global batch is derived from the rl section
         plan = plan_rl_batches(cfg, degrees)

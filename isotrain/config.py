@@ -72,8 +72,9 @@ class ModelConfig(Section):
         "float32",
         description="Compute dtype. `bfloat16` keeps fp32 master weights and optimizer state (mixed precision).",
     )
-    attn_implementation: Literal["sdpa", "eager"] = Field(
-        "sdpa", description="Attention kernel passed to transformers."
+    attn_implementation: Literal["sdpa", "eager"] | None = Field(
+        None, description="Attention kernel passed to transformers; default: `sdpa` where the model supports it, "
+        "else `eager`."
     )
 
     @model_validator(mode="after")
@@ -111,7 +112,11 @@ class DataConfig(Section):
         description="Row format: `text` ({text}), `prompt_completion` ({prompt, completion}; prompt masked "
         "from the loss) or `chat` ({messages: [{role, content}]}; only assistant turns trained).",
     )
-    max_seq_len: int = Field(512, gt=1, description="Maximum tokens per training sequence; longer rows are truncated.")
+    max_seq_len: int = Field(
+        512, gt=1,
+        description="Maximum tokens per training sequence (RL: prompt + response); longer rows are truncated. It must "
+        "fit the model's positions; left unset, it is lowered to them when the model has fewer than 512.",
+    )
     packing: bool = Field(
         False,
         description="Pack several rows into each sequence (per-document position ids, no attention or labels "
@@ -233,6 +238,11 @@ class CheckpointConfig(Section):
     load_only: Literal["model"] | None = Field(
         None, description="`model`: take only the weights of the resumed checkpoint and start a new run at step 0."
     )
+    ignore_keys: list[str] = Field(
+        [],
+        description="With `load_only: model`: tensor names (fnmatch patterns, e.g. `lm_head.*`) the checkpoint may "
+        "lack, hold extra or hold in another shape; they are not loaded and keep their fresh initialisation.",
+    )
     allow_changes: list[Literal["global_batch_size", "seed", "data", "tokenizer"]] = Field(
         [],
         description="Resume even though these differ from the checkpoint (they change the data order or the math).",
@@ -243,6 +253,11 @@ class CheckpointConfig(Section):
         if self.load_only is not None and self.resume in ("auto", "never"):
             raise ValueError(
                 "checkpoint.load_only=model needs checkpoint.resume set to the path of a checkpoint directory"
+            )
+        if self.ignore_keys and self.load_only is None:
+            raise ValueError(
+                "checkpoint.ignore_keys applies to a partial start from a checkpoint's weights; set "
+                "checkpoint.load_only=model too (a full resume restores every tensor)"
             )
         return self
 

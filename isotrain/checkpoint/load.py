@@ -7,6 +7,7 @@ of a block that cuts trailing dims), so a checkpoint saved on N ranks loads on M
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import os
@@ -102,6 +103,7 @@ class CheckpointReader:
         self._where: dict[str, Path] = {}
         self._files: dict[Path, tuple[int, int, dict]] = {}  # fd, first data byte, header
         self._index(MODEL_INDEX, "model.safetensors")
+        self.model_keys = frozenset(self._where)  # the Hugging Face model files' tensors
         self._index(OPTIMIZER_INDEX, "train_state/optimizer.safetensors")
 
     def _index(self, index_name: str, single_name: str) -> None:
@@ -254,13 +256,25 @@ _RESUME_HINT = "resume with the checkpoint's model.config or set checkpoint.resu
 
 
 def check_model_shapes(reader: CheckpointReader, model: nn.Module, prefix: str = "", what: str = "checkpoint",
-                       hint: str = _RESUME_HINT, skip: frozenset[str] = frozenset()) -> None:
-    """Refuse a checkpoint whose tensors do not match the model's names and shapes (`skip`: not loaded here)."""
+                       hint: str = _RESUME_HINT, skip: frozenset[str] = frozenset(), strict: bool = False,
+                       ignored: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint whose tensors do not match the model's names and shapes (`skip`: not loaded here).
+
+    `strict`: the model files may hold no tensor the model lacks either (a Qwen2 checkpoint's attention biases
+    would otherwise be dropped without a word when loaded into a Llama); names matching a pattern of
+    `ignored` (checkpoint.ignore_keys) are exempt."""
     tensors = {name: t for name, t in model_tensors(model).items() if name not in skip}
     missing = [name for name in tensors if f"{prefix}{name}" not in reader]
     if missing:
         raise CheckpointError(f"{what} {reader.directory} has no tensor {prefix}{missing[0]!r} ({len(missing)} "
                               f"missing); it was saved from a different model: {hint}")
+    if strict:
+        known = set(model_tensors(model))
+        extra = sorted(key for key in reader.model_keys if key not in known and not matches(key, ignored))
+        if extra:
+            raise CheckpointError(f"{what} {reader.directory} holds {len(extra)} tensor(s) the model does not have, "
+                                  f"first {extra[0]!r}; it was saved from a different model: {hint}, or list them "
+                                  "in checkpoint.ignore_keys to load the rest on purpose")
     for name, tensor in tensors.items():
         saved = reader.shape(f"{prefix}{name}")
         if saved != tuple(tensor.shape):
@@ -268,14 +282,22 @@ def check_model_shapes(reader: CheckpointReader, model: nn.Module, prefix: str =
                                   f"{list(tensor.shape)}; {hint}")
 
 
+def matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
 def load_model(reader: CheckpointReader, model: nn.Module, rank: int, what: str = "checkpoint",
-               hint: str = _RESUME_HINT, skip: frozenset[str] = frozenset()) -> None:
+               hint: str = _RESUME_HINT, skip: frozenset[str] = frozenset(), strict: bool = False,
+               ignored: tuple[str, ...] = ()) -> None:
     """Weights from the fp32 master copies when the model files are in a lower precision; each rank
-    reads its own part of each tensor. `skip`: tensors the caller fills itself."""
+    reads its own part of each tensor. `skip`: tensors the caller fills itself. With `strict`, names and
+    shapes must match both ways; tensors matching `ignored` are neither required nor loaded (they keep
+    the model's own values)."""
+    skip = skip | {name for name in model_tensors(model) if matches(name, ignored)}
     tensors = {name: t for name, t in model_tensors(model).items() if name not in skip}
     floating = [name for name in tensors if tensors[name].is_floating_point()]
     use_master = bool(floating) and all(f"master.{name}" in reader for name in floating)
-    check_model_shapes(reader, model, what=what, hint=hint, skip=skip)
+    check_model_shapes(reader, model, what=what, hint=hint, skip=skip, strict=strict, ignored=ignored)
     for name, tensor in tensors.items():
         source = f"master.{name}" if use_master and tensor.is_floating_point() else name
         _read_into(reader, source, tensor, rank)

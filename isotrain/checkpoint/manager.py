@@ -227,9 +227,13 @@ class CheckpointManager:
                         f"to {choice} (an HF model directory) instead")
                 load_adapter(reader, self.model, self.rank)  # the frozen base comes from model.name_or_path
             else:
-                load_model(reader, self.model, self.rank)
+                load_model(reader, self.model, self.rank, strict=True,
+                           ignored=tuple(self.cfg.checkpoint.ignore_keys))
             if weights_only:
-                self.log(f"started from the weights of {choice} (step {state['step']}); optimizer and counters are new")
+                kept = f"; tensors matching checkpoint.ignore_keys keep their fresh values" \
+                    if self.cfg.checkpoint.ignore_keys else ""
+                self.log(f"started from the weights of {choice} (step {state['step']}); optimizer and counters are "
+                         f"new{kept}")
                 return Resumed(Path(choice), 0, {}, True)
             load_optimizer(reader, self.model, self.optimizer, self.rank)
             for prefix, model, optimizer in self.contract.components:

@@ -29,19 +29,20 @@ class RowsResult:
         return len(self.rows) + len(self.skipped)
 
 
-def read_rows(path: str, fmt: str) -> RowsResult:
-    """Every valid row of `path` for data format `fmt`, plus the skipped ones with reasons."""
+def read_rows(path: str, fmt: str, field: str = "data.path") -> RowsResult:
+    """Every valid row of `path` for data format `fmt`, plus the skipped ones with reasons; messages name the
+    setting `field` (data.path, eval.path) that points at the file."""
     if fmt not in FORMATS:
         raise DataError(f"data.format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
-    source = check_source(path)
+    source = check_source(path, field)
     if source.is_dir():
-        raw, unit = _enumerate(_read_saved_dataset(source)), "row"
+        raw, unit = _enumerate(_read_saved_dataset(source, field)), "row"
     elif source.suffix == ".jsonl":
         raw, unit = _read_jsonl(source), "line"
     elif source.suffix == ".json":
-        raw, unit = _enumerate(_read_json(source)), "row"
+        raw, unit = _enumerate(_read_json(source, field)), "row"
     else:  # .parquet, the only other kind check_source accepts
-        raw, unit = _enumerate(_read_parquet(source)), "row"
+        raw, unit = _enumerate(_read_parquet(source, field)), "row"
 
     result = RowsResult(rows=[], row_ids=[], unit=unit)
     for row_id, row, error in raw:
@@ -52,26 +53,26 @@ def read_rows(path: str, fmt: str) -> RowsResult:
         else:
             result.skipped.append((row_id, reason))
     if not result.rows:
-        raise DataError(_no_rows_message(path, fmt, result))
+        raise DataError(_no_rows_message(path, fmt, result, field))
     return result
 
 
-def check_source(path: str) -> Path:
+def check_source(path: str, field: str = "data.path") -> Path:
     """`path` as a Path if it names a readable kind of source, else a DataError saying what to use."""
     source = Path(path)
     if not path or not source.exists():
-        raise DataError(f"data.path {path!r} does not exist; point data.path at a {SUPPORTED}")
+        raise DataError(f"{field} {path!r} does not exist; point {field} at a {SUPPORTED}")
     if not source.is_dir() and source.suffix not in (".jsonl", ".json", ".parquet"):
-        raise DataError(f"data.path {path!r} has an unsupported extension {source.suffix!r}; use a {SUPPORTED}")
+        raise DataError(f"{field} {path!r} has an unsupported extension {source.suffix!r}; use a {SUPPORTED}")
     return source
 
 
-def _no_rows_message(path: str, fmt: str, result: RowsResult) -> str:
+def _no_rows_message(path: str, fmt: str, result: RowsResult, field: str) -> str:
     if not result.skipped:
-        return f"data.path {path!r} holds no rows; add {fmt!r} rows to it or point data.path at another file"
+        return f"{field} {path!r} holds no rows; add {fmt!r} rows to it or point {field} at another file"
     first_id, first_reason = result.skipped[0]
     return (
-        f"data.path {path!r} has no valid {fmt!r} rows: all {len(result.skipped)} rows were skipped "
+        f"{field} {path!r} has no valid {fmt!r} rows: all {len(result.skipped)} rows were skipped "
         f"(first: {result.unit} {first_id}: {first_reason}); fix the rows or set data.format to match the file"
     )
 
@@ -136,35 +137,35 @@ def _read_jsonl(path: Path):
                 yield line_number, None, f"invalid JSON ({err.msg} at column {err.colno})"
 
 
-def _read_json(path: Path) -> list:
+def _read_json(path: Path, field: str) -> list:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
-        raise DataError(f"data.path {str(path)!r} is not UTF-8 text; save it as UTF-8 JSON") from None
+        raise DataError(f"{field} {str(path)!r} is not UTF-8 text; save it as UTF-8 JSON") from None
     except json.JSONDecodeError as err:
         raise DataError(
-            f"data.path {str(path)!r} is not valid JSON ({err.msg} at line {err.lineno}); fix it or use one "
+            f"{field} {str(path)!r} is not valid JSON ({err.msg} at line {err.lineno}); fix it or use one "
             "object per line in a .jsonl file"
         ) from None
     if not isinstance(data, list):
         raise DataError(
-            f"data.path {str(path)!r} holds a JSON {type(data).__name__}, not a list of rows; "
+            f"{field} {str(path)!r} holds a JSON {type(data).__name__}, not a list of rows; "
             "write a JSON list of objects or a .jsonl file"
         )
     return data
 
 
-def _read_parquet(path: Path) -> list[dict]:
+def _read_parquet(path: Path, field: str) -> list[dict]:
     import pyarrow
     import pyarrow.parquet
 
     try:
         return pyarrow.parquet.read_table(path).to_pylist()
     except (OSError, pyarrow.ArrowException) as err:
-        raise DataError(f"data.path {str(path)!r} cannot be read as Parquet ({err}); re-export the file") from None
+        raise DataError(f"{field} {str(path)!r} cannot be read as Parquet ({err}); re-export the file") from None
 
 
-def _read_saved_dataset(path: Path) -> list[dict]:
+def _read_saved_dataset(path: Path, field: str) -> list[dict]:
     # `datasets` takes seconds to import, so only runs that read a saved dataset pay for it.
     import datasets
 
@@ -172,8 +173,8 @@ def _read_saved_dataset(path: Path) -> list[dict]:
         loaded = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError, OSError) as err:
         raise DataError(
-            f"data.path {str(path)!r} is a directory but not a dataset saved with save_to_disk ({err}); "
-            f"point data.path at a {SUPPORTED}"
+            f"{field} {str(path)!r} is a directory but not a dataset saved with save_to_disk ({err}); "
+            f"point {field} at a {SUPPORTED}"
         ) from None
     if isinstance(loaded, datasets.DatasetDict):
         splits = list(loaded)
@@ -183,6 +184,6 @@ def _read_saved_dataset(path: Path) -> list[dict]:
             loaded = loaded[splits[0]]
         else:
             raise DataError(
-                f"data.path {str(path)!r} holds splits {splits} but no 'train' split; save the training split alone"
+                f"{field} {str(path)!r} holds splits {splits} but no 'train' split; save the training split alone"
             )
     return loaded.to_list()

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from isotrain.checkpoint.state import box_index, shard_spec
 from isotrain.config import ModelConfig
+from isotrain.models.checks import attention_kernel
 from isotrain.models.loading import model_config
 from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dims import ParallelDims, check_model_fits
@@ -145,7 +146,8 @@ def build(cfg: ModelConfig, tokenizer, seed: int, parallel: ParallelState, devic
         setattr(config, key, value)
     check_model_fits(parallel.dims, config)
     with parameters_on_meta():
-        model = model_class.from_config(config, dtype=torch.float32, attn_implementation=cfg.attn_implementation)
+        model = model_class.from_config(config, dtype=torch.float32,
+                                        attn_implementation=attention_kernel(cfg, config, model_class))
     model.config.use_cache = False
     skeleton = copy.deepcopy(model)  # meta: a few KB of module objects
     model = parallelize(model, parallel, compute_dtype=compute_dtype, compile=compile,

@@ -10,22 +10,24 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from isotrain.config import ModelConfig
+from isotrain.config import Config, ModelConfig
 from isotrain.errors import ConfigError
+from isotrain.models.checks import (
+    attention_kernel,
+    check_causal_lm,
+    check_sizes,
+    config_from_mapping,
+    fit_max_seq_len,
+    read_config_json,
+)
 
 
 def _mapping_config(cfg: ModelConfig):
     """The transformers config `model.config` describes, before the tokenizer has a say."""
     mapping = dict(cfg.config)
-    model_type = mapping.pop("model_type")
-    try:
-        return AutoConfig.for_model(model_type, **mapping)
-    except ValueError:
-        raise ConfigError(
-            f"model.config.model_type={model_type!r} is not a transformers model type; use e.g. llama, qwen2 or qwen3"
-        ) from None
+    return config_from_mapping(mapping.pop("model_type"), mapping, "model.config")
 
 
 def _fresh_config(cfg: ModelConfig, tokenizer):
@@ -47,6 +49,30 @@ def check_model_dir(name_or_path: str) -> Path:
     return path
 
 
+def _directory_config(name_or_path: str):
+    path = check_model_dir(name_or_path)
+    mapping = read_config_json(path)
+    mapping.pop("transformers_version", None)
+    config = config_from_mapping(mapping.pop("model_type"), mapping, f"{path / 'config.json'}")
+    config.name_or_path = str(path)
+    return config
+
+
+def checked_config(cfg: Config):
+    """Before any work: the run's model config parses, is a causal LM with valid sizes, and its positions hold
+    `data.max_seq_len` (the default is lowered to fit). Returns the transformers config (vocabulary not yet
+    grown for the tokenizer)."""
+    fresh = cfg.model.name_or_path is None
+    config = _mapping_config(cfg.model) if fresh else _directory_config(cfg.model.name_or_path)
+    where = "model.config" if fresh else f"the model in {cfg.model.name_or_path!r}"
+    check_causal_lm(config, where)
+    check_sizes(config, "model.config" if fresh else f"{Path(cfg.model.name_or_path) / 'config.json'}",
+                cfg.model.config or {})
+    fit_max_seq_len(cfg.data, config, where, fresh)
+    attention_kernel(cfg.model, config, AutoModelForCausalLM)
+    return config
+
+
 def check_layout_fits(cfg: ModelConfig, dims) -> None:
     """Before any work: the model's heads, KV heads and MLP width split over `parallel.tp`, and the family has
     a tensor-parallel plan. (The vocabulary, known once the tokenizer exists, is checked when building.)"""
@@ -55,10 +81,7 @@ def check_layout_fits(cfg: ModelConfig, dims) -> None:
     from isotrain.parallel.dims import check_model_fits
     from isotrain.parallel.tp import layer_plan
 
-    if cfg.name_or_path is not None:
-        config = AutoConfig.from_pretrained(check_model_dir(cfg.name_or_path), local_files_only=True)
-    else:
-        config = _mapping_config(cfg)
+    config = _mapping_config(cfg) if cfg.name_or_path is None else _directory_config(cfg.name_or_path)
     # A fresh model's vocabulary is not known before the tokenizer exists; the builder checks it.
     check_model_fits(dims, config, check_vocab=cfg.name_or_path is not None)
     layer_plan(config)
@@ -72,8 +95,7 @@ def model_config(cfg: ModelConfig, tokenizer):
     """
     if cfg.name_or_path is None:
         return _fresh_config(cfg, tokenizer)
-    path = check_model_dir(cfg.name_or_path)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = _directory_config(cfg.name_or_path)
     config.vocab_size = max(config.vocab_size, len(tokenizer))
     return config
 

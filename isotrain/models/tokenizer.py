@@ -63,6 +63,10 @@ def load_tokenizer(path: str):
         raise ConfigError(f"tokenizer in {path!r} cannot be loaded ({err}); re-save it with save_pretrained") from None
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token is None:
+        raise ConfigError(f"the tokenizer in {path!r} has neither an eos nor a pad token; set its eos_token (the "
+                          "token that ends a document, e.g. tokenizer.eos_token = '</s>') and save it with "
+                          "save_pretrained")
     return tokenizer
 
 

@@ -52,9 +52,12 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
         fixed *= value if value != -1 else 1
     if auto:
         if world_size % fixed:
+            named = [f"parallel.{name}={value}" for name, value in degrees.items() if value not in (-1, 1)]
+            needs = " × ".join(named) + (f" = {fixed}" if len(named) > 1 else "")
+            launched = f"{world_size} process was" if world_size == 1 else f"{world_size} processes were"
             raise ConfigError(
-                f"world size {world_size} is not divisible by the fixed parallel degrees (product {fixed}); "
-                f"launch a multiple of {fixed} processes"
+                f"{needs} needs a multiple of {fixed} processes, but {launched} launched; launch a multiple of "
+                f"{fixed} (torchrun --nproc-per-node {fixed}) or lower {'that degree' if len(named) == 1 else 'those degrees'}"
             )
         degrees[auto[0]] = world_size // fixed
     dims = ParallelDims(**degrees)

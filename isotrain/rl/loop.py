@@ -30,7 +30,7 @@ from isotrain.config import Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.build import build
-from isotrain.models.loading import check_layout_fits, count_parameters, model_config
+from isotrain.models.loading import check_layout_fits, checked_config, count_parameters, model_config
 from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
@@ -38,7 +38,7 @@ from isotrain.parallel.tp import check_replicated
 from isotrain.rl.critic import build_critic, token_values
 from isotrain.rl.experience import all_gather_lists, response_logprobs
 from isotrain.rl.generate import collect, evaluate
-from isotrain.rl.prompts import PromptSet, PromptStream, read_prompts
+from isotrain.rl.prompts import PromptSet, PromptStream, check_rl_lengths, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
 from isotrain.rl.update import UpdateTotals, advantages, run_updates
 from isotrain.train.step import step_options
@@ -157,12 +157,14 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
     degrees = resolve_dims(cfg.parallel, info.world_size)
     plan = plan_rl_batches(cfg, degrees)  # invariant 7: every size checked before any work
     pin_rl_global_batch(cfg, plan)
+    checked_config(cfg)
     check_layout_fits(cfg.model, degrees)
     reward_fn = _reward_fn(cfg)
+    prompts = read_prompts(cfg.data.path)
+    held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples, "eval.path") if cfg.eval.path else None
     output_dir = start_run(cfg, info, console, plan, degrees)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
-    prompts = read_prompts(cfg.data.path)
-    held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples) if cfg.eval.path else None
+    check_rl_lengths(cfg, tokenizer, prompts, held_out)
     stream = PromptStream(len(prompts.prompts), plan.prompts_per_step, cfg.train.seed)
     parallel = build_parallel(degrees, info.device, info.rank)
     model, optimizer, reference = build_policy(cfg, info, tokenizer, parallel)

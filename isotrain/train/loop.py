@@ -22,7 +22,8 @@ from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.data.collate import collate
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import read_rows
-from isotrain.models.loading import check_layout_fits, count_parameters
+from isotrain.models.checks import check_prompt_room, max_positions
+from isotrain.models.loading import check_layout_fits, checked_config, count_parameters
 from isotrain.models.unwrap import unwrap
 from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import DistInfo, init_distributed, shutdown_distributed
@@ -115,8 +116,14 @@ def _metrics_row(run: Run, counters: dict, result, lr: float, step_s: float) -> 
     return row
 
 
-def _evaluate(cfg: Config, model, tokenizer, console) -> float | None:
-    rows = read_rows(cfg.eval.path, "prompt_completion").rows[: cfg.eval.max_samples]
+def _eval_rows(cfg: Config) -> list[dict] | None:
+    """The held-out rows, read at start so that a wrong eval.path is reported before training, not after."""
+    if cfg.eval.path is None:
+        return None
+    return read_rows(cfg.eval.path, "prompt_completion", "eval.path").rows[: cfg.eval.max_samples]
+
+
+def _evaluate(rows: list[dict], cfg: Config, model, tokenizer, console) -> float | None:
     accuracy = exact_match(model, tokenizer, rows, cfg.eval.max_new_tokens)
     console.print(f"exact-match accuracy on {len(rows)} held-out prompts: {accuracy:.1%}")
     return accuracy
@@ -126,14 +133,14 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     info = init_distributed()
     console = console or Console(stderr=False)
     try:
-        result, tokenizer = _train(cfg, info, console)
+        result, tokenizer, eval_rows = _train(cfg, info, console)
     finally:
         shutdown_distributed()
-    if info.is_main and cfg.eval.path is not None and not result.stopped:
+    if info.is_main and eval_rows is not None and not result.stopped:
         # Several processes: evaluate the saved directory once the process group is gone
         # (from_pretrained on one rank inside a group can hang in transformers 5).
         model = result.model if result.model is not None else _load_saved(result.model_dir)
-        result.accuracy = _evaluate(cfg, model, tokenizer, console)
+        result.accuracy = _evaluate(eval_rows, cfg, model, tokenizer, console)
     return result
 
 
@@ -151,14 +158,21 @@ def _start_state(resumed) -> RunState:
     return RunState(resumed.step, dict(resumed.counters))
 
 
-def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, object]:
+def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, object, list[dict] | None]:
     # soft_wrap: a line names paths whole, in a terminal and in a log file alike
     log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
     degrees = resolve_dims(cfg.parallel, info.world_size)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
+    model_cfg = checked_config(cfg)
     check_layout_fits(cfg.model, degrees)
+    eval_rows = _eval_rows(cfg)
     output_dir = start_run(cfg, info, console, plan, degrees)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
+    positions = max_positions(model_cfg)
+    if eval_rows and positions is not None:
+        check_prompt_room(tokenizer, [row["prompt"] for row in eval_rows], cfg.eval.max_new_tokens,
+                          "eval.max_new_tokens", positions, f"the model's {positions} positions",
+                          f"eval.path={cfg.eval.path!r}")
     dataset = prepare_data(cfg, info, tokenizer, log)
     parallel = build_parallel(degrees, info.device, info.rank)
     model, optimizer = prepare_model(cfg, info, tokenizer, parallel)
@@ -185,7 +199,8 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, 
         saved = f"checkpoint {checkpoints.root / step_dir_name(state.step)} saved; run again to resume" \
             if cfg.checkpoint.every_steps > 0 else "no checkpoint saved (checkpoint.every_steps=0)"
         log(f"{state.stopped_by} received: stopped after step {state.step}; {saved}")
-        return TrainResult(output_dir, None, counters, state.loss, None, None, dataset.stats, stopped=True), tokenizer
+        return (TrainResult(output_dir, None, counters, state.loss, None, None, dataset.stats, stopped=True), tokenizer,
+                eval_rows)
     model_dir = checkpoints.save_model(output_dir / MODEL_DIR)
     if cfg.checkpoint.every_steps > 0:
         log(f"checkpoints in {checkpoints.root} (the loop waited {checkpoints.blocked_s:.2f} s on saves)")
@@ -193,7 +208,7 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, 
         f"(load with AutoModelForCausalLM.from_pretrained({str(model_dir)!r}))")
     plain = model if not info.is_distributed else None  # the trained module itself, for evaluation
     result = TrainResult(output_dir, model_dir, counters, state.loss, None, plain, dataset.stats)
-    return result, tokenizer
+    return result, tokenizer, eval_rows
 
 
 def _checkpoint_manager(cfg: Config, info: DistInfo, degrees, model, optimizer, tokenizer, dataset,

@@ -106,3 +106,24 @@ def test_more_ranks_than_degrees_gets_one_sentence(tmp_path):
     assert proc.returncode != 0
     assert "parallel.dp_replicate × dp_shard × tp = 1 × 1 × 2 = 2 but 4 processes were launched" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_loaded_model_trains_in_train_mode_with_its_configured_dropout(tmp_path):
+    """from_pretrained returns eval mode; a run must still apply the dropout the model's config asks for."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from build_worker import TINY, tokenizer
+    from isotrain.config import ModelConfig
+    from isotrain.models.build import build_plain
+
+    mapping = dict(TINY, attention_dropout=0.5)
+    config = AutoConfig.for_model(mapping.pop("model_type"), **mapping)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer().save_pretrained(tmp_path)
+    model = build_plain(ModelConfig(name_or_path=str(tmp_path)), tokenizer(), seed=0)
+    assert all(module.training for module in model.modules())
+    ids = torch.arange(1, 9).unsqueeze(0)
+    first, second = (model(input_ids=ids).logits for _ in range(2))
+    assert not torch.equal(first, second)  # dropout is active
+    model.eval()
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)

@@ -128,7 +128,7 @@ def check_packing(model: nn.Module, device: torch.device, compute_dtype: torch.d
             return True
     finally:
         model.train(training)
-    name = type(hf_model(model)).__name__
+    name = architecture(model)
     raise ConfigError(f"data.packing=true would let packed documents attend to each other in {name}, which "
                       "ignores both the position-id restarts that mark them and isotrain's per-document attention "
                       "mask; set data.packing=false")
@@ -152,13 +152,20 @@ def packing_needs_mask(cfg, model: nn.Module, parallel, device: torch.device, lo
     # which the probe does not enter, so it compares in fp32.
     fsdp_bf16 = cfg.model.dtype == "bfloat16" and parallel.dims.dp_shard > 1
     needs_mask = check_packing(model, device, torch.bfloat16 if fsdp_bf16 else torch.float32)
-    name = type(hf_model(model)).__name__
+    name = architecture(model)
     if needs_mask:
         log(f"packing: {name} ignores position-id restarts; isotrain passes a per-document attention mask "
             "(probe: packed == unpacked)")
     else:
         log(f"packing: {name} keeps packed documents apart by their position ids (probe: packed == unpacked)")
     return needs_mask
+
+
+def architecture(model: nn.Module) -> str:
+    """The transformers class of the model, e.g. OPTForCausalLM (FSDP2 subclasses it as FSDPOPTForCausalLM)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(hf_model(model)).__mro__ if not issubclass(cls, FSDPModule)).__name__
 
 
 def _mask_supported(model: nn.Module) -> bool:

@@ -10,7 +10,7 @@ silently that of another objective. So the run probes its model:
     mismatch = max |logits(A or B packed) - logits(same document alone)| / max |logits alone|
 
 mismatch <= tolerance: positions suffice. Otherwise isotrain passes its own per-document causal mask and
-probes again; if that does not match either, packing is refused before any work. The probe is a single
+probes again; if that does not match either, packing is refused before any step. The probe is a single
 forward of 3 rows of 9 tokens (twice at most), run by every rank with the same inputs, so it is also correct
 for FSDP2 / TP / EP layouts, whose forwards are collective.
 """
@@ -133,8 +133,8 @@ def check_packing(model: nn.Module, device: torch.device, compute_dtype: torch.d
         model.train(training)
     name = architecture(model)
     raise ConfigError(f"data.packing=true would let packed documents attend to each other in {name}, which "
-                      "ignores both the position-id restarts that mark them and isotrain's per-document attention "
-                      "mask; set data.packing=false")
+                      "ignores the position-id restarts that mark them and cannot take isotrain's per-document "
+                      "attention mask; set data.packing=false")
 
 
 def _masked_mismatch(model: nn.Module, device: torch.device) -> float:

@@ -129,8 +129,9 @@ def test_a_family_that_takes_neither_positions_nor_a_mask_is_refused(tokenizer):
     with pytest.raises(ConfigError) as caught:
         check_packing(model, CPU)
     assert str(caught.value) == (
-        "data.packing=true would let packed documents attend to each other in BloomForCausalLM, which ignores both "
-        "the position-id restarts that mark them and isotrain's per-document attention mask; set data.packing=false")
+        "data.packing=true would let packed documents attend to each other in BloomForCausalLM, which ignores "
+        "the position-id restarts that mark them and cannot take isotrain's per-document attention mask; set "
+        "data.packing=false")
     assert model.training  # the probe's eval mode was undone
 
 
@@ -143,3 +144,11 @@ def test_the_probe_draws_no_random_numbers_and_keeps_the_training_mode(tokenizer
     after_probe = torch.rand(3)
     torch.manual_seed(5)
     assert torch.equal(after_probe, torch.rand(3))
+
+
+def test_a_family_with_a_sliding_window_is_refused_rather_than_masked(tokenizer):
+    """isotrain's mask has no window: a family that ignores restarts and slides a window would lose it."""
+    config, attn, _ = FAMILIES["opt"]
+    model = tiny(tokenizer, {**config, "sliding_window": 4}, attn)
+    with pytest.raises(ConfigError, match="OPTForCausalLM, which ignores the position-id restarts"):
+        check_packing(model, CPU)

@@ -28,8 +28,9 @@ BLOOM = ["model.config.model_type=bloom", "model.config.hidden_size=64", "model.
          "model.config.n_head=4", "model.attn_implementation=eager"]
 PACKED = ["data.packing=true", "train.global_batch_size=4", "train.micro_batch_size=2"]
 UNPACKED = ["data.packing=false", "train.global_batch_size=8", "train.micro_batch_size=4"]
-REFUSAL = ("data.packing=true would let packed documents attend to each other in BloomForCausalLM, which ignores both "
-           "the position-id restarts that mark them and isotrain's per-document attention mask; set data.packing=false")
+REFUSAL = ("data.packing=true would let packed documents attend to each other in BloomForCausalLM, which ignores "
+           "the position-id restarts that mark them and cannot take isotrain's per-document attention mask; set "
+           "data.packing=false")
 
 
 def common_overrides(data) -> list[str]:

@@ -120,7 +120,7 @@ class DataConfig(Section):
     packing: bool = Field(
         False,
         description="Pack several rows into each sequence (per-document position ids, no attention or labels "
-        "across documents).",
+        "across documents; checked on the model before step 1, see docs/troubleshooting.md).",
     )
     add_special_tokens: list[str] = Field(
         default_factory=list,

@@ -4,8 +4,9 @@ No attention mask is returned, on purpose. Causal attention already keeps every 
 seeing the padding after it, and with `attention_mask=None` transformers derives document
 boundaries from position ids restarting at 0 (packed samples). So padding must never *restart*
 the position ids: it continues counting up from the last real token, which makes it part of the
-last document rather than a new one. (The model must run with use_cache=False: with a KV cache
-transformers skips that packed-sequence detection.)
+last document rather than a new one; isotrain's own per-document mask, for families that ignore the
+restarts, derives documents by the same rule (models/packing_check.py). (The model must run with
+use_cache=False: with a KV cache transformers skips that packed-sequence detection.)
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Training samples: one document each, or several whole documents packed into one sequence.
 
-Inside a sample every document restarts its position ids at 0; transformers reads those restarts
-(with no attention mask) as document boundaries and masks attention across them. Labels were
-already shifted per document, so none crosses a boundary either.
+Inside a sample every document restarts its position ids at 0; most transformers families read those
+restarts (with no attention mask) as document boundaries and mask attention across them. Families that
+do not (OPT) are found by a probe on the run's model before step 1 and get a per-document mask built
+from the same restarts (models/packing_check.py). Labels were already shifted per document, so none
+crosses a boundary either.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import read_rows
 from isotrain.models.checks import check_prompt_room, max_positions
 from isotrain.models.loading import check_layout_fits, checked_config, count_parameters
+from isotrain.models.packing_check import packing_needs_mask
 from isotrain.models.unwrap import unwrap
 from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import DistInfo, init_distributed, shutdown_distributed
@@ -176,6 +177,7 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, 
     dataset = prepare_data(cfg, info, tokenizer, log)
     parallel = build_parallel(degrees, info.device, info.rank)
     model, optimizer = prepare_model(cfg, info, tokenizer, parallel)
+    document_mask = packing_needs_mask(cfg, model, parallel, info.device, log)  # before any step, on this model
     log(f"model: {count_parameters(model):,} parameters; data: {len(dataset)} samples, "
         f"{dataset.stats.total_input_tokens:,} tokens, {dataset.stats.total_trained_tokens:,} trained")
     sampler = GlobalBatchSampler(len(dataset), plan.global_batch_size, cfg.train.seed)
@@ -186,7 +188,7 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, 
         atomic_write_text(output_dir / "config.yaml", dump_config(cfg))
     peak = peak_tflops(cfg.train.peak_tflops, info.device)
     run = Run(cfg, info, parallel, plan, model, optimizer, dataset, sampler, checkpoints, tokenizer.pad_token_id,
-              step_options(cfg, parallel), peak * info.world_size if peak else None, count_parameters(model))
+              step_options(cfg, parallel, document_mask=document_mask), peak * info.world_size if peak else None, count_parameters(model))
     writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=state.step)
     try:
         run_loop(cfg, info, state, functools.partial(sft_step, run), checkpoints, writer, console,

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
 from isotrain.errors import TrainingError
+from isotrain.models.packing_check import lm_logits
 from isotrain.parallel.dist import all_reduce_sum
 from isotrain.parallel.apply import sync_replica_grads
 from isotrain.train.loss import loss_weights, token_losses
@@ -46,14 +47,17 @@ class StepOptions:
     dp_group: object = None  # counts and losses are summed over it; None only without a process group
     loss_parallel: bool = False  # TP: logits arrive sharded over the vocabulary
     parallel: object = None  # the run's ParallelState (TP × DDP gradient sums)
+    document_mask: bool = False  # packed batches get isotrain's per-document mask (models/packing_check.py)
 
 
-def step_options(cfg, parallel, loss_parallel: bool = True) -> StepOptions:
+def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool = False) -> StepOptions:
     """The step settings of a run: FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16.
-    `loss_parallel`: the model was built with vocabulary-sharded logits under TP (SFT; RL gathers them)."""
+    `loss_parallel`: the model was built with vocabulary-sharded logits under TP (SFT; RL gathers them).
+    `document_mask`: the run's packing probe found that the model ignores position-id restarts."""
     autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and parallel.dims.dp_shard == 1 else None
     return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
-                       dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel)
+                       dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel,
+                       document_mask=document_mask)
 
 
 def global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> list[int]:
@@ -123,10 +127,7 @@ def forward_backward(
         labels = mb["labels"].to(device)
         weights, _ = loss_weights(labels, mb["segment_ids"].to(device), options.loss_reduction)
         with autocast:
-            # use_cache=False: with a KV cache, transformers stops detecting packed documents.
-            logits = model(
-                input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device), use_cache=False
-            ).logits
+            logits = lm_logits(model, mb["input_ids"].to(device), mb["position_ids"].to(device), options.document_mask)
         return (token_losses(logits, labels) * weights).sum()
 
     return accumulate_gradients(model, micro_batches, loss_sum, counts[2], options, device), counts

@@ -216,3 +216,9 @@ def test_load_only_checks_names_both_ways_and_ignore_keys_loads_the_rest(qwen2_c
     assert not any(name.endswith("_proj.bias") for name in load_file(tmp_path / "ignored" / "checkpoints" /
                                                                       "step-00000001" / "model.safetensors"))
     assert sum(name.endswith("_proj.bias") for name in saved) == 6
+
+
+def test_packing_is_refused_for_rl(capsys, tmp_path):
+    assert_error_sentence(cli(capsys, [*TINY_RL, "data.packing=true", f"output_dir={tmp_path}"]),
+                          "data.packing=true does not apply to RL, whose rows are one prompt and its sampled response "
+                          "each; remove data.packing from the RL config")

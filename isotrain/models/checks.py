@@ -41,8 +41,8 @@ def config_from_mapping(model_type: str, mapping: dict, where: str):
         raise ConfigError(f"{where} is invalid: {reason}; fix {where}") from None
     except (ValueError, TypeError) as err:
         if model_type not in _model_types():
-            raise ConfigError(f"model_type={model_type!r} in {where} is not a transformers model type; use e.g. "
-                              "llama, qwen2 or qwen3") from None
+            raise ConfigError(f"{_named('model_type', repr(model_type), where)} is not a transformers model type; "
+                              "use e.g. llama, qwen2 or qwen3") from None
         raise ConfigError(f"{where} is invalid: {err}; fix {where}") from None
 
 

@@ -157,6 +157,9 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
     degrees = resolve_dims(cfg.parallel, info.world_size)
     plan = plan_rl_batches(cfg, degrees)  # invariant 7: every size checked before any work
     pin_rl_global_batch(cfg, plan)
+    if cfg.data.packing:
+        raise ConfigError("data.packing=true does not apply to RL, whose rows are one prompt and its sampled "
+                          "response each; remove data.packing from the RL config")
     checked_config(cfg)
     check_layout_fits(cfg.model, degrees)
     reward_fn = _reward_fn(cfg)

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -135,7 +136,8 @@ def rl_train(cfg: Config, console: Console | None = None) -> RLResult:
     info = init_distributed()
     console = console or Console(stderr=False)
     try:
-        return _rl(cfg, info, console)
+        with ExitStack() as scope:  # the run's hold on output_dir, released however _rl ends
+            return _rl(cfg, info, console, scope)
     finally:
         shutdown_distributed()
 
@@ -152,14 +154,14 @@ def _evaluate(cfg, info, engine, tokenizer, held_out: PromptSet | None, reward_f
     return value
 
 
-def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
+def _rl(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> RLResult:
     log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
     degrees = resolve_dims(cfg.parallel, info.world_size)
     plan = plan_rl_batches(cfg, degrees)  # invariant 7: every size checked before any work
     pin_rl_global_batch(cfg, plan)
     check_layout_fits(cfg.model, degrees)
     reward_fn = _reward_fn(cfg)
-    output_dir = start_run(cfg, info, console, plan, degrees)
+    output_dir = start_run(cfg, info, console, plan, degrees, scope)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
     prompts = read_prompts(cfg.data.path)
     held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples) if cfg.eval.path else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,7 +127,8 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     info = init_distributed()
     console = console or Console(stderr=False)
     try:
-        result, tokenizer = _train(cfg, info, console)
+        with ExitStack() as scope:  # the run's hold on output_dir, released however _train ends
+            result, tokenizer = _train(cfg, info, console, scope)
     finally:
         shutdown_distributed()
     if info.is_main and cfg.eval.path is not None and not result.stopped:
@@ -151,13 +153,13 @@ def _start_state(resumed) -> RunState:
     return RunState(resumed.step, dict(resumed.counters))
 
 
-def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, object]:
+def _train(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> tuple[TrainResult, object]:
     # soft_wrap: a line names paths whole, in a terminal and in a log file alike
     log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
     degrees = resolve_dims(cfg.parallel, info.world_size)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
     check_layout_fits(cfg.model, degrees)
-    output_dir = start_run(cfg, info, console, plan, degrees)
+    output_dir = start_run(cfg, info, console, plan, degrees, scope)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
     dataset = prepare_data(cfg, info, tokenizer, log)
     parallel = build_parallel(degrees, info.device, info.rank)

@@ -47,7 +47,7 @@ from isotrain.models.weights import sync_named_tensors
 from isotrain.sizes import pin_rl_global_batch, plan_rl_batches
 from isotrain.train.metrics import MetricsWriter
 from isotrain.train.optim import build_optimizer
-from isotrain.train.run_loop import RunState, run_loop
+from isotrain.train.run_loop import RunState, run_loop, stopped_message
 from isotrain.train.schedule import lr_at, schedule_settings
 from isotrain.train.setup import compute_dtype, prepare_tokenizer, start_run
 
@@ -204,7 +204,7 @@ def _rl(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> RLRe
             writer.close()
         counters = {"step": state.step, **state.counters}
         if state.stopped_by is not None:
-            log(f"{state.stopped_by} received: stopped after step {state.step}; run again to resume")
+            log(stopped_message(state.stopped_by, state.step, checkpoints.root))
             return RLResult(output_dir, None, counters, before, stopped=True)
         model_dir = checkpoints.save_model(output_dir / MODEL_DIR)
         after = _evaluate(cfg, info, engine, tokenizer, held_out, reward_fn, log, "after RL")

@@ -16,7 +16,6 @@ import torch
 from rich.console import Console
 
 from isotrain.checkpoint.files import atomic_write_text
-from isotrain.checkpoint.layout import step_dir_name
 from isotrain.checkpoint.manager import MODEL_DIR, SFT_COUNTERS, CheckpointContract, CheckpointManager
 from isotrain.config import Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
@@ -32,7 +31,7 @@ from isotrain.parallel.tp import check_replicated
 from isotrain.sizes import BatchPlan, plan_batches
 from isotrain.train.evaluate import exact_match
 from isotrain.train.metrics import MetricsWriter, flops_per_token, peak_tflops
-from isotrain.train.run_loop import RunState, run_loop
+from isotrain.train.run_loop import RunState, run_loop, stopped_message
 from isotrain.train.schedule import lr_at, schedule_settings
 from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer, start_run
 from isotrain.train.step import StepOptions, step_options, train_step
@@ -183,10 +182,9 @@ def _train(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> t
         writer.close()
     counters = Counters(step=state.step, **state.counters)
     if state.stopped_by is not None:
-        # Preemption leaves little time: no final model and no evaluation, just a resumable checkpoint.
-        saved = f"checkpoint {checkpoints.root / step_dir_name(state.step)} saved; run again to resume" \
-            if cfg.checkpoint.every_steps > 0 else "no checkpoint saved (checkpoint.every_steps=0)"
-        log(f"{state.stopped_by} received: stopped after step {state.step}; {saved}")
+        # Preemption leaves little time: no final model/ (the checkpoint is itself a Hugging Face model directory)
+        # and no evaluation, just the resumable checkpoint.
+        log(stopped_message(state.stopped_by, state.step, checkpoints.root))
         return TrainResult(output_dir, None, counters, state.loss, None, None, dataset.stats, stopped=True), tokenizer
     model_dir = checkpoints.save_model(output_dir / MODEL_DIR)
     if cfg.checkpoint.every_steps > 0:

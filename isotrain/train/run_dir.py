@@ -54,6 +54,9 @@ def own_output_dir(output_dir: Path, info: DistInfo, log) -> Iterator[Path]:
             _mark(output_dir, held)
         except ConfigError as err:
             refusal = str(err)
+        except OSError as err:  # raised on rank 0 alone, the others would wait for its verdict
+            refusal = (f"cannot write into output_dir {output_dir} ({err.strerror or err}); choose a directory this "
+                       "user can write")
     refusal = broadcast_from_main(refusal)
     if refusal is not None:
         raise ConfigError(refusal)

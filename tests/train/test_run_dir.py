@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import REPO, TINY_RUN, isotrain_cli, subprocess_env, torchrun
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -161,3 +163,19 @@ def test_every_rank_gets_the_refusal_and_none_hangs(tmp_path):
     assert f"\nerror: {sentence}" in "\n" + proc.stderr and f"[rank 1] error: {sentence}" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr.split("error:")[0]
     assert sorted(os.listdir(run_dir)) == ["data.csv"]
+
+
+def test_the_bundled_rl_recipes_directory_with_its_sft_start_inside_is_a_run_directory(tmp_path):
+    from isotrain.errors import ConfigError
+    from isotrain.train.run_dir import check_foreign_files
+
+    # `isotrain rl` trains (or finds) its start in runs/rl-default/sft, then runs in runs/rl-default.
+    rl_dir = tmp_path / "rl-default"
+    (rl_dir / "sft" / "model").mkdir(parents=True)
+    (rl_dir / "sft" / "model" / "config.json").write_text("{}")
+    check_foreign_files(rl_dir)  # a run's model directory inside: accepted
+    (rl_dir / "sft" / "model").rename(rl_dir / "sft" / "weights")  # not what a run writes
+    with pytest.raises(ConfigError) as refused:
+        check_foreign_files(rl_dir)
+    assert str(refused.value) == (f"output_dir {rl_dir} holds files that isotrain did not write (e.g. sft); choose a "
+                                  "new or empty output_dir, or move those files away")

@@ -151,6 +151,7 @@ def test_a_run_directory_written_before_the_marker_is_still_accepted(tmp_path):
     assert "resumed from" in proc.stdout
 
 
+@pytest.mark.slow
 def test_every_rank_gets_the_refusal_and_none_hangs(tmp_path):
     run_dir = tmp_path / "project"
     run_dir.mkdir()

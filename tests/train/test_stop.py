@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import COUNTED, REPO, TINY_RUN, model_weights, run_concurrently, subprocess_env
 from isotrain.checkpoint.layout import committed
 from isotrain.checkpoint.manifest import verify_checkpoint
@@ -74,6 +76,7 @@ def check_stopped(stopped: subprocess.CompletedProcess, run_dir: Path, max_steps
     return step
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_without_periodic_checkpoints_and_the_resume_is_exact(tmp_path):
     straight, stopped_dir = tmp_path / "straight", tmp_path / "stopped"
     done = run_concurrently({
@@ -89,6 +92,7 @@ def test_ctrl_c_saves_a_checkpoint_without_periodic_checkpoints_and_the_resume_i
     assert all(final_a[name].equal(final_b[name]) for name in final_a)
 
 
+@pytest.mark.slow
 def test_rl_ctrl_c_saves_a_checkpoint_without_periodic_checkpoints_and_the_resume_is_exact(tmp_path):
     straight, stopped_dir = tmp_path / "straight", tmp_path / "stopped"
     done = run_concurrently({

@@ -217,7 +217,8 @@ class LoggingConfig(Section):
 
 class CheckpointConfig(Section):
     every_steps: int = Field(
-        0, ge=0, description="Save a checkpoint every this many optimizer steps and at the last step; 0 saves none."
+        0, ge=0, description="Save a checkpoint every this many optimizer steps and at the last step; 0 saves none, "
+        "except when a signal stops the run (SIGTERM, Ctrl-C)."
     )
     keep_last: int = Field(
         3, ge=1, description="Committed checkpoints to keep; older ones are deleted only after a newer one is committed."

@@ -322,10 +322,10 @@ class CheckpointManager:
         return (json.dumps(state, indent=2, default=str) + "\n").encode()
 
     def save_due(self, step: int, stopping: bool = False) -> bool:
-        """Whether the state after `step` steps is saved: every checkpoint.every_steps steps, after the last
-        step, and when the run stops early; never with checkpoint.every_steps=0."""
+        """Whether the state after `step` steps is saved: every checkpoint.every_steps steps and after the last
+        step; and always when a signal stops the run, even with checkpoint.every_steps=0 (a stop keeps the work)."""
         every = self.cfg.checkpoint.every_steps
-        return every > 0 and (stopping or step % every == 0 or step == self.cfg.train.max_steps)
+        return stopping or (every > 0 and (step % every == 0 or step == self.cfg.train.max_steps))
 
     def maybe_save(self, step: int, counters: dict, stopping: bool = False) -> bool:
         """Save a checkpoint after `step` steps if one is due (`save_due`); returns whether it did."""

@@ -55,3 +55,12 @@ def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def broadcast_from_main(value):
+    """Rank 0's `value` (any picklable object) on every rank; the value itself without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

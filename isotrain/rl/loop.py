@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,7 +47,7 @@ from isotrain.models.weights import sync_named_tensors
 from isotrain.sizes import pin_rl_global_batch, plan_rl_batches
 from isotrain.train.metrics import MetricsWriter
 from isotrain.train.optim import build_optimizer
-from isotrain.train.run_loop import RunState, run_loop
+from isotrain.train.run_loop import RunState, run_loop, stopped_message
 from isotrain.train.schedule import lr_at, schedule_settings
 from isotrain.train.setup import compute_dtype, prepare_tokenizer, start_run
 
@@ -135,7 +136,8 @@ def rl_train(cfg: Config, console: Console | None = None) -> RLResult:
     info = init_distributed()
     console = console or Console(stderr=False)
     try:
-        return _rl(cfg, info, console)
+        with ExitStack() as scope:  # the run's hold on output_dir, released however _rl ends
+            return _rl(cfg, info, console, scope)
     finally:
         shutdown_distributed()
 
@@ -152,7 +154,7 @@ def _evaluate(cfg, info, engine, tokenizer, held_out: PromptSet | None, reward_f
     return value
 
 
-def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
+def _rl(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> RLResult:
     log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
     degrees = resolve_dims(cfg.parallel, info.world_size)
     plan = plan_rl_batches(cfg, degrees)  # invariant 7: every size checked before any work
@@ -165,7 +167,7 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
     reward_fn = _reward_fn(cfg)
     prompts = read_prompts(cfg.data.path)
     held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples, "eval.path") if cfg.eval.path else None
-    output_dir = start_run(cfg, info, console, plan, degrees)
+    output_dir = start_run(cfg, info, console, plan, degrees, scope)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
     check_rl_lengths(cfg, tokenizer, prompts, held_out)
     stream = PromptStream(len(prompts.prompts), plan.prompts_per_step, cfg.train.seed)
@@ -207,7 +209,7 @@ def _rl(cfg: Config, info: DistInfo, console: Console) -> RLResult:
             writer.close()
         counters = {"step": state.step, **state.counters}
         if state.stopped_by is not None:
-            log(f"{state.stopped_by} received: stopped after step {state.step}; run again to resume")
+            log(stopped_message(state.stopped_by, state.step, checkpoints.root))
             return RLResult(output_dir, None, counters, before, stopped=True)
         model_dir = checkpoints.save_model(output_dir / MODEL_DIR)
         after = _evaluate(cfg, info, engine, tokenizer, held_out, reward_fn, log, "after RL")

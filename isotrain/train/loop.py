@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,6 @@ import torch
 from rich.console import Console
 
 from isotrain.checkpoint.files import atomic_write_text
-from isotrain.checkpoint.layout import step_dir_name
 from isotrain.checkpoint.manager import MODEL_DIR, SFT_COUNTERS, CheckpointContract, CheckpointManager
 from isotrain.config import Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
@@ -33,7 +33,7 @@ from isotrain.parallel.tp import check_replicated
 from isotrain.sizes import BatchPlan, plan_batches
 from isotrain.train.evaluate import exact_match
 from isotrain.train.metrics import MetricsWriter, flops_per_token, peak_tflops
-from isotrain.train.run_loop import RunState, run_loop
+from isotrain.train.run_loop import RunState, run_loop, stopped_message
 from isotrain.train.schedule import lr_at, schedule_settings
 from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer, start_run
 from isotrain.train.step import StepOptions, step_options, train_step
@@ -134,7 +134,8 @@ def train(cfg: Config, console: Console | None = None) -> TrainResult:
     info = init_distributed()
     console = console or Console(stderr=False)
     try:
-        result, tokenizer, eval_rows = _train(cfg, info, console)
+        with ExitStack() as scope:  # the run's hold on output_dir, released however _train ends
+            result, tokenizer, eval_rows = _train(cfg, info, console, scope)
     finally:
         shutdown_distributed()
     if info.is_main and eval_rows is not None and not result.stopped:
@@ -159,7 +160,8 @@ def _start_state(resumed) -> RunState:
     return RunState(resumed.step, dict(resumed.counters))
 
 
-def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, object, list[dict] | None]:
+def _train(cfg: Config, info: DistInfo, console: Console,
+           scope: ExitStack) -> tuple[TrainResult, object, list[dict] | None]:
     # soft_wrap: a line names paths whole, in a terminal and in a log file alike
     log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
     degrees = resolve_dims(cfg.parallel, info.world_size)
@@ -167,7 +169,7 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, 
     model_cfg = checked_config(cfg)
     check_layout_fits(cfg.model, degrees)
     eval_rows = _eval_rows(cfg)
-    output_dir = start_run(cfg, info, console, plan, degrees)
+    output_dir = start_run(cfg, info, console, plan, degrees, scope)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
     positions = max_positions(model_cfg)
     if eval_rows and positions is not None:
@@ -197,10 +199,9 @@ def _train(cfg: Config, info: DistInfo, console: Console) -> tuple[TrainResult, 
         writer.close()
     counters = Counters(step=state.step, **state.counters)
     if state.stopped_by is not None:
-        # Preemption leaves little time: no final model and no evaluation, just a resumable checkpoint.
-        saved = f"checkpoint {checkpoints.root / step_dir_name(state.step)} saved; run again to resume" \
-            if cfg.checkpoint.every_steps > 0 else "no checkpoint saved (checkpoint.every_steps=0)"
-        log(f"{state.stopped_by} received: stopped after step {state.step}; {saved}")
+        # Preemption leaves little time: no final model/ (the checkpoint is itself a Hugging Face model directory)
+        # and no evaluation, just the resumable checkpoint.
+        log(stopped_message(state.stopped_by, state.step, checkpoints.root))
         return (TrainResult(output_dir, None, counters, state.loss, None, None, dataset.stats, stopped=True), tokenizer,
                 eval_rows)
     model_dir = checkpoints.save_model(output_dir / MODEL_DIR)

@@ -4,7 +4,7 @@
         row = step_fn(state)          the recipe's step: batch -> loss -> update; adds to state.counters
         evaluation every `eval_every` steps (not after the last: the recipe evaluates its final model)
         a metrics row every train.log_every steps and after the last step; the progress bar
-        a stop signal on any rank -> save (when checkpoints are on) and end after this step
+        a stop signal on any rank -> save a checkpoint (even with checkpoint.every_steps=0), end after this step
         a refused step (TrainingError: a non-finite loss, ...) -> let the last save finish, stop with the step named
         otherwise save when the checkpoint manager says one is due
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from isotrain.checkpoint.layout import step_dir_name
 from isotrain.errors import TrainingError
 from isotrain.train.metrics import ProgressBar
 from isotrain.train.stop import GracefulStop
@@ -75,3 +76,10 @@ def run_loop(cfg, info, state: RunState, step_fn: StepFn, checkpoints, writer, c
                 break
     checkpoints.wait()
     return state
+
+
+def stopped_message(signal_name: str, step: int, checkpoints_root) -> str:
+    """What a run stopped by a signal says: where its work is, and that running again resumes it."""
+    checkpoint = checkpoints_root / step_dir_name(step)
+    return (f"{signal_name} received: stopped after step {step}; checkpoint {checkpoint} saved (a Hugging Face model "
+            "directory; no final model/ is written); run again to resume")

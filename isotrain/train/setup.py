@@ -8,7 +8,9 @@ ranks then read its result, so every rank sees byte-identical inputs.
 
 from __future__ import annotations
 
+import functools
 import random
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,7 @@ from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_
 from isotrain.parallel.dist import DistInfo, barrier
 from isotrain.parallel.mesh import ParallelState
 from isotrain.train.optim import build_optimizer
+from isotrain.train.run_dir import own_output_dir
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -34,11 +37,12 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def start_run(cfg: Config, info: DistInfo, console, plan, degrees) -> Path:
-    """After the sizes were checked: the run directory, the printed sizes, and every RNG seeded."""
-    output_dir = Path(cfg.output_dir)
+def start_run(cfg: Config, info: DistInfo, console, plan, degrees, scope: ExitStack) -> Path:
+    """After the sizes were checked: the run directory (checked and locked until `scope` closes, before any file
+    is written: run_dir.py), the printed sizes, and every RNG seeded."""
+    log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
+    output_dir = scope.enter_context(own_output_dir(Path(cfg.output_dir), info, log))
     if info.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
         console.print(plan_table(plan, degrees))
     barrier()
     seed_everything(cfg.train.seed, cfg.train.deterministic)

@@ -97,11 +97,11 @@ def test_a_signal_ends_the_loop_after_the_current_step_and_saves(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
 
 
-def test_a_signal_saves_nothing_without_checkpoints(tmp_path):
+def test_a_signal_saves_a_checkpoint_even_without_periodic_checkpoints(tmp_path):
     cfg, manager = setup(tmp_path, max_steps=10, log_every=4, every_steps=0)
     state, rows, _ = run(tmp_path, cfg, manager, RunState(0, {key: 0 for key in SFT_COUNTERS}), signal_at=0)
     assert (state.step, state.stopped_by, rows) == (1, "SIGTERM", [])  # step 1 is not a logged step
-    assert saved_steps(manager) == []
+    assert saved_steps(manager) == [1]  # a stop keeps the work
 
 
 def test_a_resumed_run_continues_from_its_step_and_evaluates_every_eval_every_but_not_at_the_end(tmp_path):

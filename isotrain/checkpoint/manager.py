@@ -230,7 +230,7 @@ class CheckpointManager:
                 load_model(reader, self.model, self.rank, strict=True,
                            ignored=tuple(self.cfg.checkpoint.ignore_keys))
             if weights_only:
-                kept = f"; tensors matching checkpoint.ignore_keys keep their fresh values" \
+                kept = "; tensors matching checkpoint.ignore_keys keep their fresh values" \
                     if self.cfg.checkpoint.ignore_keys else ""
                 self.log(f"started from the weights of {choice} (step {state['step']}); optimizer and counters are "
                          f"new{kept}")

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from isotrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from isotrain.config import ModelConfig
 
 # Sizes that must be at least 1 where a config has them (transformers accepts 0 or -1 and builds a broken model).
 _POSITIVE = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",

@@ -285,6 +285,11 @@ class RLConfig(Section):
     )
     kl_coef: float | None = Field(None, ge=0, description="Weight of the KL to the frozen reference; 0 loads no reference. Default: preset.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator (k3: exp(r) - r - 1, r = ref - logp).")
+    kl_clip: float | None = Field(
+        10.0, gt=0, allow_inf_nan=False,
+        description="Upper bound on each token's k3 estimate (as verl bounds it): one token far below the reference "
+        "would otherwise add up to e^20 to the loss; a bounded token adds no KL gradient. null: unbounded.",
+    )
     kl_in_reward: bool | None = Field(
         None, description="Subtract kl_coef × KL from the token rewards instead of adding it to the loss. Default: preset."
     )

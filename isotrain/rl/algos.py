@@ -229,16 +229,20 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 
 @_register(KL_ESTIMATORS, "k3")
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, clip: float | None = None) -> Tensor:
     x = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     # expm1(x) - x rather than exp(x) - x - 1: for small x the latter cancels to a slightly
     # negative number in fp32, while a faithfully rounded expm1(x) >= x keeps k3 >= 0.
-    return torch.expm1(x) - x
+    k3 = torch.expm1(x) - x
+    # Unbounded, one token the policy made e^20 times less likely than the reference would dominate the loss.
+    return k3 if clip is None else k3.clamp(max=clip)
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token estimate of KL(π || π_ref) from log-probs of the sampled tokens; [B, T], [B, T] -> [B, T]."""
-    return _lookup(KL_ESTIMATORS, estimator, "KL estimator")(logprobs, ref_logprobs)
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, clip: float | None = None) -> Tensor:
+    """Per-token estimate of KL(π || π_ref) from log-probs of the sampled tokens; [B, T], [B, T] -> [B, T].
+    `clip` (rl.kl_clip) bounds k3 from above."""
+    fn = _lookup(KL_ESTIMATORS, estimator, "KL estimator")
+    return fn(logprobs, ref_logprobs, clip) if estimator == "k3" else fn(logprobs, ref_logprobs)
 
 
 # ----------------------------------------------------------------------------- losses

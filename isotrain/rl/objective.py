@@ -65,7 +65,7 @@ class RLObjective:
         loss = pg
         kl = torch.zeros_like(logp)
         if mb.get("ref_logprobs") is not None:
-            kl = kl_penalty(logp, mb["ref_logprobs"].to(device), rl.kl_estimator)
+            kl = kl_penalty(logp, mb["ref_logprobs"].to(device), rl.kl_estimator, rl.kl_clip)
             if self.kl_in_loss:
                 loss = loss + rl.kl_coef * kl
         entropy_needed = rl.entropy_coef > 0

@@ -67,7 +67,7 @@ def advantages(batch: RolloutBatch, rl: RLConfig, old_logprobs, ref_logprobs,
     kl = None
     if rl.kl_coef > 0 and rl.kl_in_reward:
         logp, mask = pad_rows(old_logprobs)
-        kl = kl_penalty(logp, pad_rows(ref_logprobs)[0], rl.kl_estimator) * mask
+        kl = kl_penalty(logp, pad_rows(ref_logprobs)[0], rl.kl_estimator, rl.kl_clip) * mask
     if rl.advantage == "gae":
         token_rewards, mask = _token_rewards(rewards, lengths, kl, rl.kl_coef)
         token_adv, returns = gae_advantages(token_rewards, pad_rows(old_values)[0], mask, rl.gamma, rl.lam)

@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+from isotrain.config import RLConfig
+
 from isotrain.rl import algos
 from isotrain.rl.algos import (
     ADVANTAGE_ESTIMATORS,
@@ -186,6 +188,17 @@ def test_k3_is_never_negative_and_never_inf():
     assert (kl_penalty(logp, torch.zeros_like(logp), "k3") >= 0).all()
     extreme = kl_penalty(t([0.0, -1000.0]), t([-1000.0, 0.0]), "k3")  # log-ratio clamped to ±20
     assert_close(extreme, [math.exp(-20) + 20 - 1, math.exp(20) - 20 - 1], tol=1e-6)
+
+
+def test_k3_is_bounded_by_kl_clip_and_a_bounded_token_adds_no_gradient():
+    logp = torch.tensor([0.0, -30.0, -1.0], requires_grad=True)
+    ref = t([0.0, 0.0, 0.0])  # the second token: the policy is e^30 times below the reference
+    kl = kl_penalty(logp, ref, "k3", clip=10.0)
+    assert_close(kl.detach(), [0.0, 10.0, math.exp(1.0) - 1.0 - 1])
+    kl.sum().backward()
+    assert logp.grad[1] == 0 and logp.grad[2] != 0
+    assert float(kl_penalty(logp.detach(), ref, "k3", clip=None)[1]) > 4e8  # unbounded: e^20 - 21
+    assert RLConfig().kl_clip == 10.0
 
 
 def test_unknown_kl_estimator_names_the_valid_ones():

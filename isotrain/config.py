@@ -442,6 +442,15 @@ def _describe_validation_error(err: ValidationError) -> str:
     return f"config value {location}{shown} is invalid: {message}{fix}"
 
 
+def validate_tree(tree: dict, model: type[BaseModel], prefix: str = ""):
+    """`tree` as a `model` (a config of its own, e.g. a merge recipe), every mistake as one ConfigError."""
+    _check_keys(tree, model, prefix)
+    try:
+        return model.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_describe_validation_error(err)) from None
+
+
 def build_config(tree: dict) -> Config:
     _check_keys(tree, Config, "")
     if "model" not in tree:

@@ -1,4 +1,4 @@
-"""`isotrain ckpt list|inspect|verify|export`: print what tools.py and export.py find."""
+"""`isotrain ckpt list|inspect|verify|export|merge`: print what tools.py, export.py and merge.py find."""
 
 from __future__ import annotations
 
@@ -145,8 +145,23 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_merge(args) -> int:
+    from isotrain.checkpoint.merge import merge_models, read_recipe
+
+    report = merge_models(read_recipe(args.recipe), processes=args.processes)
+    console = _console()
+    console.print(f"merged {report.merged} tensors -> {escape(str(report.out))}"
+                  + (f"; {len(report.kept_from_base)} copied from the base" if report.kept_from_base else ""))
+    if report.dropped:
+        shown = ", ".join(report.dropped[:5]) + (", ..." if len(report.dropped) > 5 else "")
+        console.print(f"dropped {len(report.dropped)} tensors ({human_bytes(report.dropped_bytes)}): {escape(shown)}")
+    console.print(f"size: {human_bytes(report.reference_bytes)} reference weights -> {human_bytes(report.out_bytes)} "
+                  f"written; peak memory {human_bytes(report.peak_rss_bytes)}; recipe and input hashes in merge.json")
+    return 0
+
+
 def add_parser(commands) -> None:
-    ckpt = commands.add_parser("ckpt", help="list, inspect, verify and export checkpoints")
+    ckpt = commands.add_parser("ckpt", help="list, inspect, verify, export and merge checkpoints")
     sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
 
     listing = sub.add_parser("list", help="committed checkpoints of a run, their step, size, tokens seen, and leftovers")
@@ -170,3 +185,9 @@ def add_parser(commands) -> None:
     export.add_argument("--drop-keys", metavar="REGEX", help="leave out tensors whose name matches REGEX")
     export.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of at most this size")
     export.set_defaults(func=cmd_export)
+
+    merge = sub.add_parser("merge", help="merge models (linear, task arithmetic, TIES, DARE, SLERP) tensor by tensor")
+    merge.add_argument("recipe", type=Path, help="a YAML merge recipe (docs/merge.md)")
+    merge.add_argument("--processes", type=int, default=1,
+                       help="merge output shards in this many processes (the result is the same for any number)")
+    merge.set_defaults(func=cmd_merge)

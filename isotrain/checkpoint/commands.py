@@ -129,8 +129,17 @@ def cmd_verify(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from isotrain.checkpoint.export import export_checkpoint
+    from isotrain.checkpoint.export import export_adapter, export_checkpoint
 
+    if args.adapter:
+        if args.dtype or args.drop_keys:
+            raise CheckpointError("--adapter exports the LoRA tensors as trained (fp32); leave out --dtype and "
+                                  "--drop-keys")
+        report = export_adapter(args.directory, args.out)
+        _console().print(f"exported the LoRA adapter ({report.num_tensors} tensors, "
+                         f"{human_bytes(report.source_model_bytes)}) to {escape(str(report.out))}; load it with "
+                         "peft.PeftModel.from_pretrained(base_model, path)")
+        return 0
     if args.max_shard_gb <= 0:
         raise CheckpointError(f"--max-shard-gb {args.max_shard_gb} must be positive, e.g. 5")
     report = export_checkpoint(args.directory, args.out, args.dtype, args.drop_keys, int(args.max_shard_gb * 1e9))
@@ -184,6 +193,8 @@ def add_parser(commands) -> None:
                         help="dtype of floating-point tensors (default: the checkpoint's model dtype)")
     export.add_argument("--drop-keys", metavar="REGEX", help="leave out tensors whose name matches REGEX")
     export.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of at most this size")
+    export.add_argument("--adapter", action="store_true",
+                        help="export only the LoRA adapter of a LoRA run, as a peft adapter directory")
     export.set_defaults(func=cmd_export)
 
     merge = sub.add_parser("merge", help="merge models (linear, task arithmetic, TIES, DARE, SLERP) tensor by tensor")

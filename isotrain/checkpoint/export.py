@@ -145,3 +145,52 @@ def _write(source: Path, tmp: Path, shards: list[list[str]], shapes: dict, read,
         entries[MODEL_INDEX] = write_json(tmp / MODEL_INDEX, {"metadata": {"total_size": total},
                                                               "weight_map": weight_map})
     return entries
+
+
+def export_adapter(source: Path, out: Path) -> ExportReport:
+    """The LoRA adapters of a LoRA run's checkpoint as a peft adapter directory (adapter_config.json and
+    adapter_model.safetensors) that `peft.PeftModel.from_pretrained(base, out)` loads."""
+    from isotrain.config import build_config, read_yaml
+    from isotrain.rl.lora import lora_config
+
+    source, out = Path(source), Path(out)
+    problems = verify_checkpoint(source)
+    if problems:
+        raise CheckpointError(f"{source} cannot be exported: {problems[0]}; export a valid checkpoint "
+                              f"(`isotrain ckpt list RUN_DIR` shows them)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} already exists; choose a new output directory or remove it")
+    run_config = source / "train_state" / "config.yaml"
+    reader = CheckpointReader(source)
+    try:
+        names = sorted(k for k in reader.keys() if k.startswith("adapter."))
+        if not names or not run_config.is_file():
+            raise CheckpointError(f"{source} holds no LoRA adapters (it was not saved by a run with lora.r > 0); "
+                                  "export its full weights without --adapter")
+        cfg = build_config(read_yaml(run_config))
+        # peft saves "<module>.lora_A.weight": the adapter's name ("default") is not part of the file's keys.
+        tensors = {k.removeprefix("adapter.").replace(".default.", "."): reader.read(k) for k in names}
+    finally:
+        reader.close()
+    config = lora_config(cfg.lora).to_dict()
+    config["base_model_name_or_path"] = cfg.model.name_or_path
+    config["peft_type"] = str(config["peft_type"].value)
+    config["task_type"] = str(config["task_type"])
+    config["target_modules"] = sorted(config["target_modules"])
+    tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp.mkdir(parents=True)
+    try:
+        entries = {"adapter_config.json": write_json(tmp / "adapter_config.json", config)}
+        meta = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for k, t in tensors.items()}
+        header = safetensors_header(meta, {"format": "pt"})
+        entries["adapter_model.safetensors"] = write_chunks(
+            tmp / "adapter_model.safetensors", itertools.chain([header], (tensor_view(t) for t in tensors.values())))
+        write_manifest(tmp, entries, {"kind": "adapter", "step": read_manifest(source).get("step"),
+                                      "exported_from": str(source.resolve())})
+        commit(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return ExportReport(out, len(tensors), [], "float32", directory_bytes(source), num_bytes, directory_bytes(out),
+                        False)

@@ -39,6 +39,7 @@ from isotrain.parallel.tp import check_replicated
 from isotrain.rl.critic import build_critic, token_values
 from isotrain.rl.experience import all_gather_lists, response_logprobs
 from isotrain.rl.generate import collect, evaluate
+from isotrain.rl.lora import lora_adapter
 from isotrain.rl.prompts import PromptSet, PromptStream, check_rl_lengths, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
 from isotrain.rl.update import UpdateTotals, advantages, run_updates
@@ -102,30 +103,15 @@ def _start_fingerprint(cfg: Config) -> str:
     return hashlib.sha256("".join(_file_sha256(str(f)) for f in files).encode()).hexdigest()
 
 
-def _lora(cfg: Config):
-    """The LoRA adapters, applied to the loaded policy before any data-parallel wrapper (seeded: every rank
-    initialises the same adapters). With LoRA the KL reference is this model with its adapters off."""
-    from isotrain.rl.lora import apply_lora
-
-    def adapt(model):
-        torch.manual_seed(cfg.train.seed)
-        return apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
-
-    return adapt
-
-
 def build_policy(cfg: Config, info: DistInfo, tokenizer, parallel):
     """The policy and, when a KL term needs one, the frozen reference: both built on this rank's layout by the
     one model builder (the reference sharded like the policy, without gradients or optimizer)."""
-    dims = parallel.dims
-    if cfg.lora.r > 0 and (dims.dp_shard > 1 or dims.tp > 1):
-        raise ConfigError(f"lora.r={cfg.lora.r} runs on one process or with DDP; LoRA under FSDP2 or tensor "
-                          f"parallelism (parallel.dp_shard={dims.dp_shard}, parallel.tp={dims.tp}) is not supported "
-                          "yet: set parallel.dp_shard=1 and parallel.tp=1")
+    # With LoRA the KL reference is the policy with its adapters off: no second model.
+    adapt = lora_adapter(cfg, parallel.dims)
     common = dict(compute_dtype=compute_dtype(cfg))
     model = build(cfg.model, tokenizer, cfg.train.seed, parallel, info.device, compile=cfg.train.compile,
                   activation_checkpointing=cfg.train.activation_checkpointing == "full",
-                  adapt=_lora(cfg) if cfg.lora.r > 0 else None, **common)
+                  adapt=adapt, **common)
     reference = None
     if cfg.lora.r == 0 and cfg.rl.kl_coef > 0:
         reference = build(cfg.model, tokenizer, cfg.train.seed, parallel, info.device, trainable=False, **common)

@@ -50,15 +50,35 @@ def apply_lora(model: nn.Module, r: int, alpha: int, target_modules: list[str], 
                 f"lora.target_modules entry {target!r} matches no linear layer of the model; "
                 f"available linear module names: {', '.join(linear_module_names(model))}"
             )
-    config = peft.LoraConfig(
-        r=r,
-        lora_alpha=alpha,
-        target_modules=list(target_modules),
-        lora_dropout=dropout,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    return peft.get_peft_model(model, config)
+    from isotrain.config import LoraConfig
+
+    return peft.get_peft_model(model, lora_config(LoraConfig(r=r, alpha=alpha, target_modules=list(target_modules),
+                                                             dropout=dropout)))
+
+
+def lora_config(lora):
+    """peft's LoraConfig of the `lora` config section (what apply_lora trains with)."""
+    peft = _import_peft()
+    return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                           lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM")
+
+
+def lora_adapter(cfg, dims):
+    """`adapt` for the model builder when `lora.r` > 0: adapters applied to the loaded model before any
+    data-parallel wrapper, seeded so that every rank initialises the same ones; else None. `dims`: the
+    run's resolved ParallelDims."""
+    if cfg.lora.r == 0:
+        return None
+    if dims.dp_shard > 1 or dims.tp > 1:
+        raise ConfigError(f"lora.r={cfg.lora.r} runs on one process or with DDP; LoRA under FSDP2 or tensor "
+                          f"parallelism (parallel.dp_shard={dims.dp_shard}, parallel.tp={dims.tp}) is not supported "
+                          "yet: set parallel.dp_shard=1 and parallel.tp=1")
+
+    def adapt(model):
+        torch.manual_seed(cfg.train.seed)
+        return apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
+
+    return adapt
 
 
 def _peft_model(model: nn.Module):

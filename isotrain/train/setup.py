@@ -24,6 +24,7 @@ from isotrain.models.loading import check_model_dir
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
 from isotrain.parallel.dist import DistInfo, barrier
 from isotrain.parallel.mesh import ParallelState
+from isotrain.rl.lora import lora_adapter
 from isotrain.train.optim import build_optimizer
 from isotrain.train.run_dir import own_output_dir
 
@@ -116,6 +117,6 @@ def compute_dtype(cfg: Config) -> torch.dtype | None:
 def prepare_model(cfg: Config, info: DistInfo, tokenizer, parallel: ParallelState):
     model = build(cfg.model, tokenizer, cfg.train.seed, parallel, info.device, compute_dtype=compute_dtype(cfg),
                   compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing == "full",
-                  loss_parallel=True)
+                  loss_parallel=True, adapt=lora_adapter(cfg, parallel.dims))
     optimizer = build_optimizer(model, cfg.train)
     return model, optimizer

@@ -33,6 +33,15 @@ def tokenizer():
     return train_tokenizer(["0123456789 abcdefghij+="] * 4, "char", 64)
 
 
+def grown_tokenizer():
+    """The tokenizer with more special tokens than TINY's 64 vocabulary rows: a loaded model grows its vocabulary."""
+    from isotrain.models.tokenizer import add_special_tokens
+
+    tok = tokenizer()
+    add_special_tokens(tok, [f"<t{i}>" for i in range(64 - len(tok) + 6)])
+    return tok
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
@@ -85,8 +94,9 @@ def main() -> None:
         if mode == "weights":
             fresh = build(ModelConfig(config=TINY), tok, 3, parallel, info.device, loss_parallel=True)
             loaded = build(ModelConfig(name_or_path=rest[0]), tok, 3, parallel, info.device)
+            grown = build(ModelConfig(name_or_path=rest[0]), grown_tokenizer(), 3, parallel, info.device)
             base = getattr(fresh, "module", fresh)  # inside DDP
-            results[layout] = {"fresh": weights(fresh), "loaded": weights(loaded),
+            results[layout] = {"fresh": weights(fresh), "loaded": weights(loaded), "grown": weights(grown),
                                "tied": base.lm_head.weight is base.model.embed_tokens.weight}
         else:
             cfg = ModelConfig(config=LARGER)

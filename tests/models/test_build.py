@@ -44,11 +44,13 @@ def hf_dir(tmp_path_factory):
 def test_every_layout_builds_the_same_weights(tmp_path, hf_dir):
     from transformers import AutoModelForCausalLM
 
-    from build_worker import TINY, tokenizer, weights
+    from build_worker import TINY, grown_tokenizer, tokenizer, weights
     from isotrain.config import ModelConfig
     from isotrain.models.build import build_plain
 
     reference = weights(build_plain(ModelConfig(config=TINY), tokenizer(), 3))
+    # New special tokens: the vocabulary grows by 6 rows, drawn (seeded) like transformers' resize does.
+    grown = weights(build_plain(ModelConfig(name_or_path=str(hf_dir)), grown_tokenizer(), 3))
     loaded = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
     results = _launch(tmp_path, 2, "weights", "1x2x1,1x1x2,2x1x1", str(hf_dir))
     results.update(_launch(tmp_path, 4, "weights", "1x2x2", str(hf_dir)))
@@ -58,6 +60,12 @@ def test_every_layout_builds_the_same_weights(tmp_path, hf_dir):
         for name, tensor in reference.items():
             assert torch.equal(got["fresh"][name], tensor), (layout, name)
             assert torch.equal(got["loaded"][name], loaded[name]), (layout, name)
+        for name, tensor in grown.items():
+            assert torch.equal(got["grown"][name], tensor), (layout, name)
+    embed = grown["model.embed_tokens.weight"]
+    assert embed.shape[0] == 70 and torch.equal(embed[:64], loaded["model.embed_tokens.weight"])
+    old = embed[:64]
+    assert (embed[64:] - old.mean(0)).norm(dim=1).max() < (old - old.mean(0)).norm(dim=1).mean()  # near the mean
     # The control: another seed gives other weights, so equality above is not vacuous.
     other = weights(build_plain(ModelConfig(config=TINY), tokenizer(), 4))
     assert not torch.equal(other["model.layers.0.mlp.up_proj.weight"], reference["model.layers.0.mlp.up_proj.weight"])

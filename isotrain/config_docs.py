@@ -94,22 +94,26 @@ def render_config_reference() -> str:
     return "\n".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    expected = render_config_reference()
+def write_or_check(path: Path, expected: str, module: str, argv: list[str]) -> int:
+    """The command line of a generated docs page: rewrite `path`, or with --check exit 1 when it is stale."""
     if argv == ["--check"]:
-        current = DOCS_PATH.read_text(encoding="utf-8") if DOCS_PATH.is_file() else None
+        current = path.read_text(encoding="utf-8") if path.is_file() else None
         if current != expected:
-            print(f"{DOCS_PATH} is out of date with isotrain/config.py; run `python -m isotrain.config_docs`")
+            print(f"{path} is out of date with the code; run `python -m {module}`")
             return 1
         return 0
     if argv:
-        print("usage: python -m isotrain.config_docs [--check]", file=sys.stderr)
+        print(f"usage: python -m {module} [--check]", file=sys.stderr)
         return 2
-    DOCS_PATH.parent.mkdir(parents=True, exist_ok=True)
-    DOCS_PATH.write_text(expected, encoding="utf-8")
-    print(f"wrote {DOCS_PATH}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(expected, encoding="utf-8")
+    print(f"wrote {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return write_or_check(DOCS_PATH, render_config_reference(), "isotrain.config_docs", argv)
 
 
 if __name__ == "__main__":

@@ -139,20 +139,10 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from isotrain.config_docs import write_or_check
+
     argv = sys.argv[1:] if argv is None else argv
-    expected = render()
-    if argv == ["--check"]:
-        current = DOCS_PATH.read_text(encoding="utf-8") if DOCS_PATH.is_file() else None
-        if current != expected:
-            print(f"{DOCS_PATH} is out of date with the code; run `python -m isotrain.error_catalogue`")
-            return 1
-        return 0
-    if argv:
-        print("usage: python -m isotrain.error_catalogue [--check]", file=sys.stderr)
-        return 2
-    DOCS_PATH.write_text(expected, encoding="utf-8")
-    print(f"wrote {DOCS_PATH}")
-    return 0
+    return write_or_check(DOCS_PATH, render(), "isotrain.error_catalogue", argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ def human_bytes(num: int) -> str:
     return f"{num} B"
 
 
+def _first_names(names: list[str], most: int = 5) -> str:
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+
+
 def cmd_list(args) -> int:
     from isotrain.checkpoint.tools import list_run
 
@@ -147,7 +151,7 @@ def cmd_export(args) -> int:
     source = "fp32 master weights" if report.from_master else "model weights"
     console.print(f"exported {report.num_tensors} tensors ({source}) as {report.dtype} to {escape(str(report.out))}")
     if report.dropped:
-        shown = ", ".join(report.dropped[:5]) + (", ..." if len(report.dropped) > 5 else "")
+        shown = _first_names(report.dropped)
         console.print(f"dropped {len(report.dropped)} tensors matching {escape(repr(args.drop_keys))}: {escape(shown)}")
     console.print(f"size: {human_bytes(report.source_bytes)} checkpoint (model files {human_bytes(report.source_model_bytes)}) "
                   f"-> {human_bytes(report.out_bytes)} exported")
@@ -162,7 +166,7 @@ def cmd_merge(args) -> int:
     console.print(f"merged {report.merged} tensors -> {escape(str(report.out))}"
                   + (f"; {len(report.kept_from_base)} copied from the base" if report.kept_from_base else ""))
     if report.dropped:
-        shown = ", ".join(report.dropped[:5]) + (", ..." if len(report.dropped) > 5 else "")
+        shown = _first_names(report.dropped)
         console.print(f"dropped {len(report.dropped)} tensors ({human_bytes(report.dropped_bytes)}): {escape(shown)}")
     console.print(f"size: {human_bytes(report.reference_bytes)} reference weights -> {human_bytes(report.out_bytes)} "
                   f"written; peak memory {human_bytes(report.peak_rss_bytes)}; recipe and input hashes in merge.json")

@@ -67,15 +67,20 @@ def _plan_shards(shapes: dict[str, tuple[torch.Size, torch.dtype]], max_bytes: i
     return shards
 
 
-def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_keys: str | None = None,
-                      max_shard_bytes: int = 5 << 30) -> ExportReport:
-    source, out = Path(source), Path(out)
+def _check_source_and_out(source: Path, out: Path) -> None:
+    """Only a checkpoint that verifies is exported, and never into a directory that holds anything."""
     problems = verify_checkpoint(source)
     if problems:
         raise CheckpointError(f"{source} cannot be exported: {problems[0]}; export a valid checkpoint "
                               f"(`isotrain ckpt list RUN_DIR` shows them)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} already exists; choose a new output directory or remove it")
+
+
+def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_keys: str | None = None,
+                      max_shard_bytes: int = 5 << 30) -> ExportReport:
+    source, out = Path(source), Path(out)
+    _check_source_and_out(source, out)
     target_name = dtype or _source_dtype(source)
     if target_name not in DTYPES:
         raise CheckpointError(f"--dtype {target_name} is not supported; use one of {', '.join(DTYPES)}")
@@ -154,12 +159,7 @@ def export_adapter(source: Path, out: Path) -> ExportReport:
     from isotrain.rl.lora import lora_config
 
     source, out = Path(source), Path(out)
-    problems = verify_checkpoint(source)
-    if problems:
-        raise CheckpointError(f"{source} cannot be exported: {problems[0]}; export a valid checkpoint "
-                              f"(`isotrain ckpt list RUN_DIR` shows them)")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists; choose a new output directory or remove it")
+    _check_source_and_out(source, out)
     run_config = source / "train_state" / "config.yaml"
     reader = CheckpointReader(source)
     try:

@@ -69,17 +69,23 @@ def model_state_terms(model, config, degrees: ParallelDims, dtype: str, tp_rank:
     """Parameters, masters, gradients and AdamW moments of the rank at (tp_rank, shard_rank)."""
     storage, _ = DTYPES[dtype]
     split = tp_split_dims(model, config) if degrees.tp > 1 else {}
-    padded = unpadded = tensors = 0
+    # Measured: under TP the vocabulary-parallel embedding's gradient arrives whole on every TP rank (all
+    # vocabulary rows, as a partial sum) and is split only by the update's redistribution.
+    embedding = model.get_input_embeddings().weight
+    padded = unpadded = tensors = grads = 0
     for name, param in model.named_parameters():
         padded += local_numel(tuple(param.shape), split.get(name), degrees, tp_rank, shard_rank, padded=True)
         unpadded += local_numel(tuple(param.shape), split.get(name), degrees, tp_rank, shard_rank, padded=False)
+        grad_split = None if param is embedding and degrees.dp_shard == 1 else split.get(name)
+        grads += local_numel(tuple(param.shape), grad_split, degrees, tp_rank, shard_rank, padded=True)
         tensors += 1
     low = storage.itemsize < FP32_BYTES
     terms = [Term("parameters", padded * storage.itemsize + (tensors * FP32_BYTES if low else 0),
                   f"{padded:,} elements × {storage.itemsize} B" + (" + one fp32 scale per tensor" if low else "")),
              Term("fp32 master weights", padded * FP32_BYTES if low else 0,
                   "separate fp32 copy" if low else "the fp32 parameters are the masters"),
-             Term("gradients", padded * FP32_BYTES, "fp32"),
+             Term("gradients", grads * FP32_BYTES,
+                  "fp32" + ("; TP: the embedding's gradient is whole until the update" if grads != padded else "")),
              Term("optimizer moments", unpadded * 2 * FP32_BYTES + tensors * FP32_BYTES,
                   "AdamW exp_avg + exp_avg_sq fp32, step")]
     return terms

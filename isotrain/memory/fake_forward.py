@@ -112,8 +112,10 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         input_ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
-        position_ids = torch.arange(seq_len).expand(micro_batch_size, seq_len)
+        # Separate [B, L] tensors, as the collated batch holds them (data/collate.py).
+        position_ids = torch.arange(seq_len).expand(micro_batch_size, seq_len).contiguous()
+        labels = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
         weights = torch.ones(micro_batch_size, seq_len)
         with count_saved(model, decoder_layers(model)) as saved:
-            forward_loss(model, input_ids, position_ids, input_ids, weights, autocast_dtype)
+            forward_loss(model, input_ids, position_ids, labels, weights, autocast_dtype)
     return saved

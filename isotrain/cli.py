@@ -29,6 +29,11 @@ def cmd_train(args) -> int:
 
     path, overrides = _split_config_and_overrides(args)
     cfg = load_config(path, overrides)  # config errors come before the slow torch imports
+    if args.dry_run:
+        # The run's own layout (torchrun's WORLD_SIZE), printed once; nothing is trained, read or written.
+        if os.environ.get("RANK", "0") == "0":
+            _print_estimate(cfg, int(os.environ.get("WORLD_SIZE", "1")), None, as_json=False)
+        return 0
     from isotrain.train.loop import train
 
     train(cfg)
@@ -98,6 +103,31 @@ def cmd_config_show(args) -> int:
     return 0
 
 
+def _print_estimate(cfg, world_size: int, dtype: str | None, as_json: bool) -> None:
+    from isotrain.errors import ConfigError
+    from isotrain.memory.estimate import estimate_memory, memory_table
+    from isotrain.sizes import plan_batches
+    from isotrain.parallel.dims import resolve_dims
+
+    if world_size < 1:
+        raise ConfigError(f"--world-size {world_size} is invalid; pass the number of processes, 1 or more")
+    plan_batches(cfg, resolve_dims(cfg.parallel, world_size))  # the sizes the run would refuse, refused here too
+    estimate = estimate_memory(cfg, world_size, dtype)
+    if as_json:
+        print(estimate.as_json())
+    else:
+        Console(highlight=False).print(memory_table(estimate))
+
+
+def cmd_estimate_memory(args) -> int:
+    from isotrain.config import load_config
+
+    path, overrides = _split_config_and_overrides(args)
+    cfg = load_config(path, overrides)
+    _print_estimate(cfg, int(os.environ.get("WORLD_SIZE", args.world_size)), args.dtype, args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="isotrain", description="Training whose math does not depend on the layout.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
@@ -105,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="pre-train or fine-tune a causal LM")
     _add_config_args(train)
+    train.add_argument("--dry-run", action="store_true",
+                       help="print the per-rank memory estimate of this run and exit before any work")
     train.set_defaults(func=cmd_train)
 
     rl = commands.add_parser("rl", help="RL post-training (GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++)")
@@ -119,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--rl", action="store_true",
                       help="derive RL sizes (automatic for a config with an rl section); no config: the bundled RL recipe")
     show.set_defaults(func=cmd_config_show)
+
+    memory = commands.add_parser("estimate-memory", help="per-rank memory of a training run, term by term")
+    _add_config_args(memory)
+    memory.add_argument("--world-size", type=int, default=1, help="number of processes to estimate for")
+    memory.add_argument("--dtype", choices=("float32", "bfloat16", "float8"), default=None,
+                        help="storage/compute dtype to estimate (default: model.dtype); float8: 1-byte weights with "
+                        "per-tensor scales, fp32 masters, bf16 compute")
+    memory.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    memory.set_defaults(func=cmd_estimate_memory)
 
     from isotrain.checkpoint.commands import add_parser as add_ckpt_parser
 

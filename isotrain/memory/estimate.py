@@ -1,0 +1,220 @@
+"""Per-rank memory of an SFT run, from its config alone: no tokenizer training, no data, no weights read.
+
+Model states come from the model built on the meta device, one parameter at a time (memory/shards.py):
+
+    parameters     = Σ local elements × storage itemsize (+ one fp32 scale per tensor for float8)
+    masters        = Σ local elements × 4 when parameters are stored below fp32 (float8); fp32 and bf16 runs
+                     keep fp32 parameters, which are the masters themselves
+    gradients      = Σ local elements × 4 (FSDP2 reduces in fp32; autocast grads of fp32 leaves are fp32)
+    AdamW moments  = Σ unpadded local elements × 4 × 2 (exp_avg, exp_avg_sq) + 4 bytes of `step` per tensor
+
+Activations, compute copies and the logits/loss tensors come from one fake-tensor forward of a full
+micro-batch (train.micro_batch_size × data.max_seq_len, memory/fake_forward.py). The logits (compute dtype)
+and, when they are not fp32, their fp32 upcast by the loss exist at once at the end of the forward.
+
+FSDP2 (dp_shard > 1) adds its unsharded copies, in the dtype it computes in: the root's parameters
+(embeddings, final norm, head: not resharded after forward) and two decoder layers (the one in use and the
+one prefetched in backward), plus one layer's unsharded gradients (and their fp32 copy for the reduce-scatter
+when computing in bf16).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from isotrain.config import Config
+from isotrain.errors import ConfigError
+from isotrain.memory.shards import local_numel, tp_split_dims
+from isotrain.parallel.dims import ParallelDims
+
+# The estimator's dtype choices: (parameter storage, compute) dtypes. float8 is the estimator's own option
+# (1-byte weights + per-tensor fp32 scales, fp32 masters, bf16 compute); model.dtype has no float8 yet.
+DTYPES = {
+    "float32": (torch.float32, torch.float32),
+    "bfloat16": (torch.float32, torch.bfloat16),
+    "float8": (torch.float8_e4m3fn, torch.bfloat16),
+}
+FP32_BYTES = torch.float32.itemsize
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class MemoryEstimate:
+    settings: dict
+    terms: list[Term] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(term.bytes for term in self.terms)
+
+    def term(self, name: str) -> int:
+        return next(t.bytes for t in self.terms if t.name == name)
+
+    def as_json(self) -> str:
+        return json.dumps({"settings": self.settings, "terms": [asdict(t) for t in self.terms],
+                           "total_bytes": self.total_bytes}, indent=2)
+
+
+def model_state_terms(model, config, degrees: ParallelDims, dtype: str, tp_rank: int = 0,
+                      shard_rank: int = 0) -> list[Term]:
+    """Parameters, masters, gradients and AdamW moments of the rank at (tp_rank, shard_rank)."""
+    storage, _ = DTYPES[dtype]
+    split = tp_split_dims(model, config) if degrees.tp > 1 else {}
+    # Measured: under TP the vocabulary-parallel embedding's gradient arrives whole on every TP rank (all
+    # vocabulary rows, as a partial sum) and is split only by the update's redistribution.
+    embedding = model.get_input_embeddings().weight
+    padded = unpadded = tensors = grads = 0
+    for name, param in model.named_parameters():
+        padded += local_numel(tuple(param.shape), split.get(name), degrees, tp_rank, shard_rank, padded=True)
+        unpadded += local_numel(tuple(param.shape), split.get(name), degrees, tp_rank, shard_rank, padded=False)
+        grad_split = None if param is embedding and degrees.dp_shard == 1 else split.get(name)
+        grads += local_numel(tuple(param.shape), grad_split, degrees, tp_rank, shard_rank, padded=True)
+        tensors += 1
+    low = storage.itemsize < FP32_BYTES
+    terms = [Term("parameters", padded * storage.itemsize + (tensors * FP32_BYTES if low else 0),
+                  f"{padded:,} elements × {storage.itemsize} B" + (" + one fp32 scale per tensor" if low else "")),
+             Term("fp32 master weights", padded * FP32_BYTES if low else 0,
+                  "separate fp32 copy" if low else "the fp32 parameters are the masters"),
+             Term("gradients", grads * FP32_BYTES,
+                  "fp32" + ("; TP: the embedding's gradient is whole until the update" if grads != padded else "")),
+             Term("optimizer moments", unpadded * 2 * FP32_BYTES + tensors * FP32_BYTES,
+                  "AdamW exp_avg + exp_avg_sq fp32, step")]
+    return terms
+
+
+def _unsharded_groups(model, config, degrees: ParallelDims) -> tuple[int, int]:
+    """(root elements, largest decoder layer's elements) of this TP rank, before FSDP2 splits them."""
+    from isotrain.parallel.apply import decoder_layers
+
+    split = tp_split_dims(model, config) if degrees.tp > 1 else {}
+    no_dp = ParallelDims(1, 1, degrees.tp)
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def numel(params) -> int:
+        return sum(local_numel(tuple(p.shape), split.get(names[id(p)]), no_dp) for p in params)
+
+    layers = decoder_layers(model)
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = numel(p for p in model.parameters() if id(p) not in in_layers)
+    return root, max((numel(layer.parameters()) for layer in layers), default=0)
+
+
+def fsdp_terms(model, config, degrees: ParallelDims, dtype: str) -> list[Term]:
+    if degrees.dp_shard == 1:
+        return []
+    storage, compute = DTYPES[dtype]
+    root, layer = _unsharded_groups(model, config, degrees)
+    gathered = (root + 2 * layer) * storage.itemsize if storage.itemsize < FP32_BYTES else 0
+    gathered += (root + 2 * layer) * compute.itemsize
+    grads = layer * compute.itemsize + (layer * FP32_BYTES if compute.itemsize < FP32_BYTES else 0)
+    return [Term("FSDP2 all-gather buffers", gathered, "unsharded root + 2 decoder layers, compute dtype"),
+            Term("FSDP2 reduce-scatter buffers", grads, "one layer's unsharded gradients (+ fp32 copy)")]
+
+
+def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str) -> list[Term]:
+    from isotrain.memory.fake_forward import fake_forward
+    from isotrain.models.checks import attention_kernel
+    from transformers import AutoModelForCausalLM
+
+    _, compute = DTYPES[dtype]
+    fsdp = degrees.dp_shard > 1
+    lowp = compute != torch.float32
+    checkpointing = cfg.train.activation_checkpointing == "full"
+    kwargs = dict(micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len, tp=degrees.tp,
+                  param_dtype=compute if fsdp else torch.float32,
+                  autocast_dtype=compute if lowp and not fsdp else None, packed=cfg.data.packing)
+    kernel = attention_kernel(cfg.model, config, AutoModelForCausalLM)
+    saved = fake_forward(config, kernel, activation_checkpointing=checkpointing, **kwargs)
+    upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype != torch.float32 else 0
+    tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
+    terms = [Term("activations", saved.by_kind["activations"], f"saved for backward, {tokens}"
+                  + (", layer inputs only (checkpointing)" if checkpointing else "")),
+             Term("compute copies", saved.by_kind["compute_copies"], "autocast's low-precision weight copies"),
+             Term("logits and loss", saved.by_kind["logits_loss"] + saved.logits_bytes + upcast,
+                  "head/loss saved tensors + logits" + (" + their fp32 upcast" if upcast else ""))]
+    if checkpointing:
+        full = fake_forward(config, kernel, activation_checkpointing=False, **kwargs)
+        body = lambda s: s.by_kind["activations"] + s.by_kind["compute_copies"]  # noqa: E731
+        layers = config.num_hidden_layers
+        terms.append(Term("recomputed layer", max(0, body(full) - body(saved)) // layers,
+                          "one decoder layer's activations, rebuilt in backward"))
+    return terms
+
+
+def meta_model(cfg: Config, config):
+    from transformers import AutoModelForCausalLM
+
+    from isotrain.models.checks import attention_kernel
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                attn_implementation=attention_kernel(cfg.model, config,
+                                                                                     AutoModelForCausalLM))
+
+
+def run_vocab_size(cfg: Config, config) -> tuple[int, str]:
+    """The vocabulary the run will have, and how it was found (a trained tokenizer's size is its target)."""
+    from isotrain.models.tokenizer import load_tokenizer
+
+    source = cfg.tokenizer.path or cfg.model.name_or_path
+    special = len(cfg.data.add_special_tokens)
+    if source is not None:
+        size = len(load_tokenizer(source)) + special
+        return max(config.vocab_size or 0, size), "the tokenizer's"
+    target = cfg.tokenizer.vocab_size + special
+    return max(config.vocab_size or 0, target), "at most, as the tokenizer is trained on the data (tokenizer.vocab_size)"
+
+
+def estimate_memory(cfg: Config, world_size: int, dtype: str | None = None, vocab_size: int | None = None,
+                    checked=None) -> MemoryEstimate:
+    """Every term of one rank's memory (the largest rank: rank 0) for `cfg` on `world_size` processes."""
+    from isotrain.models.loading import check_layout_fits, checked_config
+    from isotrain.parallel.dims import check_model_fits, resolve_dims
+
+    dtype = dtype or cfg.model.dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} cannot be estimated; use one of {', '.join(DTYPES)}")
+    degrees = resolve_dims(cfg.parallel, world_size)
+    config = checked if checked is not None else checked_config(cfg)
+    check_layout_fits(cfg.model, degrees)
+    how = "given"
+    if vocab_size is None:
+        vocab_size, how = run_vocab_size(cfg, config)
+    config.vocab_size = vocab_size
+    check_model_fits(degrees, config)
+    model = meta_model(cfg, config)
+    settings = {"world_size": world_size, **dict(degrees.as_rows()), "dtype": dtype,
+                "micro_batch_size": cfg.train.micro_batch_size, "max_seq_len": cfg.data.max_seq_len,
+                "activation_checkpointing": cfg.train.activation_checkpointing,
+                "vocab_size": vocab_size, "vocab_size_source": how,
+                "parameters": sum(p.numel() for p in model.parameters())}
+    terms = [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),
+             *activation_terms(cfg, config, degrees, dtype)]
+    return MemoryEstimate(settings, terms)
+
+
+def memory_table(estimate: MemoryEstimate):
+    from rich.table import Table
+
+    s = estimate.settings
+    title = (f"per-rank memory (rank 0 of {s['world_size']}: dp_replicate {s['dp_replicate']}, dp_shard "
+             f"{s['dp_shard']}, tp {s['tp']}; {s['dtype']}; micro-batch {s['micro_batch_size']} × {s['max_seq_len']})")
+    table = Table(title=title)
+    table.add_column("term")
+    table.add_column("MiB", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("how")
+    for term in estimate.terms:
+        table.add_row(term.name, f"{term.bytes / 2**20:,.2f}", f"{term.bytes:,}", term.note)
+    table.add_row("total", f"{estimate.total_bytes / 2**20:,.2f}", f"{estimate.total_bytes:,}",
+                  f"{s['parameters']:,} parameters; vocabulary {s['vocab_size']:,} ({s['vocab_size_source']})")
+    return table

@@ -1,0 +1,121 @@
+"""One micro-batch's forward on fake tensors (no memory, no weights): what a rank keeps for its backward.
+
+The model is the run's own Hugging Face model in the dtype the rank computes in, built under FakeTensorMode,
+with transformers' activation checkpointing as parallel/apply.py enables it, run through the same
+forward and loss as the SFT step (`forward_loss`). Two things make it the rank's forward and not the whole
+model's:
+
+- tensor parallelism: a TP rank runs the same graph on 1/tp of the heads, KV heads, MLP width and vocabulary
+  (the residual stream stays whole), so the fake model is the config with those four sizes divided by tp
+  (head_dim kept);
+- mixed precision: FSDP2 casts the parameters themselves to bf16 (the fake model is built in bf16); without
+  FSDP2 the step runs under CPU autocast, which keeps fp32 parameters and makes bf16 copies as it goes.
+
+Fake tensors pick the math SDPA kernel, while real CPU tensors pick the flash kernel, which saves different
+tensors (no expanded KV heads, no mask): `_sdpa_as_real` asks the real dispatcher on a small real input
+which kernel it would take and calls that one. Likewise transformers cannot read fake position ids to see that
+a row holds one document and builds a mask it would skip for real rows; unpacked rows (`packed=False`) are
+one document each, so the fake forward tells it so (`_one_document_per_row`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+from isotrain.memory.saved import SavedBytes, count_saved, forward_loss
+from isotrain.parallel.apply import decoder_layers
+
+_FLASH = 1  # torch._fused_sdp_choice: SDPBackend.FLASH_ATTENTION
+
+
+def tp_rank_config(config, tp: int):
+    """The config whose full model computes what one TP rank computes (sizes split by parallel/tp.py)."""
+    config = copy.deepcopy(config)
+    if tp == 1:
+        return config
+    heads = config.num_attention_heads
+    config.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    config.num_attention_heads = heads // tp
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    config.num_key_value_heads = kv // tp
+    config.intermediate_size //= tp
+    config.vocab_size //= tp
+    return config
+
+
+def _small(t: torch.Tensor | None):
+    """A real tensor like `t` with at most 4 positions: enough for the dispatcher's kernel choice."""
+    if t is None:
+        return None
+    shape = list(t.shape)
+    shape[0] = 1
+    shape[-2] = min(shape[-2], 4)
+    if t.dim() == 4 and t.shape[-1] == t.shape[-2] or t.dtype == torch.bool:
+        shape[-1] = min(shape[-1], 4)
+    return torch.zeros(shape, dtype=t.dtype)
+
+
+@contextlib.contextmanager
+def _sdpa_as_real():
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type == "cpu":
+            with unset_fake_temporarily():
+                q, k, v = _small(query), _small(key), _small(value)
+                mask = None if attn_mask is None else _small(attn_mask)
+                choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale,
+                                                 enable_gqa=enable_gqa)
+            if choice == _FLASH:
+                out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+                return out
+        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def _one_document_per_row(enabled: bool):
+    import transformers.masking_utils as masking
+
+    original = masking.find_packed_sequence_indices
+    if enabled:
+        masking.find_packed_sequence_indices = lambda position_ids: None  # what it returns for arange rows
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq_len: int, tp: int,
+                 param_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+                 activation_checkpointing: bool, packed: bool = False) -> SavedBytes:
+    """What one rank's forward of a full micro-batch (every position a trained token) keeps for backward."""
+    from transformers import AutoModelForCausalLM
+
+    config = tp_rank_config(config, tp)
+    with FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(), _one_document_per_row(not packed):
+        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_implementation)
+        model.config.use_cache = False
+        if activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        input_ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+        # Separate [B, L] tensors, as the collated batch holds them (data/collate.py).
+        position_ids = torch.arange(seq_len).expand(micro_batch_size, seq_len).contiguous()
+        labels = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+        weights = torch.ones(micro_batch_size, seq_len)
+        with count_saved(model, decoder_layers(model)) as saved:
+            forward_loss(model, input_ids, position_ids, labels, weights, autocast_dtype)
+    return saved

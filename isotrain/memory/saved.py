@@ -1,0 +1,138 @@
+"""What a forward keeps alive for its backward, in bytes, by kind: the one counter of activations that both the
+estimate (a fake-tensor forward) and the measurement (a real forward) use.
+
+Autograd's saved tensors are seen through `saved_tensors_hooks`; one storage is counted once, however many
+views of it are saved. Activation checkpointing keeps each decoder layer's inputs instead (its own hooks hide
+the rest until the layer is recomputed), so the tensor inputs of every decoder layer are counted too.
+Kinds:
+
+- `activations`: everything the model body saves (and the decoder layers' inputs);
+- `compute_copies`: lower-precision copies of parameters made by autocast (`ToCopyBackward` of a leaf), kept
+  by the matmuls that use them until backward;
+- `logits_loss`: what the LM head and the loss save, from the head's input on (the loss's fp32 log-softmax);
+- parameters themselves (or views of them) are not counted: they are model state, not activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+KINDS = ("activations", "compute_copies", "logits_loss")
+# Backward nodes that only view or cast their input: a chain of them from a leaf is still "that parameter".
+_VIEW_NODES = {"TBackward0", "ViewBackward0", "TransposeBackward0", "AliasBackward0", "PermuteBackward0",
+               "ExpandBackward0", "UnsafeViewBackward0", "ToCopyBackward0", "_ToCopyBackward0"}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _param_origin(t: torch.Tensor) -> str | None:
+    """'parameter' for a parameter or a view of one, 'copy' for a cast of one, None for anything else."""
+    if t.is_leaf:
+        return "parameter" if t.requires_grad else None
+    node, cast = t.grad_fn, False
+    for _ in range(6):
+        if node is None:
+            return None
+        name = type(node).__name__
+        if name == "AccumulateGrad":
+            return "copy" if cast else "parameter"
+        if name not in _VIEW_NODES:
+            return None
+        cast |= "ToCopy" in name
+        nexts = [fn for fn, _ in node.next_functions if fn is not None]
+        if len(nexts) != 1:
+            return None
+        node = nexts[0]
+    return None
+
+
+@dataclass
+class SavedBytes:
+    """Bytes by kind; `storages` remembers what was counted so a storage is never counted twice."""
+
+    by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    storages: set = field(default_factory=set)
+    in_head: bool = False
+    logits_bytes: int = 0  # the logits tensor itself (alive until the loss is formed, then freed)
+    logits_dtype: torch.dtype | None = None
+    logits_numel: int = 0
+
+    def add(self, t: torch.Tensor, kind: str | None = None) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        origin = _param_origin(t)
+        if origin == "parameter":
+            return
+        storage = _local(t).untyped_storage()
+        key = storage._cdata
+        if key in self.storages:
+            return
+        self.storages.add(key)
+        if kind is None:
+            kind = "compute_copies" if origin == "copy" else "logits_loss" if self.in_head else "activations"
+        self.by_kind[kind] += storage.nbytes()
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    found = []
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (tuple, list)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
+@contextlib.contextmanager
+def count_saved(model: nn.Module, layers: list[nn.Module]):
+    """Count, while the block runs a forward (only: a backward would add the recomputed layers), what `model`
+    keeps for backward. `layers`: its decoder layers (their inputs are kept under activation checkpointing)."""
+    saved = SavedBytes()
+    head = model.get_output_embeddings()
+    handles = [
+        head.register_forward_pre_hook(lambda mod, args: setattr(saved, "in_head", True)),
+        head.register_forward_hook(lambda mod, args, out: _note_logits(saved, out)),
+    ]
+    def layer_inputs(mod, args, kwargs):
+        for t in _tensors(args, kwargs):
+            saved.add(t, "activations")
+
+    for layer in layers:
+        handles.append(layer.register_forward_pre_hook(layer_inputs, with_kwargs=True))
+
+    def pack(t):
+        saved.add(t)
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield saved
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _note_logits(saved: SavedBytes, out: torch.Tensor) -> None:
+    local = _local(out)
+    saved.logits_bytes = local.untyped_storage().nbytes()
+    saved.logits_dtype, saved.logits_numel = local.dtype, local.numel()
+
+
+def forward_loss(model: nn.Module, input_ids, position_ids, labels, weights, autocast_dtype, with_mask=False):
+    """The SFT step's forward of one micro-batch (train/step.py `forward_backward`): the logits under autocast
+    when the step uses it, then Σ weighted token losses in fp32."""
+    from isotrain.models.packing_check import lm_logits
+    from isotrain.train.loss import token_losses
+
+    autocast = (torch.autocast(input_ids.device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    with autocast:
+        logits = lm_logits(model, input_ids, position_ids, with_mask)
+    return (token_losses(logits, labels) * weights).sum()

@@ -1,0 +1,101 @@
+"""Measure every memory term on this rank of a real run and estimate the same run from its config.
+
+    memory_worker.py OUT.json LAYOUT      LAYOUT: RxSxT (dp_replicate x dp_shard x tp)
+
+For each of fp32 / bf16 × activation checkpointing none / full: build the tiny model with isotrain's builder,
+run one real `train_step` (gradients are measured between backward and update, optimizer state after it),
+then count what one more forward keeps for backward. Rank 0 writes [{variant, rank, measured, estimated}].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from isotrain.config import build_config
+from isotrain.memory.estimate import estimate_memory
+from isotrain.memory.measure import activation_bytes, gradient_bytes, optimizer_bytes, parameter_bytes
+from isotrain.models.build import build
+from isotrain.models.tokenizer import train_tokenizer
+from isotrain.parallel.dims import resolve_dims
+from isotrain.parallel.dist import init_distributed, shutdown_distributed
+from isotrain.parallel.mesh import build_parallel
+from isotrain.train.optim import build_optimizer
+from isotrain.train.step import step_options, train_step
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 64}
+MICRO, SEQ = 2, 16
+
+
+def micro_batch(seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (MICRO, SEQ), generator=gen)
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(SEQ).expand(MICRO, SEQ).clone(),
+            "segment_ids": torch.zeros(MICRO, SEQ, dtype=torch.long), "num_input_tokens": MICRO * SEQ,
+            "num_trained_tokens": MICRO * SEQ}
+
+
+def run_config(layout: str, dtype: str, checkpointing: str):
+    replicate, shard, tp = (int(x) for x in layout.split("x"))
+    return build_config({"model": {"config": TINY, "dtype": dtype},
+                         "data": {"max_seq_len": SEQ},
+                         "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard,
+                                   "activation_checkpointing": checkpointing},
+                         "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp}})
+
+
+def measure(cfg, info, tokenizer) -> dict:
+    degrees = resolve_dims(cfg.parallel, info.world_size)
+    parallel = build_parallel(degrees, info.device, info.rank)
+    model = build(cfg.model, tokenizer, 0, parallel, info.device, compute_dtype=torch.bfloat16
+                  if cfg.model.dtype == "bfloat16" else None,
+                  activation_checkpointing=cfg.train.activation_checkpointing == "full", loss_parallel=True)
+    optimizer = build_optimizer(model, cfg.train)
+    options = step_options(cfg, parallel)
+    measured = {"parameters": parameter_bytes(model)}
+    train_step(model, optimizer, [micro_batch(parallel.dp_rank)], 1e-3, options, info.device,
+               before_update=lambda: measured.update(gradients=gradient_bytes(model)))
+    measured["optimizer moments"] = optimizer_bytes(optimizer)
+    saved = activation_bytes(model, micro_batch(10 + parallel.dp_rank), options.autocast_dtype, options.loss_parallel)
+    measured["activations"] = saved["activations"]
+    measured["compute copies"] = saved["compute_copies"]
+    upcast = 0 if saved["logits_fp32"] else saved["logits_numel"] * 4
+    measured["logits and loss"] = saved["logits_loss"] + saved["logits"] + upcast
+    return measured
+
+
+def main() -> None:
+    out, layout = sys.argv[1:]
+    info = init_distributed()
+    tokenizer = train_tokenizer(["0123456789 abcdefghij+="] * 4, "char", 64)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        for checkpointing in ("none", "full"):
+            cfg = run_config(layout, dtype, checkpointing)
+            measured = measure(cfg, info, tokenizer)
+            estimate = estimate_memory(cfg, info.world_size, vocab_size=64)
+            estimated = {t.name: t.bytes for t in estimate.terms}
+            gathered = [None] * info.world_size
+            row = {"variant": f"{layout} {dtype} ac={checkpointing}", "rank": info.rank, "measured": measured,
+                   "estimated": estimated}
+            if info.is_distributed:
+                torch.distributed.all_gather_object(gathered, row)
+            else:
+                gathered = [row]
+            rows.extend(gathered)
+    if info.is_main:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if info.is_distributed:
+        shutdown_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The memory estimate agrees with what real runs hold, term by term, on every layout (real processes, gloo).
+
+Model states must match to the byte; activations, autocast's compute copies and the logits/loss tensors within
+5 % (they match exactly here too, because the estimate runs the same forward on fake tensors).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import isotrain_cli, run_concurrently, torchrun
+
+WORKER = str(Path(__file__).with_name("memory_worker.py"))
+EXACT = ("parameters", "gradients", "optimizer moments")
+CLOSE = ("activations", "compute copies", "logits and loss")
+
+
+def _measure(tmp_path, nproc: int, layout: str) -> list[dict]:
+    out = tmp_path / f"{layout}.json"
+    proc = torchrun(nproc, [WORKER, str(out), layout])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_estimate_matches_measurement_on_every_layout(tmp_path):
+    results = run_concurrently({layout: (lambda n=n, layout=layout: _measure(tmp_path, n, layout))
+                                for layout, n in (("1x2x1", 2), ("1x1x2", 2), ("1x1x1", 1))}, workers=2)
+    rows = [row for layout_rows in results.values() for row in layout_rows]
+    assert len(rows) == 4 * (2 + 2 + 1)
+    for row in rows:
+        measured, estimated = row["measured"], row["estimated"]
+        where = (row["variant"], row["rank"])
+        for term in EXACT:
+            assert estimated[term] == measured[term], (where, term, estimated[term], measured[term])
+        for term in CLOSE:
+            assert abs(estimated[term] - measured[term]) <= 0.05 * max(measured[term], 1), \
+                (where, term, estimated[term], measured[term])
+    # The layouts really differ, so agreement is not one number compared with itself.
+    single = {row["variant"].split(" ", 1)[1]: row["measured"] for row in results["1x1x1"]}
+    for layout in ("1x2x1", "1x1x2"):
+        for row in results[layout]:
+            assert row["measured"]["parameters"] < single[row["variant"].split(" ", 1)[1]]["parameters"]
+    tp = {row["variant"].split(" ", 1)[1]: row["measured"] for row in results["1x1x2"]}
+    assert tp["float32 ac=none"]["activations"] < single["float32 ac=none"]["activations"]
+    assert single["float32 ac=full"]["activations"] < single["float32 ac=none"]["activations"]
+
+
+def test_float8_parameters_are_one_byte_plus_a_scale_per_tensor():
+    """float8 sizing against real float8 tensors' bytes, and the fp32 masters beside them."""
+    from isotrain.config import build_config
+    from isotrain.memory.estimate import estimate_memory
+
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 64}
+    cfg = build_config({"model": {"config": config}, "data": {"max_seq_len": 16},
+                        "train": {"micro_batch_size": 2, "global_batch_size": 2}})
+    fp8 = estimate_memory(cfg, 1, "float8", vocab_size=64)
+    fp32 = estimate_memory(cfg, 1, "float32", vocab_size=64)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    mapping = dict(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(mapping.pop("model_type"), **mapping))
+    real = sum(torch.empty(p.shape, dtype=torch.float8_e4m3fn).nbytes + torch.empty((), dtype=torch.float32).nbytes
+               for p in model.parameters())
+    masters = sum(torch.empty(p.shape, dtype=torch.float32).nbytes for p in model.parameters())
+    assert fp8.term("parameters") == real
+    assert fp8.term("fp32 master weights") == masters == fp32.term("parameters")
+    assert fp32.term("fp32 master weights") == 0
+    assert torch.empty(3, dtype=torch.float8_e5m2).nbytes == 3
+
+
+def test_estimate_memory_command_prints_json_and_refuses_bad_sizes():
+    args = ["estimate-memory", "model.config.hidden_size=64", "model.config.intermediate_size=128",
+            "model.config.num_hidden_layers=2", "model.config.vocab_size=128", "data.max_seq_len=32",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "parallel.dp_shard=2",
+            "parallel.dp_replicate=1", "--world-size", "2", "--json"]
+    proc = isotrain_cli(args)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    names = [term["name"] for term in report["terms"]]
+    assert names[:4] == ["parameters", "fp32 master weights", "gradients", "optimizer moments"]
+    assert "FSDP2 all-gather buffers" in names and report["settings"]["dp_shard"] == 2
+    assert report["total_bytes"] == sum(term["bytes"] for term in report["terms"])
+    bad = isotrain_cli([*args[:-3], "--world-size", "3"])
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_train_dry_run_does_no_work(tmp_path):
+    out = tmp_path / "run"
+    proc = isotrain_cli(["train", "--dry-run", f"output_dir={out}", "data.path=/nonexistent.jsonl",
+                         "model.config.hidden_size=64", "model.config.intermediate_size=128"])
+    assert proc.returncode == 0, proc.stderr
+    assert "optimizer moments" in proc.stdout and "total" in proc.stdout
+    assert not out.exists()

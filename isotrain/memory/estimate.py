@@ -170,8 +170,14 @@ def run_vocab_size(cfg: Config, config) -> tuple[int, str]:
     if source is not None:
         size = len(load_tokenizer(source)) + special
         return max(config.vocab_size or 0, size), "the tokenizer's"
+    # A fresh model's vocabulary is the trained tokenizer's size (or more rows if model.config asks for them),
+    # never transformers' default for the family.
+    asked = (cfg.model.config or {}).get("vocab_size") or 0
     target = cfg.tokenizer.vocab_size + special
-    return max(config.vocab_size or 0, target), "at most, as the tokenizer is trained on the data (tokenizer.vocab_size)"
+    if cfg.tokenizer.type == "char":
+        return max(asked, target), ("a bound: a char tokenizer has one token per distinct character of the data, "
+                                    "known once it is trained; tokenizer.vocab_size is used")
+    return max(asked, target), "at most, as the tokenizer is trained on the data (tokenizer.vocab_size)"
 
 
 def estimate_memory(cfg: Config, world_size: int, dtype: str | None = None, vocab_size: int | None = None,

@@ -21,10 +21,12 @@ of a step in one batch (isotrain with its own KV-cache sampling loop, TRL with `
 isotrain runs twice, as two tools: with padded micro-batches (`rl.pack_sequences=false`, one sequence per
 row) and with packed ones (the default: several sequences per row, position ids restarting at 0). Two
 workloads: today's `--max-new-tokens 8`, where nearly every response runs to the budget, and a
-variable-length one, `--max-new-tokens 56` (the longest prompt, 7 tokens, + 56 fits the model's 64 positions): the freshly initialised model samples nearly uniformly over
-its 20-token vocabulary, so each new token is EOS with probability ~1/20 and responses end at
-geometrically distributed lengths (the real engines of both tools, no scripted lengths; mean ~17 tokens,
-a few percent reach the budget). Padding a micro-batch to its longest sequence then wastes most of it.
+variable-length one, `--max-new-tokens 56` (the longest prompt, 7 tokens, + 56 fits the model's 64
+positions): the freshly initialised model samples nearly uniformly over its 20-token vocabulary, so each
+new token is EOS with probability ~1/20 and responses end at geometrically distributed lengths (the real
+engines of both tools, no scripted lengths; mean ~17 tokens, a few percent reach the budget). Padding a
+micro-batch to its longest sequence then wastes most of it. Run it with the checkout's isotrain on the
+path (PYTHONPATH=.), as the script's own folder comes first on sys.path.
 
 Phases of a step, per tool:
 

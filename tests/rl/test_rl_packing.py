@@ -186,7 +186,8 @@ def test_opt_without_the_mask_would_differ(tokenizer):
     """The mask matters: OPT's packed rows without it let sequences attend to the ones before them."""
     padded = rl_trainer_step(tokenizer, OPT, "grpo", "token-mean", PADDED)
     leaky = rl_trainer_step(tokenizer, OPT, "grpo", "token-mean", RowLayout(packed=True))
-    flat = {name: [x for r in run["per_token"]["own"] for x in r] for name, run in (("leaky", leaky), ("padded", padded))}
+    flat = {name: [x for r in run["per_token"]["own"] for x in r]
+            for name, run in (("leaky", leaky), ("padded", padded))}
     assert rel(flat["leaky"], flat["padded"]) > 1000 * RTOL
     grads = leaky["grads"][0]
     assert max(rel(grads[n], g) for n, g in padded["grads"][0].items() if not n.endswith("k_proj.bias")) > 1000 * RTOL

@@ -316,6 +316,11 @@ class RLConfig(Section):
     )
     mask_truncated: bool = Field(False, description="Leave responses cut at max_new_tokens out of the loss.")
     max_new_tokens: int = Field(16, gt=0, description="Response budget per sample.")
+    pack_sequences: bool = Field(
+        True, description="Pack the prompt + response sequences of a micro-batch into rows with position ids "
+        "restarting at 0 (no padding) for every trainer forward; the same loss and gradients as one padded row "
+        "per sequence. A model that cannot keep packed sequences apart falls back to padding.",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the rollouts (log-probs use it too).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the rollouts.")
     tis_cap: float | None = Field(

@@ -151,10 +151,7 @@ def packing_needs_mask(cfg, model: nn.Module, parallel, device: torch.device, lo
     the step must pass isotrain's mask; ConfigError when packing cannot be kept exact."""
     if not cfg.data.packing:
         return False
-    # FSDP2 runs the forward in bf16 (its mixed-precision policy); elsewhere bf16 is autocast by the step,
-    # which the probe does not enter, so it compares in fp32.
-    fsdp_bf16 = cfg.model.dtype == "bfloat16" and parallel.dims.dp_shard > 1
-    needs_mask = check_packing(model, device, torch.bfloat16 if fsdp_bf16 else torch.float32)
+    needs_mask = check_packing(model, device, probe_dtype(cfg, parallel))
     name = architecture(model)
     if needs_mask:
         log(f"packing: {name} ignores position-id restarts; isotrain passes a per-document attention mask "
@@ -162,6 +159,13 @@ def packing_needs_mask(cfg, model: nn.Module, parallel, device: torch.device, lo
     else:
         log(f"packing: {name} keeps packed documents apart by their position ids (probe: packed == unpacked)")
     return needs_mask
+
+
+def probe_dtype(cfg, parallel) -> torch.dtype:
+    """What the probe's matmuls run in: FSDP2 runs the forward in bf16 (its mixed-precision policy); elsewhere
+    bf16 is autocast by the step, which the probe does not enter, so it compares in fp32."""
+    fsdp_bf16 = cfg.model.dtype == "bfloat16" and parallel.dims.dp_shard > 1
+    return torch.bfloat16 if fsdp_bf16 else torch.float32
 
 
 def architecture(model: nn.Module) -> str:

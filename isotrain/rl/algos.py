@@ -354,13 +354,19 @@ def truncated_is_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, mask
 # Dr. GRPO's norm_length is a constant (e.g. max_new_tokens) so that a long answer is not
 # down-weighted per token as it is in seq-mean-token-mean. All-masked rows contribute 0 and
 # count in no denominator.
+#
+# "Row" means sequence: with several sequences packed into one row, `sequence_ids` [B, T] names the
+# sequence of every token, and n_b, R count per sequence, so a packed batch gets the very weights and
+# D of the same sequences padded one per row (n_b is the same integer, so w = m / n_b is bit-identical).
 
 
-def aggregation_weights(mask: Tensor, mode: str, norm_length: int | None = None) -> tuple[Tensor, float]:
+def aggregation_weights(mask: Tensor, mode: str, norm_length: int | None = None,
+                        sequence_ids: Tensor | None = None) -> tuple[Tensor, float]:
     """Per-token weights w [B, T] and this batch's contribution D to the loss denominator (see above).
 
     w has the mask's dtype if it is floating, else fp32. norm_length is required by
-    'seq-mean-token-sum-norm' and ignored by the other modes.
+    'seq-mean-token-sum-norm' and ignored by the other modes. sequence_ids [B, T] (int, >= 0): the
+    sequence each token belongs to, for packed rows; default: its row. Ids of masked tokens are ignored.
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"Unknown loss aggregation mode {mode!r}; valid modes are: {', '.join(LOSS_AGG_MODES)}.")
@@ -368,14 +374,25 @@ def aggregation_weights(mask: Tensor, mode: str, norm_length: int | None = None)
         raise ValueError(f"mask must have shape [B, T], got {tuple(mask.shape)}.")
     m = _as_bool(mask)
     w = m.to(mask.dtype if mask.dtype.is_floating_point else torch.float32)
-    tokens_per_row = m.sum(-1)
-    num_rows = float((tokens_per_row > 0).sum())
+    if sequence_ids is None:
+        tokens_per_sequence = m.sum(-1)
+        tokens_at = tokens_per_sequence.unsqueeze(-1)  # n_b of each token's sequence, broadcast over T
+    else:
+        if sequence_ids.shape != mask.shape:
+            raise ValueError(f"sequence_ids must have the mask's shape {tuple(mask.shape)}, "
+                             f"got {tuple(sequence_ids.shape)}.")
+        ids = sequence_ids.long().clamp_min(0)
+        num_sequences = int(ids.max()) + 1 if ids.numel() else 0
+        tokens_per_sequence = torch.zeros(num_sequences, dtype=torch.int64, device=mask.device)
+        tokens_per_sequence.index_add_(0, ids.flatten(), m.flatten().long())
+        tokens_at = tokens_per_sequence[ids]
+    num_rows = float((tokens_per_sequence > 0).sum())
     if mode == "token-mean":
-        return w, float(tokens_per_row.sum())
+        return w, float(tokens_per_sequence.sum())
     if mode == "seq-mean-token-sum":
         return w, num_rows
     if mode == "seq-mean-token-mean":
-        return w / tokens_per_row.clamp_min(1).unsqueeze(-1).to(w.dtype), num_rows
+        return w / tokens_at.clamp_min(1).to(w.dtype), num_rows
     if norm_length is None or norm_length <= 0:
         raise ValueError(
             f"Loss aggregation 'seq-mean-token-sum-norm' needs a positive norm_length "

@@ -19,7 +19,7 @@ import torch
 from isotrain.config import Config
 from isotrain.models.build import build
 from isotrain.rl.algos import aggregation_weights, value_loss
-from isotrain.rl.experience import RolloutBatch, per_response_token
+from isotrain.rl.experience import PADDED, RolloutBatch, RowLayout, forward_logits, per_response_token
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import accumulate_gradients, optimizer_step
 
@@ -38,15 +38,14 @@ def build_critic(cfg: Config, tokenizer, device: torch.device, parallel):
 
 
 def _values(critic, mb: dict, device: torch.device) -> torch.Tensor:
-    out = critic(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device), use_cache=False)
-    return out.logits.squeeze(-1).float()
+    return forward_logits(critic, mb, device).squeeze(-1).float()
 
 
 def token_values(critic, batch: RolloutBatch, pad_id: int, micro_batch_size: int, device: torch.device,
-                 autocast_dtype=None) -> list[list[float]]:
+                 autocast_dtype=None, layout: RowLayout = PADDED) -> list[list[float]]:
     """V_t of every response token of every sample (response coordinates), before any update."""
     return per_response_token(batch, pad_id, micro_batch_size, device, autocast_dtype,
-                              lambda mb: _values(critic, mb, device))
+                              lambda mb: _values(critic, mb, device), layout)
 
 
 def critic_step(critic, optimizer, mbs: list[dict], denominator: float, ctx, lr: float) -> tuple[float, float, torch.Tensor]:
@@ -56,7 +55,7 @@ def critic_step(critic, optimizer, mbs: list[dict], denominator: float, ctx, lr:
 
     def loss_sum(mb: dict, autocast) -> torch.Tensor:
         mask = mb["mask"].to(ctx.device)
-        weights, _ = aggregation_weights(mask, rl.loss_agg, rl.max_new_tokens)
+        weights, _ = aggregation_weights(mask, rl.loss_agg, rl.max_new_tokens, mb["sequence_ids"].to(ctx.device))
         with autocast:
             values = _values(critic, mb, ctx.device)
         old, returns = mb["old_values"].to(ctx.device), mb["returns"].to(ctx.device)

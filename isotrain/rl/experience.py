@@ -7,7 +7,9 @@ on the layout.
 
 Token alignment (targets are pre-shifted, as in SFT): a sample is prompt (p tokens) + response
 (r tokens); position t predicts token t + 1, so response token j is scored at position p - 1 + j.
-Per-token arrays of the response (log-probs, advantages) are placed at those positions.
+Per-token arrays of the response (log-probs, advantages) are placed at those positions. A micro-batch
+is laid out padded (one sample per row) or packed (several per row, positions restarting at 0): see
+RowLayout; the same per-token values come out of either.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from isotrain.models.packing_check import lm_logits
 from isotrain.rl.algos import token_logprobs
 
 
@@ -61,67 +64,144 @@ def _gather(local, group) -> list:
     return parts
 
 
-def _place(rows: list[list[float]], prompt_lens: list[int], length: int) -> torch.Tensor:
-    out = np.zeros((len(rows), length), dtype=np.float32)
-    for i, (row, p) in enumerate(zip(rows, prompt_lens)):
-        out[i, p - 1 : p - 1 + len(row)] = row
-    return torch.from_numpy(out)
+@dataclass(frozen=True)
+class RowLayout:
+    """How the sequences of a micro-batch become rows of the forward.
+
+    padded: one prompt + response per row, right-padded, positions 0..L-1 counting through the padding.
+    packed: several sequences per row, each with position ids restarting at 0, rows of at most the
+    micro-batch's longest sequence (so a row's attention never costs more than a padded row's), the last
+    one right-padded. Models that read position restarts as document boundaries need no mask; for those
+    that do not (models/packing_check.py), `document_mask` passes isotrain's per-document causal mask.
+    Every per-token value is the same in both layouts: a token sees exactly its own sequence's prefix at
+    the same positions, so only where it sits in the tensor changes.
+    """
+
+    packed: bool = False
+    document_mask: bool = False
+
+
+PADDED = RowLayout()
+
+
+def _pack(lengths: list[int], packed: bool) -> tuple[list[tuple[int, int]], int, int]:
+    """(row, offset) of every sequence, the number of rows and the row length.
+
+    Packed: first-fit decreasing into rows of capacity max(lengths); stable (ties keep their order), so the
+    layout is a function of the lengths alone."""
+    capacity = max(lengths)
+    if not packed:
+        return [(i, 0) for i in range(len(lengths))], len(lengths), capacity
+    slots: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    filled: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        row = next((r for r, used in enumerate(filled) if used + lengths[i] <= capacity), len(filled))
+        if row == len(filled):
+            filled.append(0)
+        slots[i] = (row, filled[row])
+        filled[row] += lengths[i]
+    return slots, len(filled), max(filled)
+
+
+def _response_index(prompt_lens: list[int], response_lens: list[int],
+                    slots: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of every response token's scoring position, sample after sample: response token j of a
+    sample at (row, offset) with a p-token prompt is predicted at column offset + p - 1 + j."""
+    rows = [row for (row, _), r in zip(slots, response_lens) for _ in range(r)]
+    cols = [offset + p - 1 + j for (_, offset), p, r in zip(slots, prompt_lens, response_lens) for j in range(r)]
+    return torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64)
 
 
 def make_micro_batch(batch: RolloutBatch, pad_id: int, mask_truncated: bool,
-                     per_token: dict[str, list[list[float]] | None]) -> dict:
-    """Right-padded tensors [B, L] of some samples: input_ids, position_ids, targets, mask and the per-token arrays.
+                     per_token: dict[str, list[list[float]] | None], layout: RowLayout = PADDED) -> dict:
+    """Tensors [rows, L] of some samples, laid out by `layout`: input_ids, position_ids, targets, mask,
+    sequence_ids (the sample of each token, for per-sequence loss weights), the per-token arrays, and
+    response_index (where each response token is scored) to read per-token outputs back per sample.
 
-    No attention mask: causal attention keeps real tokens from seeing the padding after them, and
-    position ids keep counting through the padding, exactly as SFT batches do.
+    No attention mask when padded: causal attention keeps real tokens from seeing the padding after them,
+    and position ids keep counting through the padding, exactly as SFT batches do. The padding after the
+    last sequence of a packed row continues that sequence's positions, so it starts no new document.
     """
     prompt_lens = [len(p) for p in batch.prompt_ids]
+    response_lens = [len(r) for r in batch.response_ids]
     sequences = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
-    length = max(len(s) for s in sequences)
-    input_ids = np.full((len(sequences), length), pad_id, dtype=np.int64)
-    targets = np.zeros((len(sequences), length), dtype=np.int64)
-    mask = np.zeros((len(sequences), length), dtype=np.float32)
-    for i, (seq, p) in enumerate(zip(sequences, prompt_lens)):
-        input_ids[i, : len(seq)] = seq
-        targets[i, : len(seq) - 1] = seq[1:]
+    slots, num_rows, length = _pack([len(s) for s in sequences], layout.packed)
+    input_ids = np.full((num_rows, length), pad_id, dtype=np.int64)
+    positions = np.tile(np.arange(length, dtype=np.int64), (num_rows, 1))
+    targets = np.zeros((num_rows, length), dtype=np.int64)
+    mask = np.zeros((num_rows, length), dtype=np.float32)
+    sequence_ids = np.zeros((num_rows, length), dtype=np.int64)
+    last = [0] * num_rows  # offset of each row's last sequence
+    for i, (seq, p, (row, offset)) in enumerate(zip(sequences, prompt_lens, slots)):
+        end = offset + len(seq)
+        input_ids[row, offset:end] = seq
+        targets[row, offset : end - 1] = seq[1:]
+        sequence_ids[row, offset:end] = i
         if not (mask_truncated and batch.truncated[i]):
-            mask[i, p - 1 : len(seq) - 1] = 1.0
+            mask[row, offset + p - 1 : end - 1] = 1.0
+        last[row] = max(last[row], offset)
+    for (row, offset), seq in zip(slots, sequences):
+        # Restart at 0; a row's last sequence keeps counting through the padding after it.
+        stop = length if offset == last[row] else offset + len(seq)
+        positions[row, offset:stop] = np.arange(stop - offset)
+    rows, cols = _response_index(prompt_lens, response_lens, slots)
     mb = {
         "input_ids": torch.from_numpy(input_ids),
-        "position_ids": torch.arange(length).expand(len(sequences), length).contiguous(),
+        "position_ids": torch.from_numpy(positions),
         "targets": torch.from_numpy(targets),
         "mask": torch.from_numpy(mask),
+        "sequence_ids": torch.from_numpy(sequence_ids),
+        "response_index": (rows, cols),
+        "response_lens": response_lens,
+        "document_mask": layout.packed and layout.document_mask,
         "num_input_tokens": sum(len(s) for s in sequences),
     }
-    for name, rows in per_token.items():
-        mb[name] = _place(rows, prompt_lens, length) if rows is not None else None
+    for name, values in per_token.items():
+        mb[name] = _place(values, rows, cols, (num_rows, length)) if values is not None else None
     return mb
+
+
+def _place(values: list[list[float]], rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=torch.float32)
+    out[rows, cols] = torch.tensor([x for row in values for x in row], dtype=torch.float32)
+    return out
+
+
+def per_sample(mb: dict, values: torch.Tensor) -> list[list[float]]:
+    """[rows, L] values per position -> each sample's values at its response tokens (response coordinates)."""
+    flat = values[mb["response_index"]].tolist()
+    out, start = [], 0
+    for n in mb["response_lens"]:
+        out.append(flat[start : start + n])
+        start += n
+    return out
+
+
+def forward_logits(model, mb: dict, device: torch.device) -> torch.Tensor:
+    """The model's logits [rows, L, ·] of a micro-batch, with isotrain's document mask when its layout needs it."""
+    return lm_logits(model, mb["input_ids"].to(device), mb["position_ids"].to(device), mb["document_mask"])
 
 
 @torch.no_grad()
 def per_response_token(batch: RolloutBatch, pad_id: int, micro_batch_size: int, device: torch.device,
-                       autocast_dtype, score) -> list[list[float]]:
-    """`score(mb)` -> [B, L] values per position, run micro-batch by micro-batch under the run's autocast;
+                       autocast_dtype, score, layout: RowLayout = PADDED) -> list[list[float]]:
+    """`score(mb)` -> [rows, L] values per position, run micro-batch by micro-batch under the run's autocast;
     returns each sample's values at its response tokens (response coordinates)."""
     out: list[list[float]] = []
     for start in range(0, len(batch), micro_batch_size):
         part = batch.select(range(start, min(start + micro_batch_size, len(batch))))
-        mb = make_micro_batch(part, pad_id, False, {})
+        mb = make_micro_batch(part, pad_id, False, {}, layout)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             values = score(mb).float().cpu()
-        for i, (prompt, response) in enumerate(zip(part.prompt_ids, part.response_ids)):
-            p = len(prompt)
-            out.append(values[i, p - 1 : p - 1 + len(response)].tolist())
+        out += per_sample(mb, values)
     return out
 
 
 def response_logprobs(model, batch: RolloutBatch, pad_id: int, micro_batch_size: int, temperature: float,
-                      device: torch.device, autocast_dtype=None) -> list[list[float]]:
+                      device: torch.device, autocast_dtype=None, layout: RowLayout = PADDED) -> list[list[float]]:
     """Each sample's log-prob of every response token under `model` (the sampling distribution at `temperature`)."""
 
     def score(mb: dict) -> torch.Tensor:
-        logits = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
-                       use_cache=False).logits
-        return token_logprobs(logits, mb["targets"].to(device), temperature)
+        return token_logprobs(forward_logits(model, mb, device), mb["targets"].to(device), temperature)
 
-    return per_response_token(batch, pad_id, micro_batch_size, device, autocast_dtype, score)
+    return per_response_token(batch, pad_id, micro_batch_size, device, autocast_dtype, score, layout)

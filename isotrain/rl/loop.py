@@ -38,6 +38,7 @@ from isotrain.parallel.mesh import build_parallel
 from isotrain.parallel.tp import check_replicated
 from isotrain.rl.critic import build_critic, token_values
 from isotrain.rl.experience import all_gather_lists, response_logprobs
+from isotrain.rl.packing import row_layout
 from isotrain.rl.generate import collect, evaluate
 from isotrain.rl.lora import lora_adapter
 from isotrain.rl.prompts import PromptSet, PromptStream, check_rl_lengths, read_prompts
@@ -166,6 +167,7 @@ def _rl(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> RLRe
         + (f" ({prompts.num_skipped} malformed rows skipped)" if prompts.num_skipped else "")
         + ("; frozen reference for the KL" if reference is not None else "")
         + (f"; critic: {count_parameters(critic):,} parameters" if critic is not None else ""))
+    layout = row_layout(cfg, parallel, info.device, log, model, critic)  # before any step, on these models
     components = (("critic", critic, critic_optimizer),) if critic is not None else ()
     checkpoints = _checkpoint_manager(cfg, info, degrees, model, optimizer, tokenizer, stream, components, log)
     checkpoints.clean_leftovers()
@@ -182,6 +184,7 @@ def _rl(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> RLRe
         before = _evaluate(cfg, info, engine, tokenizer, held_out, reward_fn, log, "before RL")
         ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=parallel.dp_rank, device=info.device, parallel=parallel,
                               options=step_options(cfg, parallel, loss_parallel=False), pad_id=tokenizer.pad_token_id,
+                              layout=layout,
                               before_update=checkpoints.before_update, reward_fn=reward_fn, tokenizer=tokenizer,
                               prompts=prompts, stream=stream, reference=reference, engine=engine, info=info,
                               held_out=held_out, log=log, critic=critic, critic_optimizer=critic_optimizer,
@@ -251,7 +254,7 @@ def _trainer_logprobs(ctx, model, batch) -> tuple[list | None, list | None, list
     need_old = plan.optimizer_steps_per_rollout > 1 or (rl.kl_coef > 0 and rl.kl_in_reward)
     score = functools.partial(response_logprobs, batch=mine, pad_id=ctx.pad_id,
                               micro_batch_size=plan.micro_batch_size, temperature=rl.temperature,
-                              device=ctx.device, autocast_dtype=ctx.options.autocast_dtype)
+                              device=ctx.device, autocast_dtype=ctx.options.autocast_dtype, layout=ctx.layout)
     group = ctx.options.dp_group
     old = all_gather_lists(score(model), group) if need_old else None
     ref = None
@@ -265,7 +268,7 @@ def _trainer_logprobs(ctx, model, batch) -> tuple[list | None, list | None, list
     values = None
     if ctx.critic is not None:
         values = all_gather_lists(token_values(ctx.critic, mine, ctx.pad_id, plan.micro_batch_size, ctx.device,
-                                               ctx.options.autocast_dtype), group)
+                                               ctx.options.autocast_dtype, ctx.layout), group)
     return old, ref, values, time.perf_counter() - start
 
 

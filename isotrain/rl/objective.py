@@ -26,6 +26,7 @@ from isotrain.rl.algos import (
     token_logprobs,
     truncated_is_weights,
 )
+from isotrain.rl.experience import forward_logits
 
 # Token sums all-reduced with every mini-batch; divided by "tokens" when logged.
 STAT_NAMES = ("tokens", "pg_loss", "clipped", "kl", "entropy", "logprob_diff")
@@ -43,17 +44,23 @@ class RLObjective:
     def kl_in_loss(self) -> bool:
         return self.rl.kl_coef > 0 and not self.rl.kl_in_reward
 
+    def weights(self, mb: dict, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+        """(a_t [rows, L], D) of a micro-batch, per sample whether its rows are padded or packed."""
+        mask, ids = mb["mask"], mb["sequence_ids"]
+        if device is not None:
+            mask, ids = mask.to(device), ids.to(device)
+        return aggregation_weights(mask, self.rl.loss_agg, self.norm_length, ids)
+
     def denominator(self, mb: dict) -> float:
-        return aggregation_weights(mb["mask"], self.rl.loss_agg, self.norm_length)[1]
+        return self.weights(mb)[1]
 
     def loss_sum(self, model, mb: dict, autocast, device: torch.device, stats: torch.Tensor) -> torch.Tensor:
         """Σ_t a_t ℓ_t of one micro-batch; adds its token statistics into `stats` (float64, STAT_NAMES order)."""
         rl = self.rl
         mask = mb["mask"].to(device)
-        weights, _ = aggregation_weights(mask, rl.loss_agg, self.norm_length)
+        weights, _ = self.weights(mb, device)
         with autocast:
-            logits = model(input_ids=mb["input_ids"].to(device), position_ids=mb["position_ids"].to(device),
-                           use_cache=False).logits
+            logits = forward_logits(model, mb, device)
         logits = logits.float() / rl.temperature
         logp = token_logprobs(logits, mb["targets"].to(device))
         # On-policy (one optimizer step per rollout): the old policy is the current one, ratio = 1.

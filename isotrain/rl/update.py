@@ -114,7 +114,8 @@ def mini_batch_samples(step: int, epoch: int, seed: int, num_groups: int, mini_g
 def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, step: int, lr_of) -> UpdateTotals:
     """Every optimizer step of one rollout; `lr_of(k)` is the learning rate of the k-th step of this rollout.
 
-    ctx carries: cfg, plan, rank (DP rank), device, options (StepOptions), pad_id, before_update, and for
+    ctx carries: cfg, plan, rank (DP rank), device, options (StepOptions), pad_id, layout (RowLayout: padded
+    or packed micro-batches), before_update, and for
     PPO critic and critic_optimizer (None otherwise): the critic takes one step on every mini-batch too."""
     cfg, plan, rl = ctx.cfg, ctx.plan, ctx.cfg.rl
     objective = RLObjective(rl)
@@ -127,7 +128,8 @@ def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, ste
             mine = samples[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
             micro = [mine[i : i + plan.micro_batch_size] for i in range(0, len(mine), plan.micro_batch_size)]
             mbs = [make_micro_batch(batch.select(ix), ctx.pad_id, rl.mask_truncated,
-                                    {k: ([v[i] for i in ix] if v is not None else None) for k, v in per_token.items()})
+                                    {k: ([v[i] for i in ix] if v is not None else None) for k, v in per_token.items()},
+                                    ctx.layout)
                    for ix in micro]
             # The global denominator and counts, all-reduced before any backward.
             local = [sum(objective.denominator(mb) for mb in mbs), sum(mb["num_input_tokens"] for mb in mbs), len(mine)]

@@ -11,6 +11,8 @@ The rollout is fixed and the same in every process: P=4 prompts × n=4 samples w
 and response lengths, one empty response and one truncated one; per-token old log-probs are the
 model's own plus fixed offsets of ±0.05 or ±0.3 (ratios 0.74, 0.95, 1.05, 1.35: far from the clip
 edges 0.9 and 1.12, so fp rounding cannot flip a token's clipped state between layouts).
+Micro-batches are packed (rl.pack_sequences' default; Llama keeps packed sequences apart by their position
+ids), so every layout runs the packed forward; test_rl_packing.py compares packed with padded.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.mesh import build_parallel
 from isotrain.rl.algos import LOSS_AGG_MODES
-from isotrain.rl.experience import RolloutBatch, make_micro_batch, response_logprobs
+from isotrain.rl.experience import RolloutBatch, RowLayout, make_micro_batch, response_logprobs
 from isotrain.rl.objective import STAT_NAMES, RLObjective
 from isotrain.rl.update import advantages, mini_batch_samples, run_updates
 from isotrain.train.step import step_options
@@ -41,6 +43,7 @@ VOCAB = 64
 PROMPTS, GROUP = 4, 4
 MAX_NEW_TOKENS = 8
 LR = 1e-3
+LAYOUT = RowLayout(packed=True)
 MODEL_CONFIG = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                 "max_position_embeddings": 64}
@@ -116,7 +119,7 @@ def run_mode(info, parallel, loss_agg: str, mask_truncated: bool, micro_batch: i
     def before_update():  # after every backward, before clipping and the optimizer step
         captured["grads"] = {n: full(p.grad) for n, p in unwrap(model).named_parameters()}
 
-    ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=parallel.dp_rank, device=info.device, pad_id=0,
+    ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=parallel.dp_rank, device=info.device, pad_id=0, layout=LAYOUT,
                           options=step_options(cfg, parallel, loss_parallel=False), before_update=before_update)
     totals = run_updates(model, optimizer, batch, per_token, ctx, step=0, lr_of=lambda k: LR)
     return {"loss": totals.loss_sum, "grads": captured["grads"], "stats": totals.stats.clone(),

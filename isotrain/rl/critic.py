@@ -31,7 +31,9 @@ def build_critic(cfg: Config, tokenizer, device: torch.device, parallel):
     from transformers import AutoModelForTokenClassification
 
     critic = build(cfg.model, tokenizer, cfg.train.seed, parallel, device, model_class=AutoModelForTokenClassification,
-                   config_updates={"num_labels": 1}, compile=cfg.train.compile,
+                   # No dropout before the value head (transformers' token-classification default is 0.1): the
+                   # rollout's values and the regression target would otherwise be noisy (verl sets it to 0 too).
+                   config_updates={"num_labels": 1, "classifier_dropout": 0.0}, compile=cfg.train.compile,
                    compute_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
     train = cfg.train.model_copy(update={"lr": cfg.rl.critic_lr or cfg.train.lr})
     return critic, build_optimizer(critic, train)

@@ -8,7 +8,7 @@ run never reads half a lock. The run removes it when it ends, normally or by an 
 leaves it behind, and the next run on this host sees that its process is gone and takes it over. A
 lock from another host cannot be checked from here: the user decides.
 
-A directory isotrain has run in carries a marker, `.isotrain` (one line per run started there). A
+A directory isotrain has run in carries a marker, `.isotrain` (naming the first run started there). A
 run refuses an existing directory without it unless the directory is empty or holds only what an
 isotrain run writes (directories of runs older than the marker): otherwise `output_dir=.` would
 write its config.yaml over the user's own, and its checkpoints beside the user's files.
@@ -98,7 +98,10 @@ def _foreign_entry(directory: Path, depth: int = 0) -> str | None:
 
 
 def _mark(output_dir: Path, record: str) -> None:
-    """Append this run to the marker: the directory is an isotrain run directory from now on."""
+    """The directory is an isotrain run directory from now on; the marker names the first run started there.
+    Written once: a later run that is refused (e.g. by a damaged checkpoint) leaves the directory as it was."""
+    if (output_dir / MARKER).is_file():
+        return
     with open(output_dir / MARKER, "a") as f:
         f.write(record)
         f.flush()

@@ -33,7 +33,7 @@ from isotrain.checkpoint.files import (
     tensor_view,
     write_chunks,
 )
-from isotrain.checkpoint.layout import LATEST, step_dir_name, write_latest
+from isotrain.checkpoint.layout import LATEST, checkpoints_root, step_dir_name, write_latest
 from isotrain.checkpoint.layout import committed as committed_steps
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_manifest
 from isotrain.checkpoint.state import Item, box_index, is_empty
@@ -292,7 +292,8 @@ def save(root: Path, request: SaveRequest, rank: int, group, run_id: str, name: 
             raise CheckpointError(f"{final} was saved, but {message}; free disk space or fix the path "
                                   "(resume=auto finds the newest valid checkpoint without it)")
         # Only claim what is true: a first save that fails leaves no earlier checkpoint behind.
-        kept = " (earlier checkpoints are intact)" if name is None and committed_steps(root) else ""
+        earlier = committed_steps(root if name is None else checkpoints_root(root))
+        kept = " (earlier checkpoints are intact)" if earlier else ""
         raise CheckpointError(f"{what} was not saved: {message}; free disk space or fix the path{kept}")
     return final
 

@@ -4,7 +4,10 @@ All tools train the same fresh Llama (built by isotrain's `build_model`, seed 0:
 256, 4 layers, 4 heads / 4 kv heads, intermediate 688, untied embeddings; fp32) on the same token
 ids (isotrain's own tokenized samples of a generated JSONL: every sample is exactly 256 tokens, so
 no padding), 8 sequences per optimizer step, AdamW lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight
-decay 0, constant lr, with the same number of torch threads.
+decay 0, constant lr, gradient clipping at norm 1.0, with the same number of torch threads. The minimal
+loop does the same maths by hand: HF's mean token loss / GA (every micro-batch has the same number of
+trained tokens, so this is the global token mean), `clip_grad_norm_(1.0)`, fused AdamW (as isotrain and
+the HF Trainer use on CPU).
 
     tokens/s = Σ non-padding input tokens / Σ step wall time, over the timed steps (warm-up excluded)
 
@@ -17,7 +20,22 @@ are interleaved step by step: each runs its real loop in its own thread and they
 or one optimizer step per turn, only one thread running), so all tools sample the same drift. The
 table shows the median over rounds of tokens/s and of each ratio taken within a round.
 
+`--lengths NAME` trains on documents of long-tailed lengths instead (bench/sft_lengths.py says which
+distribution and where its numbers come from; seeded): the same model, optimizer, clipping and loss (the
+token mean over each optimizer step's trained tokens: HF's Trainer divides by the step's count of shifted
+labels, isotrain by its global count), one epoch over the same documents for every tool:
+- isotrain with data.packing=true: documents packed whole into rows of <= max_seq_len tokens, 2 rows per
+  micro-batch; its global batch counts packed rows, so it is set to the number of rows that holds about
+  16 documents (printed);
+- the same, compiled (`train.compile=true`, unless --no-compile; every row padded to max_seq_len);
+- the HF Trainer with transformers' padding collator (`DataCollatorForLanguageModeling(mlm=False)`), and with
+  `DataCollatorWithFlattening` (its packing: one row per micro-batch, position ids restarting per document):
+  16 documents per step, 4 per micro-batch.
+The steps of the tools therefore hold about, not exactly, the same documents; what is compared is the rate
+over the same documents, real tokens/s = Σ real (non-padding) tokens / Σ step time over the timed steps.
+
     python bench/train_throughput.py [--steps 20] [--warmup 3] [--rounds 2] [--threads 2]
+    python bench/train_throughput.py --lengths sharegpt [--steps 8] [--warmup 2]
     python bench/train_throughput.py --profile --ga 1   # where one step's time goes, per phase
 """
 
@@ -334,19 +352,24 @@ def lengths_inputs(args, work: Path) -> dict:
     sampler = GlobalBatchSampler(len(rows), global_rows, SEED)
     micro_batches = [[len(rows[i]) for i in index] for step in range(iso_steps)
                      for index in sampler.micro_batches(step, 0, 1, PACKED_ROWS_PER_MICRO)]
-    real_share = sum(map(sum, micro_batches)) / sum(len(mb) * max(mb) for mb in micro_batches)
+    real_tokens = sum(map(sum, micro_batches))
+    real_share = real_tokens / sum(len(mb) * max(mb) for mb in micro_batches)
     return {"cfg": cfg, "tokenizer": tokenizer, "documents": documents, "lengths": lengths, "num_rows": len(rows),
             "global_rows": global_rows, "max_seq_len": max_seq_len, "iso_steps": iso_steps,
-            "iso_real_share": real_share}
+            "iso_real_share": real_share,
+            "iso_real_share_fixed": real_tokens / (sum(map(len, micro_batches)) * max_seq_len)}
 
 
 def run_lengths_tool(tool: str, args, work: Path, inputs: dict, name: str, after_step) -> tuple[float, float]:
     """(real tokens/s over the timed steps, real share of the tensor slots) of one tool, one epoch."""
-    if tool == "isotrain packed":
-        rate = run_isotrain(work, name, PACKED_ROWS_PER_MICRO, inputs["iso_steps"] - args.warmup, args.warmup,
-                            False, after_step, global_batch=inputs["global_rows"], max_seq_len=inputs["max_seq_len"],
+    if tool.startswith("isotrain packed"):
+        compiled = tool == "isotrain packed compile"
+        warmup = args.warmup + (args.compile_warmup if compiled else 0)
+        rate = run_isotrain(work, name, PACKED_ROWS_PER_MICRO, inputs["iso_steps"] - warmup, warmup, compiled,
+                            after_step, global_batch=inputs["global_rows"], max_seq_len=inputs["max_seq_len"],
                             packing=True)
-        return rate, inputs["iso_real_share"]
+        # Compiled, every row is padded to max_seq_len (train/loop.py): one shape to compile.
+        return rate, inputs["iso_real_share_fixed" if compiled else "iso_real_share"]
     hparams = {"learning_rate": LR, "lr_scheduler_type": "constant", "weight_decay": 0.0, "adam_beta1": BETAS[0],
                "adam_beta2": BETAS[1], "adam_epsilon": EPS, "max_grad_norm": 1.0, "seed": SEED}
     model = build_model(inputs["cfg"].model, inputs["tokenizer"], SEED)
@@ -364,6 +387,8 @@ def run_lengths(args, work: Path) -> tuple[dict, dict]:
           f"documents), {inputs['iso_steps']} steps; HF: {DOCS_PER_STEP} documents per step, "
           f"{len(inputs['documents']) // DOCS_PER_STEP} steps", flush=True)
     tools = LENGTH_TOOLS if has_accelerate() else LENGTH_TOOLS[:1]
+    if args.compile:
+        tools = tools[:1] + ["isotrain packed compile"] + tools[1:]
     rates: dict[str, list[float]] = {}
     shares: dict[str, list[float]] = {}
     for round_index in range(args.rounds):

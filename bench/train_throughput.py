@@ -4,7 +4,10 @@ All tools train the same fresh Llama (built by isotrain's `build_model`, seed 0:
 256, 4 layers, 4 heads / 4 kv heads, intermediate 688, untied embeddings; fp32) on the same token
 ids (isotrain's own tokenized samples of a generated JSONL: every sample is exactly 256 tokens, so
 no padding), 8 sequences per optimizer step, AdamW lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight
-decay 0, constant lr, with the same number of torch threads.
+decay 0, constant lr, gradient clipping at norm 1.0, with the same number of torch threads. The minimal
+loop does the same maths by hand: HF's mean token loss / GA (every micro-batch has the same number of
+trained tokens, so this is the global token mean), `clip_grad_norm_(1.0)`, fused AdamW (as isotrain and
+the HF Trainer use on CPU).
 
     tokens/s = Σ non-padding input tokens / Σ step wall time, over the timed steps (warm-up excluded)
 
@@ -17,7 +20,22 @@ are interleaved step by step: each runs its real loop in its own thread and they
 or one optimizer step per turn, only one thread running), so all tools sample the same drift. The
 table shows the median over rounds of tokens/s and of each ratio taken within a round.
 
+`--lengths NAME` trains on documents of long-tailed lengths instead (bench/sft_lengths.py says which
+distribution and where its numbers come from; seeded): the same model, optimizer, clipping and loss (the
+token mean over each optimizer step's trained tokens: HF's Trainer divides by the step's count of shifted
+labels, isotrain by its global count), one epoch over the same documents for every tool:
+- isotrain with data.packing=true: documents packed whole into rows of <= max_seq_len tokens, 2 rows per
+  micro-batch; its global batch counts packed rows, so it is set to the number of rows that holds about
+  16 documents (printed);
+- the same, compiled (`train.compile=true`, unless --no-compile; every row padded to max_seq_len);
+- the HF Trainer with transformers' padding collator (`DataCollatorForLanguageModeling(mlm=False)`), and with
+  `DataCollatorWithFlattening` (its packing: one row per micro-batch, position ids restarting per document):
+  16 documents per step, 4 per micro-batch.
+The steps of the tools therefore hold about, not exactly, the same documents; what is compared is the rate
+over the same documents, real tokens/s = Σ real (non-padding) tokens / Σ step time over the timed steps.
+
     python bench/train_throughput.py [--steps 20] [--warmup 3] [--rounds 2] [--threads 2]
+    python bench/train_throughput.py --lengths sharegpt [--steps 8] [--warmup 2]
     python bench/train_throughput.py --profile --ga 1   # where one step's time goes, per phase
 """
 
@@ -38,6 +56,8 @@ from rich.console import Console
 
 from isotrain.config import TrainConfig, build_config
 from isotrain.data import GlobalBatchSampler, collate, prepare_dataset
+from isotrain.data.packing import pack_examples
+from isotrain.data.tokenize import Example
 from isotrain.models.loading import build_model
 from isotrain.models.tokenizer import train_tokenizer
 from isotrain.train import loop
@@ -45,6 +65,7 @@ from isotrain.train.loop import train
 from isotrain.train.loss import loss_weights, token_losses
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import StepOptions, global_counts, grad_norm_and_clip, train_step
+from sft_lengths import LENGTH_MODELS, document_lengths, length_summary, run_hf_variable, write_documents
 
 SEQ_LEN = 256
 GLOBAL_BATCH = 8
@@ -54,10 +75,11 @@ LLAMA = {
     "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 688, "tie_word_embeddings": False,
 }
 LR, BETAS, EPS, SEED = 3e-4, (0.9, 0.95), 1e-8, 0
-TARGET_VS_MINIMAL, TARGET_VS_HF = 0.97, 1.2
+TARGET_VS_MINIMAL, TARGET_VS_HF = 0.98, 1.2
+TARGET_VS_PADDED, TARGET_VS_FLATTENING = 1.5, 1.0  # --lengths: isotrain packed vs the HF Trainer's collators
 CPU = torch.device("cpu")
 # Optimizer implementation each tool uses (isotrain: train/optim.py; HF: its default `adamw_torch_fused`).
-ADAMW_IMPL = {"minimal loop": "fused", "isotrain": "foreach", "isotrain compile": "foreach", "HF Trainer": "fused"}
+ADAMW_IMPL = {"minimal loop": "fused", "isotrain": "fused", "isotrain compile": "fused", "HF Trainer": "fused"}
 
 
 def write_jsonl(path: Path, num_rows: int) -> None:
@@ -69,9 +91,10 @@ def write_jsonl(path: Path, num_rows: int) -> None:
             f.write(json.dumps({"text": "".join(rng.choice(letters, ROW_CHARS))}) + "\n")
 
 
-def isotrain_config(work: Path, name: str, micro: int, steps: int, compile_model: bool):
+def isotrain_config(work: Path, name: str, micro: int, steps: int, compile_model: bool, global_batch: int = GLOBAL_BATCH,
+                    max_seq_len: int = SEQ_LEN, packing: bool = False):
     train_section = {
-        "global_batch_size": GLOBAL_BATCH, "micro_batch_size": micro, "max_steps": steps, "seed": SEED,
+        "global_batch_size": global_batch, "micro_batch_size": micro, "max_steps": steps, "seed": SEED,
         "lr": LR, "schedule": "constant", "weight_decay": 0.0, "betas": list(BETAS), "eps": EPS,
         "grad_clip": 1.0, "log_every": 1,
     }
@@ -81,8 +104,8 @@ def isotrain_config(work: Path, name: str, micro: int, steps: int, compile_model
         "output_dir": str(work / "runs" / name),
         "model": {"config": dict(LLAMA)},
         "tokenizer": {"type": "char"},
-        "data": {"path": str(work / "data.jsonl"), "format": "text", "max_seq_len": SEQ_LEN,
-                 "cache_dir": str(work / "cache")},
+        "data": {"path": str(work / "data.jsonl"), "format": "text", "max_seq_len": max_seq_len,
+                 "cache_dir": str(work / "cache"), "packing": packing},
         "eval": {"path": None},
         "train": train_section,
         "logging": {"progress": False},
@@ -118,6 +141,7 @@ def run_minimal(cfg, tokenizer, dataset, micro: int, steps: int, warmup: int, af
         for input_ids in batches:
             loss = model(input_ids=input_ids, labels=input_ids).loss / ga  # HF shifts the labels itself
             loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the same clipping as isotrain's grad_clip=1.0
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - start)
@@ -137,10 +161,11 @@ class TurnTakingWriter(loop.MetricsWriter):
         _thread_local.after_step()
 
 
-def run_isotrain(work: Path, name: str, micro: int, steps: int, warmup: int, compile_model: bool, after_step):
+def run_isotrain(work: Path, name: str, micro: int, steps: int, warmup: int, compile_model: bool, after_step,
+                 **config) -> float:
     if compile_model:
         torch._dynamo.reset()  # a fresh model per run must not run into dynamo's recompile limit
-    cfg = isotrain_config(work, name, micro, warmup + steps, compile_model)
+    cfg = isotrain_config(work, name, micro, warmup + steps, compile_model, **config)
     _thread_local.after_step = after_step
     loop.MetricsWriter = TurnTakingWriter  # the only hook the loop offers; the step itself is untouched
     train(cfg, console=Console(file=io.StringIO()))
@@ -301,6 +326,97 @@ def print_table(results: dict[tuple[str, int], list[float]], gas: list[int]) -> 
               f"{paired_ratio(values, results.get(('HF Trainer', ga)))} |")
 
 
+DOCS_PER_STEP, DOCS_PER_MICRO = 16, 4  # --lengths: documents per optimizer step, per HF micro-batch
+PACKED_ROWS_PER_MICRO = 2  # isotrain packed rows (of max_seq_len tokens) per micro-batch
+LENGTH_TOOLS = ["isotrain packed", "HF Trainer padded", "HF Trainer flattening"]
+
+
+def lengths_inputs(args, work: Path) -> dict:
+    """Documents of `--lengths` and the packed global batch (in rows) that holds about DOCS_PER_STEP of them."""
+    lengths = document_lengths(args.lengths, DOCS_PER_STEP * (args.warmup + args.steps), SEED)
+    write_documents(work / "data.jsonl", lengths, SEED)
+    max_seq_len = LENGTH_MODELS[args.lengths].max_seq_len
+    cfg = isotrain_config(work, "shared", 1, 1, False, global_batch=1, max_seq_len=max_seq_len)
+    texts = [json.loads(line)["text"] for line in (work / "data.jsonl").read_text().splitlines()]
+    tokenizer = train_tokenizer(texts, "char", cfg.tokenizer.vocab_size)
+    dataset = prepare_dataset(cfg.data, tokenizer, log=lambda *a, **k: None)  # one sample per document
+    documents = [sample.input_ids.tolist() for sample in dataset.samples]
+    if sorted(map(len, documents)) != sorted(lengths.tolist()):
+        raise SystemExit("isotrain's tokenized documents do not have the drawn lengths")
+    # The rows isotrain's run packs (pack_examples is deterministic in the lengths and their order).
+    rows = pack_examples([Example(np.asarray(d), np.asarray(d), i) for i, d in enumerate(documents)], max_seq_len)
+    rows_per_step = max(1, round(len(rows) * DOCS_PER_STEP / len(documents) / PACKED_ROWS_PER_MICRO))
+    global_rows = rows_per_step * PACKED_ROWS_PER_MICRO
+    iso_steps = len(rows) // global_rows
+    # Real share of isotrain's slots: collate pads each micro-batch's rows to its longest.
+    sampler = GlobalBatchSampler(len(rows), global_rows, SEED)
+    micro_batches = [[len(rows[i]) for i in index] for step in range(iso_steps)
+                     for index in sampler.micro_batches(step, 0, 1, PACKED_ROWS_PER_MICRO)]
+    real_tokens = sum(map(sum, micro_batches))
+    real_share = real_tokens / sum(len(mb) * max(mb) for mb in micro_batches)
+    return {"cfg": cfg, "tokenizer": tokenizer, "documents": documents, "lengths": lengths, "num_rows": len(rows),
+            "global_rows": global_rows, "max_seq_len": max_seq_len, "iso_steps": iso_steps,
+            "iso_real_share": real_share,
+            "iso_real_share_fixed": real_tokens / (sum(map(len, micro_batches)) * max_seq_len)}
+
+
+def run_lengths_tool(tool: str, args, work: Path, inputs: dict, name: str, after_step) -> tuple[float, float]:
+    """(real tokens/s over the timed steps, real share of the tensor slots) of one tool, one epoch."""
+    if tool.startswith("isotrain packed"):
+        compiled = tool == "isotrain packed compile"
+        warmup = args.warmup + (args.compile_warmup if compiled else 0)
+        rate = run_isotrain(work, name, PACKED_ROWS_PER_MICRO, inputs["iso_steps"] - warmup, warmup, compiled,
+                            after_step, global_batch=inputs["global_rows"], max_seq_len=inputs["max_seq_len"],
+                            packing=True)
+        # Compiled, every row is padded to max_seq_len (train/loop.py): one shape to compile.
+        return rate, inputs["iso_real_share_fixed" if compiled else "iso_real_share"]
+    hparams = {"learning_rate": LR, "lr_scheduler_type": "constant", "weight_decay": 0.0, "adam_beta1": BETAS[0],
+               "adam_beta2": BETAS[1], "adam_epsilon": EPS, "max_grad_norm": 1.0, "seed": SEED}
+    model = build_model(inputs["cfg"].model, inputs["tokenizer"], SEED)
+    rate, real_share = run_hf_variable(work, name, model, inputs["tokenizer"], inputs["documents"],
+                                       tool == "HF Trainer flattening", DOCS_PER_MICRO,
+                                       DOCS_PER_STEP // DOCS_PER_MICRO, hparams, args.warmup, after_step)
+    return rate, real_share
+
+
+def run_lengths(args, work: Path) -> tuple[dict, dict]:
+    inputs = lengths_inputs(args, work)
+    print(f"lengths {args.lengths}: {LENGTH_MODELS[args.lengths].source}; {length_summary(inputs['lengths'])}")
+    print(f"isotrain packs them into {inputs['num_rows']} rows of <= {inputs['max_seq_len']} tokens: "
+          f"{inputs['global_rows']} rows per step ({inputs['global_rows'] * len(inputs['documents']) / inputs['num_rows']:.1f} "
+          f"documents), {inputs['iso_steps']} steps; HF: {DOCS_PER_STEP} documents per step, "
+          f"{len(inputs['documents']) // DOCS_PER_STEP} steps", flush=True)
+    tools = LENGTH_TOOLS if has_accelerate() else LENGTH_TOOLS[:1]
+    if args.compile:
+        tools = tools[:1] + ["isotrain packed compile"] + tools[1:]
+    rates: dict[str, list[float]] = {}
+    shares: dict[str, list[float]] = {}
+    for round_index in range(args.rounds):
+        order = tools if round_index % 2 == 0 else tools[::-1]
+
+        def run_one(tool: str, pass_on):
+            return run_lengths_tool(tool, args, work, inputs, f"{tool.replace(' ', '_')}_r{round_index}", pass_on)
+
+        for tool, (rate_value, share) in run_in_turns(order, args.threads, run_one).items():
+            rates.setdefault(tool, []).append(rate_value)
+            shares.setdefault(tool, []).append(share)
+            print(f"round {round_index + 1} {tool:<22} {rate_value:8.0f} real tokens/s", flush=True)
+    return rates, shares
+
+
+def print_lengths_table(rates: dict, shares: dict) -> None:
+    print(f"\ntargets: isotrain packed >= {TARGET_VS_PADDED} x HF Trainer padded and >= {TARGET_VS_FLATTENING} x "
+          "HF Trainer flattening")
+    print("ratios: median (min-max) over rounds of the ratio within each round")
+    print("| tool | real tokens/s median (min-max) | real share of slots | vs HF padded | vs HF flattening |")
+    print("|---|---:|---:|---:|---:|")
+    for tool, values in rates.items():
+        share = f"{statistics.median(shares[tool]):.2f}"
+        print(f"| {tool} | {statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f}) | {share} | "
+              f"{paired_ratio(values, rates.get('HF Trainer padded'))} | "
+              f"{paired_ratio(values, rates.get('HF Trainer flattening'))} |")
+
+
 def _timed(phases: dict, name: str, fn):
     start = time.perf_counter()
     out = fn()
@@ -333,6 +449,7 @@ def minimal_phases(model, optimizer, micro_samples, pad_id: int, phases: dict) -
         loss = _timed(phases, "forward + HF loss", lambda: model(input_ids=input_ids, labels=input_ids).loss)
         loss = loss / len(batches)
         _timed(phases, "backward", loss.backward)
+    _timed(phases, "clip_grad_norm_", lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
     _timed(phases, "AdamW step + zero_grad", lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
 
 
@@ -345,6 +462,7 @@ def profile(args, work: Path) -> None:
     model = build_model(cfg.model, tokenizer, SEED)
     iso_opt = build_optimizer(model, TrainConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0))
     fused_opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
+    foreach_opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, foreach=True)
     options = StepOptions(loss_reduction="token", grad_clip=1.0)
 
     def whole_step(optimizer):
@@ -352,9 +470,9 @@ def profile(args, work: Path) -> None:
             model, optimizer, [collate(s, pad_id) for s in micro_samples], LR, options, CPU))
 
     runs = {  # all on one model: the phases' cost does not depend on the weights' values
-        "isotrain (foreach AdamW)": lambda ph: isotrain_phases(model, iso_opt, micro_samples, pad_id, ph),
+        f"isotrain ({ADAMW_IMPL['isotrain']} AdamW)": lambda ph: isotrain_phases(model, iso_opt, micro_samples, pad_id, ph),
         "isotrain train_step, whole": whole_step(iso_opt),
-        "isotrain train_step, whole, fused AdamW": whole_step(fused_opt),
+        "isotrain train_step, whole, foreach AdamW": whole_step(foreach_opt),
         "minimal loop (fused AdamW)": lambda ph: minimal_phases(model, fused_opt, micro_samples, pad_id, ph),
     }
     samples: dict[str, list[dict]] = {name: [] for name in runs}
@@ -381,6 +499,9 @@ def parse_args():
     parser.add_argument("--ga", type=int, nargs="+", default=[1, 4], help="Gradient-accumulation steps to run.")
     parser.add_argument("--profile", action="store_true", help="Time the phases of one step (first --ga) instead.")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="Skip the isotrain compile rows.")
+    parser.add_argument("--lengths", choices=sorted(LENGTH_MODELS),
+                        help="Long-tailed document lengths (bench/sft_lengths.py): isotrain packed vs the HF Trainer "
+                             "padded and with DataCollatorWithFlattening, in real tokens/s.")
     return parser.parse_args()
 
 
@@ -394,6 +515,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="isotrain-bench-") as tmp:
         if args.profile:
             return profile(args, Path(tmp))
+        if args.lengths:
+            return print_lengths_table(*run_lengths(args, Path(tmp)))
         results = run_all(args, Path(tmp))
     print_table(results, args.ga)
 

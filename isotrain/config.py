@@ -176,7 +176,8 @@ class TrainConfig(Section):
     )
     deterministic: bool = Field(False, description="Use deterministic algorithms so CPU runs are bit-reproducible.")
     compile: bool = Field(
-        False, description="torch.compile the model (per decoder layer under FSDP2); the loss is unchanged to fp tolerance."
+        False, description="torch.compile the model (per decoder layer under FSDP2); the loss is unchanged to fp tolerance. "
+        "With data.packing, every row is padded to data.max_seq_len so that the model compiles for one shape."
     )
     activation_checkpointing: Literal["none", "full"] = Field(
         "none",

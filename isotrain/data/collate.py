@@ -18,17 +18,21 @@ from isotrain.data.packing import Sample
 from isotrain.data.tokenize import IGNORE_INDEX
 
 
-def collate(samples: list[Sample], pad_id: int) -> dict:
+def collate(samples: list[Sample], pad_id: int, length: int | None = None) -> dict:
     """input_ids, labels, position_ids, segment_ids [B, L] (int64) and exact token counts.
 
-    Padding: input_ids = pad_id, labels = -100, segment_ids = -1, position_ids continue the last
+    L is the longest sample's length, or `length` when given (a fixed shape, so a compiled model sees one
+    shape). Padding: input_ids = pad_id, labels = -100, segment_ids = -1, position_ids continue the last
     document. num_input_tokens counts non-padding tokens; num_trained_tokens counts labels != -100.
     """
     if not samples:
         raise ValueError("collate needs at least one sample")
     if pad_id is None:
         raise ValueError("collate needs a pad id; load the tokenizer with load_tokenizer, which sets one")
-    length = max(len(sample.input_ids) for sample in samples)
+    longest = max(len(sample.input_ids) for sample in samples)
+    if length is not None and longest > length:
+        raise ValueError(f"a sample of {longest} tokens does not fit the collate length {length}")
+    length = longest if length is None else length
     batch = len(samples)
     input_ids = np.full((batch, length), pad_id, dtype=np.int64)
     labels = np.full((batch, length), IGNORE_INDEX, dtype=np.int64)

@@ -84,7 +84,10 @@ def sft_step(run: Run, state: RunState) -> dict:
     """Step `state.step`: this rank's micro-batches of global batch `state.step` -> one optimizer step."""
     cfg, info, plan = run.cfg, run.info, run.plan
     index_lists = run.sampler.micro_batches(state.step, run.parallel.dp_rank, plan.dp_size, plan.micro_batch_size)
-    micro_batches = [collate([run.dataset[i] for i in indices], run.pad_id) for indices in index_lists]
+    # Compiled and packed: every row is padded to data.max_seq_len, so the model compiles for one shape instead of
+    # one per row length (packed rows nearly fill max_seq_len, so the padding costs little).
+    length = cfg.data.max_seq_len if cfg.train.compile and cfg.data.packing else None
+    micro_batches = [collate([run.dataset[i] for i in indices], run.pad_id, length) for indices in index_lists]
     lr = lr_at(state.step, lr=cfg.train.lr, schedule=cfg.train.schedule, warmup_steps=cfg.train.warmup_steps,
                max_steps=cfg.train.max_steps, min_lr_ratio=cfg.train.min_lr_ratio)
     start = time.perf_counter()

@@ -9,6 +9,8 @@ Order of a step (the invariant each stage keeps is in brackets):
   4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
      global grad norm (every element counted once, one fp64 all-reduce), clip, set the lr, optimizer step;
      a NaN or infinite loss or norm stops the run before the update [weights and checkpoints stay finite].
+The SFT step (`train_step`) leaves the counts, the loss and the norm on the device and fetches them together,
+once, before the update: one host sync per step.
 """
 
 from __future__ import annotations
@@ -60,8 +62,9 @@ def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool 
                        document_mask=document_mask)
 
 
-def global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> list[int]:
-    """[input tokens, trained tokens, loss denominator, samples] summed over micro-batches and DP ranks."""
+def _global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> torch.Tensor:
+    """int64 [4]: [input tokens, trained tokens, loss denominator, samples] summed over micro-batches and DP ranks,
+    left on the device (the step fetches it with its other values)."""
     local = [0, 0, 0, 0]
     for mb in micro_batches:
         _, denominator = loss_weights(mb["labels"], mb["segment_ids"], reduction)
@@ -69,8 +72,12 @@ def global_counts(micro_batches: list[dict], reduction: str, device: torch.devic
         local[1] += mb["num_trained_tokens"]
         local[2] += denominator
         local[3] += mb["input_ids"].shape[0]
-    counts = all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device), group)
-    return [int(c) for c in counts.tolist()]
+    return all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device), group)
+
+
+def global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> list[int]:
+    """[input tokens, trained tokens, loss denominator, samples] summed over micro-batches and DP ranks."""
+    return [int(c) for c in _global_counts(micro_batches, reduction, device, group).tolist()]
 
 
 def _sync_context(model: nn.Module, is_last: bool):
@@ -104,7 +111,14 @@ def accumulate_gradients(model: nn.Module, micro_batches: list, loss_sum, denomi
     backpropagates its exact share of the global loss and the summed gradient does not depend on
     the split (invariant 1). SFT and RL differ only in `loss_sum` and in how they count.
     """
-    denominator = max(denominator, 1)  # an all-masked global batch gives zero gradients, not NaN
+    global_sum = _backpropagate(model, micro_batches, loss_sum, max(denominator, 1), options, device)
+    return float(global_sum) / max(denominator, 1)
+
+
+def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator, options: StepOptions,
+                   device: torch.device) -> torch.Tensor:
+    """accumulate_gradients without a host sync: `denominator` (>= 1) may be a device tensor, and the
+    global Σ loss_sum comes back as an fp64 tensor, all-reduced over DP."""
     local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
         # Vocabulary-parallel cross-entropy: forward and backward both run inside loss_parallel.
@@ -114,14 +128,11 @@ def accumulate_gradients(model: nn.Module, micro_batches: list, loss_sum, denomi
         local_loss_sum += weighted_sum.detach().double()
     if options.parallel is not None:
         sync_replica_grads(model, options.parallel)
-    return float(all_reduce_sum(local_loss_sum, options.dp_group)) / denominator
+    return all_reduce_sum(local_loss_sum, options.dp_group)
 
 
-def forward_backward(
-    model: nn.Module, micro_batches: list[dict], options: StepOptions, device: torch.device
-) -> tuple[float, list[int]]:
-    """Accumulate gradients of the global-batch loss; return (global loss, global counts)."""
-    counts = global_counts(micro_batches, options.loss_reduction, device, options.dp_group)
+def _sft_loss_sum(model: nn.Module, options: StepOptions, device: torch.device):
+    """loss_sum(mb, autocast) of SFT: Σ_t weight_t · ℓ_t of one micro-batch (weights: train/loss.py)."""
 
     def loss_sum(mb: dict, autocast) -> torch.Tensor:
         labels = mb["labels"].to(device)
@@ -130,6 +141,15 @@ def forward_backward(
             logits = lm_logits(model, mb["input_ids"].to(device), mb["position_ids"].to(device), options.document_mask)
         return (token_losses(logits, labels) * weights).sum()
 
+    return loss_sum
+
+
+def forward_backward(
+    model: nn.Module, micro_batches: list[dict], options: StepOptions, device: torch.device
+) -> tuple[float, list[int]]:
+    """Accumulate gradients of the global-batch loss; return (global loss, global counts)."""
+    counts = global_counts(micro_batches, options.loss_reduction, device, options.dp_group)
+    loss_sum = _sft_loss_sum(model, options, device)
     return accumulate_gradients(model, micro_batches, loss_sum, counts[2], options, device), counts
 
 
@@ -152,8 +172,8 @@ def _copies(grad: torch.Tensor, world_size: int) -> int:
     return world_size // mesh.size() * replicated
 
 
-def grad_norm_and_clip(parameters: list[nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm of all gradients, clipping when max_norm > 0.
+def grad_norm_squares(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """‖g‖² of all gradients over all ranks, an fp64 scalar left on the device:
 
         ‖g‖² = Σ_ranks Σ_local tensors ‖g_local‖² / copies(g)
 
@@ -163,17 +183,28 @@ def grad_norm_and_clip(parameters: list[nn.Parameter], max_norm: float) -> float
     _reduce_partial_grads(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
-        return 0.0
+        return torch.zeros((), dtype=torch.float64)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     norms = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float64))
     copies = torch.tensor([_copies(g, world_size) for g in grads], dtype=torch.float64, device=norms.device)
-    squares = all_reduce_sum((norms.square() / copies).sum())
-    total = math.sqrt(float(squares))
-    if max_norm > 0 and total > 0:
-        coefficient = max_norm / (total + 1e-6)
+    return all_reduce_sum((norms.square() / copies).sum())
+
+
+def clip_gradients(parameters: list[nn.Parameter], norm: float, max_norm: float) -> None:
+    """Scale every gradient by max_norm / (norm + 1e-6) when that is below 1 (max_norm > 0)."""
+    if max_norm > 0 and norm > 0:
+        coefficient = max_norm / (norm + 1e-6)
         if coefficient < 1.0:
+            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                     for p in parameters if p.grad is not None]
             torch._foreach_mul_(local, coefficient)
+
+
+def grad_norm_and_clip(parameters: list[nn.Parameter], max_norm: float) -> float:
+    """Global L2 norm of all gradients (grad_norm_squares), clipping when max_norm > 0."""
+    total = math.sqrt(float(grad_norm_squares(parameters)))
+    clip_gradients(parameters, total, max_norm)
     return total
 
 
@@ -193,13 +224,20 @@ def optimizer_step(optimizer: torch.optim.Optimizer, parameters: list[nn.Paramet
                    loss: float, of: str = "") -> float:
     """Clip and apply the accumulated gradients of `loss` (its global value); returns the gradient norm.
     Raises TrainingError, before any update, when the loss or the norm is not finite."""
-    norm = grad_norm_and_clip(parameters, grad_clip)
+    norm = math.sqrt(float(grad_norm_squares(parameters)))
+    apply_update(optimizer, parameters, lr, grad_clip, loss, norm, of)
+    return norm
+
+
+def apply_update(optimizer: torch.optim.Optimizer, parameters: list[nn.Parameter], lr: float, grad_clip: float,
+                 loss: float, norm: float, of: str = "") -> None:
+    """Refuse a non-finite loss or norm, clip to grad_clip, set the lr, step and zero the gradients."""
     check_finite(loss, norm, of)
+    clip_gradients(parameters, norm, grad_clip)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm
 
 
 def train_step(
@@ -211,13 +249,23 @@ def train_step(
     device: torch.device,
     before_update=None,
 ) -> StepResult:
-    """`before_update()`, if given, runs between the backward passes and the update (an async
-    checkpoint may still be copying the weights the update changes)."""
-    loss, counts = forward_backward(model, micro_batches, options, device)
+    """forward_backward + optimizer_step with one host sync: the counts, the loss and the gradient norm stay
+    on the device until they are fetched together, right before the finiteness check that gates the update.
+    `before_update()`, if given, runs between the backward passes and the update (an async checkpoint may
+    still be copying the weights the update changes)."""
+    counts = _global_counts(micro_batches, options.loss_reduction, device, options.dp_group)
+    denominator = counts[2].clamp_min(1)  # an all-masked global batch gives zero gradients, not NaN
+    loss_sum = _backpropagate(model, micro_batches, _sft_loss_sum(model, options, device), denominator, options,
+                              device)
     if before_update is not None:
         before_update()
     parameters = [p for p in model.parameters() if p.requires_grad]
-    norm = optimizer_step(optimizer, parameters, lr, options.grad_clip, loss)
-    return StepResult(
-        loss=loss, grad_norm=norm, num_input_tokens=counts[0], num_trained_tokens=counts[1], num_samples=counts[3]
-    )
+    squares = grad_norm_squares(parameters).to(device)
+    # The step's one host sync. fp64 holds every count exactly (< 2^53).
+    fetched = torch.cat([torch.stack([loss_sum, squares]), counts.double()]).tolist()
+    loss = fetched[0] / max(fetched[4], 1)
+    norm = math.sqrt(fetched[1])
+    apply_update(optimizer, parameters, lr, options.grad_clip, loss, norm)
+    num_input_tokens, num_trained_tokens, _, num_samples = (int(c) for c in fetched[2:])
+    return StepResult(loss=loss, grad_norm=norm, num_input_tokens=num_input_tokens,
+                      num_trained_tokens=num_trained_tokens, num_samples=num_samples)

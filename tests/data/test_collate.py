@@ -64,3 +64,14 @@ def test_right_padding_does_not_change_real_tokens(tiny_llama):
     padded = logits(tiny_llama, collate([long, short], PAD))
     alone = logits(tiny_llama, collate([short], PAD))
     torch.testing.assert_close(padded[1, :3], alone[0], atol=1e-5, rtol=0)
+
+
+def test_a_fixed_length_pads_every_row_to_it_and_keeps_the_counts():
+    packed = sample_from_documents([example([5, 6, 7]), example([8, 9], num_prompt=2)])
+    batch = collate([packed], pad_id=PAD, length=8)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, PAD, PAD, PAD]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]]  # the padding continues the last document
+    assert batch["labels"].tolist() == [[6, 7, -100, -100, -100, -100, -100, -100]]
+    assert (batch["num_input_tokens"], batch["num_trained_tokens"]) == (5, 2)
+    with pytest.raises(ValueError, match="a sample of 5 tokens does not fit the collate length 4"):
+        collate([packed], pad_id=PAD, length=4)

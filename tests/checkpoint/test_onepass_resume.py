@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,3 +172,42 @@ def test_each_piece_is_checked_once_by_the_rank_that_holds_most_of_it():
     # has been given fewer bytes so far.
     assert assign(counts, [10] * 5) == [0, 1, 1, 2, 0]
     assert assign([[10, 10], [10, 10]], [10, 10]) == [0, 1]  # replicas (DDP) split the work
+
+
+def _two_rank_check(rank: int, port: int, directory: str, num_rows: int, out: str) -> None:
+    """Rank 1 loaded the whole tensor (and altered one value of its copy); rank 0 loaded nothing."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    directory = Path(directory)
+    record = {}
+    if rank == 1:
+        tensor = torch.arange(num_rows * 1024 * 3, dtype=torch.float32).reshape(num_rows * 3, 1024)
+        tensor[-1, -1] += 1
+        first = read_manifest(directory)["files"]["model.safetensors"]["first_piece_bytes"]
+        record = {directory / "model.safetensors": [(first, memoryview(tensor.numpy()).cast("B"))]}
+    problem = check_loaded(directory, record, rank, 2, None)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(problem))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_problem_found_by_one_rank_is_every_ranks_verdict(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    _, header_end, _ = small_checkpoint(tmp_path, num_rows=1024)  # header + one 12 MB piece
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_two_rank_check, args=(port, str(tmp_path), 1024, str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    verdicts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    size = (tmp_path / "model.safetensors").stat().st_size
+    expected = (f"{tmp_path / 'model.safetensors'} (bytes {header_end}-{size}) does not match its blake3 in the "
+                "manifest (altered or corrupted)")
+    assert verdicts == [expected, expected]  # only rank 1 held the piece, so only rank 1 hashed it

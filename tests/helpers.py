@@ -142,3 +142,33 @@ def run_concurrently(jobs: dict, workers: int | None = None) -> dict:
     with ThreadPoolExecutor(max_workers=workers or cpu_count()) as pool:
         futures = {name: pool.submit(job) for name, job in jobs.items()}
     return {name: future.result() for name, future in futures.items()}
+
+
+# The manifest.json that isotrain wrote before BLAKE3 (format version 1), cut to one file: one
+# sha256 of each whole file. Checkpoints in this format must keep verifying and resuming.
+SHA256_MANIFEST_SAMPLE = {
+    "files": {"chat_template.jinja": {"bytes": 250, "sha256": "fd434c668d0e2a6faab5709bcba277844d7f9b1b7e737a34e253f1898a9dee9c"}},
+    "format": "isotrain-checkpoint",
+    "kind": "checkpoint",
+    "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "world_size": 1},
+    "step": 2,
+    "version": 1,
+}
+
+
+def rewrite_as_sha256_manifest(directory) -> dict:
+    """Turn a checkpoint's manifest into the version 1 format of SHA256_MANIFEST_SAMPLE (sha256 of each
+    file computed here), written as isotrain wrote it (sorted keys, indent 2); returns it."""
+    import hashlib
+
+    directory = Path(directory)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    old = {key: manifest[key] for key in SHA256_MANIFEST_SAMPLE if key != "files"}
+    old["version"] = 1
+    old["files"] = {name: {"bytes": spec["bytes"],
+                           "sha256": hashlib.sha256((directory / name).read_bytes()).hexdigest()}
+                    for name, spec in manifest["files"].items()}
+    assert set(old) == set(SHA256_MANIFEST_SAMPLE)
+    assert all(set(spec) == {"bytes", "sha256"} for spec in old["files"].values())
+    (directory / "manifest.json").write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")
+    return old

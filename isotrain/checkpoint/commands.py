@@ -57,7 +57,7 @@ def cmd_list(args) -> int:
                       "[yellow]set aside when the run resumed from an older checkpoint; never resumed from; "
                       "delete it when not needed[/]")
     console.print(table)
-    console.print("status checks sizes and headers; `isotrain ckpt verify DIR` also checks every sha256")
+    console.print("status checks sizes and headers; `isotrain ckpt verify DIR` also checks every hash (BLAKE3)")
     return 0
 
 
@@ -114,7 +114,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from isotrain.checkpoint.manifest import read_manifest, verify_checkpoint
+    from isotrain.checkpoint.manifest import is_legacy, read_manifest, verify_checkpoint
 
     problems = verify_checkpoint(args.directory, hash_files=not args.no_hash)
     if problems:
@@ -124,9 +124,11 @@ def cmd_verify(args) -> int:
         for problem in problems[1:]:
             err.print(f"  also: {escape(problem)}", soft_wrap=True)
         return 1
-    files = read_manifest(args.directory)["files"]
+    manifest = read_manifest(args.directory)
+    files = manifest["files"]
     total = sum(spec["bytes"] for spec in files.values())
-    checked = "sizes and headers" if args.no_hash else "sizes, sha256, headers and indexes"
+    hashed = "sha256" if is_legacy(manifest) else "BLAKE3"
+    checked = "sizes and headers" if args.no_hash else f"sizes, {hashed}, headers and indexes"
     _console().print(f"[green]valid[/]: {escape(str(args.directory))} ({len(files)} files, "
                                    f"{human_bytes(total)}; {checked} checked)")
     return 0
@@ -185,9 +187,10 @@ def add_parser(commands) -> None:
     inspect.add_argument("directory", type=Path, help="a checkpoint, e.g. RUN/checkpoints/step-00000100, or RUN/model")
     inspect.set_defaults(func=cmd_inspect)
 
-    verify = sub.add_parser("verify", help="check the manifest, sizes, sha256, safetensors headers and indexes")
+    verify = sub.add_parser("verify", help="check the manifest, sizes, hashes (BLAKE3; sha256 in older checkpoints), "
+                            "safetensors headers and indexes")
     verify.add_argument("directory", type=Path, help="a checkpoint or model directory written by isotrain")
-    verify.add_argument("--no-hash", action="store_true", help="skip the sha256 of file contents (fast)")
+    verify.add_argument("--no-hash", action="store_true", help="skip hashing the file contents (fast)")
     verify.set_defaults(func=cmd_verify)
 
     export = sub.add_parser("export", help="write a plain Hugging Face model directory, without the training state")

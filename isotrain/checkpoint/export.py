@@ -143,7 +143,8 @@ def _write(source: Path, tmp: Path, shards: list[list[str]], shapes: dict, read,
         meta = {k: torch.empty(shapes[k][0], dtype=shapes[k][1], device="meta") for k in keys}
         header = safetensors_header(meta)
         # A generator: one tensor is in memory at a time.
-        entries[name] = write_chunks(tmp / name, itertools.chain([header], (tensor_view(read(k)) for k in keys)))
+        entries[name] = write_chunks(tmp / name, itertools.chain([header], (tensor_view(read(k)) for k in keys)),
+                                     first_piece_bytes=len(header))
     if len(shards) > 1:
         total = sum(shapes[k][0].numel() * shapes[k][1].itemsize for k in shapes)
         weight_map = {k: name for name, keys in zip(names, shards) for k in keys}

@@ -1,6 +1,7 @@
 """Durable file writing: bytes are hashed as they are written, fsynced, and replaced atomically.
 
-Every checkpoint file goes through `write_chunks`, so its sha256 costs no second read of the data
+Every checkpoint file goes through `write_chunks` (or `StreamingFile`), so its BLAKE3 piece digests
+(digest.py) cost no second read of the data
 and no file is ever reported written before it is on disk (invariant 5). Everything that must appear
 whole or not at all (a checkpoint, an exported model, a data-cache entry, `latest`, config.yaml) is
 written under a temporary name and given its real one by `commit`.
@@ -9,7 +10,6 @@ written under a temporary name and given its real one by `commit`.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from isotrain.checkpoint.digest import HASH, PIECE_BYTES, PieceDigest
 
 CHUNK_BYTES = 16 << 20  # hash and write in pieces that stay in cache between the two
 
@@ -31,11 +33,19 @@ SAFETENSORS_DTYPES = {
 
 @dataclass(frozen=True)
 class FileEntry:
+    """A written file as the manifest lists it: its size and the BLAKE3 digest of each piece."""
+
     num_bytes: int
-    sha256: str
+    digests: tuple[str, ...]
+    first_piece_bytes: int
 
     def as_json(self) -> dict:
-        return {"bytes": self.num_bytes, "sha256": self.sha256}
+        return {"bytes": self.num_bytes, HASH: list(self.digests), "first_piece_bytes": self.first_piece_bytes}
+
+    @classmethod
+    def of(cls, digest: PieceDigest) -> FileEntry:
+        digests, first = digest.finish()
+        return cls(digest.num_bytes, tuple(digests), first)
 
 
 def fsync_dir(path: Path) -> None:
@@ -88,9 +98,10 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
-def write_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> FileEntry:
-    """Create `path` (never overwriting), write the chunks, fsync; return size and sha256."""
-    digest = hashlib.sha256()
+def write_chunks(path: Path, chunks: Iterable[bytes | memoryview], first_piece_bytes: int = PIECE_BYTES) -> FileEntry:
+    """Create `path` (never overwriting), write the chunks, fsync; return size and piece digests
+    (`first_piece_bytes`: a safetensors file's header length, see digest.py)."""
+    digest = PieceDigest(first_piece_bytes)
     num_bytes = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -107,7 +118,7 @@ def write_chunks(path: Path, chunks: Iterable[bytes | memoryview]) -> FileEntry:
         raise with_path(err, path) from None
     finally:
         os.close(fd)
-    return FileEntry(num_bytes, digest.hexdigest())
+    return FileEntry.of(digest)
 
 
 def write_text(path: Path, text: str) -> FileEntry:
@@ -148,14 +159,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     commit(tmp, path)
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def tensor_view(tensor: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a CPU tensor, without a copy when it is contiguous."""
     flat = tensor.detach().contiguous().reshape(-1)
@@ -184,7 +187,7 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> FileEntry:
     """Stream CPU tensors into a safetensors file that `safetensors.safe_open` and transformers read."""
     header = safetensors_header(tensors, metadata)
-    return write_chunks(path, [header, *(tensor_view(t) for t in tensors.values())])
+    return write_chunks(path, [header, *(tensor_view(t) for t in tensors.values())], first_piece_bytes=len(header))
 
 
 def read_safetensors_header(path: Path) -> dict:

@@ -97,8 +97,12 @@ class CheckpointReader:
     directly in the tensor that keeps it.
     """
 
-    def __init__(self, directory: Path, block_bytes: int = BLOCK_BYTES, run_bytes: int = RUN_BYTES):
+    def __init__(self, directory: Path, block_bytes: int = BLOCK_BYTES, run_bytes: int = RUN_BYTES,
+                 record: bool = False):
         self.directory = Path(directory)
+        # With `record`, every read into a kept tensor is listed here as (first byte in the file, the
+        # memory it landed in), so that a resume can hash those bytes where they now are (onepass.py).
+        self.loaded: dict[Path, list[tuple[int, memoryview]]] | None = {} if record else None
         self.block_bytes, self.run_bytes = block_bytes, run_bytes
         self._where: dict[str, Path] = {}
         self._files: dict[Path, tuple[int, int, dict]] = {}  # fd, first data byte, header
@@ -164,12 +168,14 @@ class CheckpointReader:
             total += read.end - read.begin
         return total
 
-    def read_into(self, key: str, target: torch.Tensor, box: Box | None = None) -> None:
+    def read_into(self, key: str, target: torch.Tensor, box: Box | None = None, kept: bool = False) -> None:
         """Read tensor `key` (or the block `box` of it) from its file straight into `target`'s memory.
 
         A whole tensor or a block of dim-0 rows is one pread, with no intermediate tensor: loading
         is bound by the disk, not by copies. Other blocks go run by run or through bounded row
         blocks (`plan_reads`). A target of another dtype or device goes through a CPU tensor.
+        `kept`: `target` is state the caller keeps (not a temporary), so a recording reader lists the
+        bytes read straight into it; bytes read through a buffer are not listed (a check reads them again).
         """
         path, fd, first = self._locate(key)
         sizes = list(self.shape(key)) if box is None else [stop - start for start, stop in box]
@@ -182,7 +188,10 @@ class CheckpointReader:
         for read in self._plan(key, box):
             part = target[read.into]
             if read.block is None:
-                self._pread(path, fd, key, tensor_view(part), first + read.begin)
+                view = tensor_view(part)
+                self._pread(path, fd, key, view, first + read.begin)
+                if kept and self.loaded is not None:
+                    self.loaded.setdefault(path, []).append((first + read.begin, view))
                 continue
             if scratch.numel() < math.prod(read.block):
                 scratch = torch.empty(math.prod(read.block), dtype=target.dtype)
@@ -223,7 +232,7 @@ def _box(tensor: torch.Tensor, rank: int) -> Box | None:
 def _read_into(reader: CheckpointReader, key: str, target: torch.Tensor, rank: int) -> None:
     """Copy the part of tensor `key` that this rank holds into `target` (a plain tensor or DTensor)."""
     with torch.no_grad():
-        reader.read_into(key, local_part(target), _box(target, rank))
+        reader.read_into(key, local_part(target), _box(target, rank), kept=True)
 
 
 class ReadAhead:

@@ -31,6 +31,7 @@ from isotrain.checkpoint.layout import (
 )
 from isotrain.checkpoint.load import CheckpointReader, load_adapter, load_component, load_model, load_optimizer
 from isotrain.checkpoint.manifest import verify_checkpoint
+from isotrain.checkpoint.onepass import check_loaded
 from isotrain.checkpoint.save import CheckpointError, SaveRequest, _broadcast, rotate, save
 from isotrain.checkpoint.state import (
     Item,
@@ -48,6 +49,11 @@ from isotrain.models.unwrap import hf_model, is_lora
 
 MODEL_DIR = "model"
 SFT_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen")
+
+
+def _invalid_path(mode: str, problem: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint.resume={mode} is not a valid checkpoint: {problem}; "
+                           f"run `isotrain ckpt verify {mode}` for every problem")
 
 
 @dataclass(frozen=True)
@@ -166,8 +172,10 @@ class CheckpointManager:
                 self.log(f"removed {len(removed)} leftover(s) of an interrupted save: {names}")
         _broadcast(None, self.rank, self.group)
 
-    def _choose(self) -> Path | None:
-        """Rank 0 picks the checkpoint to resume from (verified), or None to start fresh."""
+    def _choose(self, failed: set[Path]) -> Path | None:
+        """Rank 0 picks the checkpoint to resume from, or None to start fresh: the newest one whose
+        manifest, sizes, small files and headers check out (its tensor data is checked as it is
+        loaded, `onepass.py`), skipping those whose load already failed that check (`failed`)."""
         mode = self.cfg.checkpoint.resume
         if mode == "never":
             existing = committed(self.root)
@@ -180,79 +188,107 @@ class CheckpointManager:
             return None
         if mode != "auto":
             path = Path(mode)
-            problems = verify_checkpoint(path)
+            problems = verify_checkpoint(path, defer_tensor_data=True)
             if problems:
-                raise CheckpointError(f"checkpoint.resume={mode} is not a valid checkpoint: {problems[0]}; "
-                                      f"run `isotrain ckpt verify {mode}` for every problem")
+                raise _invalid_path(mode, problems[0])
             return path
         candidates = list(reversed(committed(self.root)))
         for step, path in candidates:
-            problems = verify_checkpoint(path)
+            if path in failed:
+                continue
+            problems = verify_checkpoint(path, defer_tensor_data=True)
             if not problems:
                 return path
-            self.log(f"[yellow]checkpoint {path.name} is invalid ({problems[0]}); trying the previous one[/]")
+            self._log_invalid(path, problems[0])
         if candidates:
             raise CheckpointError(
                 f"no checkpoint in {self.root} is valid; move them away or set checkpoint.resume=never to start fresh"
             )
         return None
 
+    def _log_invalid(self, path: Path, problem: str) -> None:
+        self.log(f"[yellow]checkpoint {path.name} is invalid ({problem}); trying the previous one[/]")
+
     def resume(self) -> Resumed | None:
-        choice: str | BaseException | None = None
-        if self.rank == 0:
-            try:
-                path = self._choose()
-                choice = str(path) if path else None
-            except CheckpointError as err:
-                choice = err
-        choice = _broadcast(choice, self.rank, self.group)
-        if isinstance(choice, BaseException):
-            raise choice
-        if choice is None:
-            return None
-        reader = CheckpointReader(Path(choice))
+        """Load the checkpoint to continue from into the model and optimizer, checking every byte of it
+        on the way (one read: see onepass.py). A checkpoint whose data fails the check is reported and
+        the previous one is loaded into the same tensors, as when its manifest fails."""
+        failed: set[Path] = set()
+        while True:
+            choice: str | BaseException | None = None
+            if self.rank == 0:
+                try:
+                    path = self._choose(failed)
+                    choice = str(path) if path else None
+                except CheckpointError as err:
+                    choice = err
+            choice = _broadcast(choice, self.rank, self.group)
+            if isinstance(choice, BaseException):
+                raise choice
+            if choice is None:
+                return None
+            path = Path(choice)
+            state, weights_only, problem = self._load(path)
+            if problem is None:
+                return self._resumed(path, state, weights_only)
+            if self.cfg.checkpoint.resume != "auto":
+                raise _invalid_path(self.cfg.checkpoint.resume, problem)
+            if self.rank == 0:
+                self._log_invalid(path, problem)
+            failed.add(path)
+
+    def _load(self, path: Path) -> tuple[dict, bool, str | None]:
+        """Read checkpoint `path` into the live model and optimizer; (its state.json, whether only the
+        weights were loaded, the first problem of its tensor data or None), the same on every rank."""
+        reader = CheckpointReader(path, record=True)
         try:
             state = reader.state()
             weights_only = self.cfg.checkpoint.load_only == "model"
             if not weights_only:
                 missing = [key for key in self.contract.counter_keys if key not in state]
                 if missing:  # e.g. an SFT checkpoint given to an RL run
-                    raise CheckpointError(f"checkpoint {choice} was saved by another kind of run (no {missing[0]} "
+                    raise CheckpointError(f"checkpoint {path} was saved by another kind of run (no {missing[0]} "
                                           "counter); set checkpoint.load_only=model to start from its weights only")
                 self._check_compatible(reader.directory, state)
             if is_lora(self.model):
                 if weights_only:
                     raise CheckpointError(
-                        f"checkpoint.load_only=model cannot load {choice} under LoRA adapters; set model.name_or_path "
-                        f"to {choice} (an HF model directory) instead")
+                        f"checkpoint.load_only=model cannot load {path} under LoRA adapters; set model.name_or_path "
+                        f"to {path} (an HF model directory) instead")
                 load_adapter(reader, self.model, self.rank)  # the frozen base comes from model.name_or_path
             else:
                 load_model(reader, self.model, self.rank, strict=True,
                            ignored=tuple(self.cfg.checkpoint.ignore_keys))
-            if weights_only:
-                kept = "; tensors matching checkpoint.ignore_keys keep their fresh values" \
-                    if self.cfg.checkpoint.ignore_keys else ""
-                self.log(f"started from the weights of {choice} (step {state['step']}); optimizer and counters are "
-                         f"new{kept}")
-                return Resumed(Path(choice), 0, {}, True)
-            load_optimizer(reader, self.model, self.optimizer, self.rank)
-            for prefix, model, optimizer in self.contract.components:
-                load_component(reader, prefix, model, optimizer, self.rank)
+            if not weights_only:
+                load_optimizer(reader, self.model, self.optimizer, self.rank)
+                for prefix, model, optimizer in self.contract.components:
+                    load_component(reader, prefix, model, optimizer, self.rank)
+            problem = check_loaded(path, reader.loaded, self.rank, self.world_size, self.group)
         finally:
             reader.close()
-        self._restore_rng(reader.directory, state)
-        if self.rank == 0 and reader.directory.parent.resolve() == self.root.resolve():
+        return state, weights_only, problem
+
+    def _resumed(self, path: Path, state: dict, weights_only: bool) -> Resumed:
+        """Everything after a load whose bytes all checked out: RNG, newer checkpoints set aside, counters."""
+        if weights_only:
+            kept = "; tensors matching checkpoint.ignore_keys keep their fresh values" \
+                if self.cfg.checkpoint.ignore_keys else ""
+            self.log(f"started from the weights of {path} (step {state['step']}); optimizer and counters are "
+                     f"new{kept}")
+            return Resumed(path, 0, {}, True)
+        self._restore_rng(path, state)
+        if self.rank == 0 and path.parent.resolve() == self.root.resolve():
             moved = set_aside_newer(self.root, state["step"], self.run_id)
             if moved:
-                write_latest(self.root, reader.directory.name)
+                write_latest(self.root, path.name)
             for old, new in moved:
                 self.log(f"[yellow]moved {old.name} aside to {new.name}: this run continues from step "
                          f"{state['step']} and writes its own later checkpoints (delete it when not needed)[/]")
         self.last_saved_step = state["step"]
-        self.log(f"resumed from {choice} at step {state['step']} (saved on {state['layout']['world_size']} "
+        self.log(f"resumed from {path} at step {state['step']} (saved on {state['layout']['world_size']} "
                  f"rank(s), now {self.world_size})")
         counters = {key: state[key] for key in self.contract.counter_keys}
-        return Resumed(Path(choice), state["step"], counters, False)
+        return Resumed(path, state["step"], counters, False)
 
     def _check_compatible(self, directory: Path, state: dict) -> None:
         allowed = set(self.cfg.checkpoint.allow_changes)

@@ -125,13 +125,13 @@ class _Input:
                                   "directories saved with safetensors")
         self.config = json.loads((self.path / "config.json").read_text())
 
-    def _verified_hashes(self) -> dict[str, str]:
+    def _verified_hashes(self) -> dict:
         if (self.path / "manifest.json").is_file():  # written by isotrain: trust only verified bytes
             problems = verify_checkpoint(self.path)
             if problems:
                 raise CheckpointError(f"{self.path} cannot be merged: {problems[0]}; merge a valid checkpoint")
-            return {name: next(v for k, v in spec.items() if k != "bytes")
-                    for name, spec in read_manifest(self.path)["files"].items() if "safetensors" in name}
+            # The manifest's own entries: size and its hashes (BLAKE3 pieces, or an older manifest's sha256).
+            return {name: spec for name, spec in read_manifest(self.path)["files"].items() if "safetensors" in name}
         return {p.name: sha256_file(p) for p in sorted(self.path.iterdir())
                 if p.is_file() and "safetensors" in p.name}
 

@@ -1,6 +1,6 @@
 """One checkpoint file written as a stream: bytes are gathered into two page-aligned buffers (16 MB,
 or smaller when asked), and each full buffer is hashed on one thread while another writes it with
-direct I/O.
+direct I/O. The hash is BLAKE3 per piece (digest.py).
 
 Direct I/O (O_DIRECT) moves the bytes from the buffer to the device without the page cache. On
 the machines measured (docs/benchmarks.md) writing through the page cache cost the kernel about
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from isotrain.checkpoint.digest import PieceDigest
 from isotrain.checkpoint.files import CHUNK_BYTES, FileEntry, start_writeback, with_path
 
 BUFFERS = 2  # one filled while the other is hashed and written
@@ -46,7 +46,7 @@ class StreamingFile:
     """A file of `size` bytes (header included) created at `path` and written by `append` calls in
     order. Two buffers alternate: one is filled while the other is hashed and written, so copying,
     hashing and the disk overlap; `close` writes the unaligned tail through the page cache, fsyncs
-    and returns size and sha256."""
+    and returns size and BLAKE3 piece digests (the header is the first piece, see digest.py)."""
 
     def __init__(self, path: Path, header: bytes, size: int, direct: bool = True, piece_bytes: int = CHUNK_BYTES):
         self.path, self.size, self.num_bytes = path, size, 0
@@ -57,7 +57,7 @@ class StreamingFile:
         self._buffers = [mmap.mmap(-1, length, flags=private) for _ in range(BUFFERS)]  # page-aligned
         self._busy: list[list[Future]] = [[] for _ in range(BUFFERS)]
         self._current, self._fill, self._offset = 0, 0, 0
-        self._digest = hashlib.sha256()
+        self._digest = PieceDigest(first_bytes=max(1, len(header)))
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hash")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write")
         self.append(memoryview(header))
@@ -128,7 +128,7 @@ class StreamingFile:
         self._release()
         if self.num_bytes != self.size:
             raise ValueError(f"{self.path}: wrote {self.num_bytes} bytes, planned {self.size}")
-        return FileEntry(self.num_bytes, self._digest.hexdigest())
+        return FileEntry.of(self._digest)
 
     def abort(self) -> None:
         """Stop after an error elsewhere: wait for the background work (its errors do not matter

@@ -1,18 +1,19 @@
 """The file writer under every save (isotrain/checkpoint/stream.py) and the order in which a save
-feeds it: exact bytes and sha256 for every way a stream can end, direct I/O or the page cache, a
+feeds it: exact bytes and BLAKE3 piece digests for every way a stream can end, direct I/O or the page cache, a
 file-size limit hit in the middle of a direct-I/O piece, and a write order that keeps every file
 moving without reordering any file's tensors."""
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import subprocess
 import sys
 
 import pytest
 import torch
+from blake3 import blake3
 
+from isotrain.checkpoint.digest import piece_ranges
 from isotrain.checkpoint.files import CHUNK_BYTES
 from isotrain.checkpoint.save import write_order
 from isotrain.checkpoint.state import Item
@@ -32,16 +33,21 @@ def pieces(total: int, seed: int) -> list[bytes]:
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
 @pytest.mark.parametrize("total", SIZES)
-def test_a_stream_writes_exactly_its_bytes_and_their_sha256(tmp_path, total, direct):
+@pytest.mark.parametrize("buffer_bytes", [CHUNK_BYTES, 4 << 20], ids=["16MB", "4MB"])
+def test_a_stream_writes_exactly_its_bytes_and_their_digests(tmp_path, total, direct, buffer_bytes):
     header, *body = pieces(total, seed=total)
     path = tmp_path / "file.safetensors"
-    stream = StreamingFile(path, header, total, direct=direct)
+    stream = StreamingFile(path, header, total, direct=direct, piece_bytes=buffer_bytes)
     for piece in body:
         stream.append(memoryview(piece))
     entry = stream.close()
     expected = b"".join([header, *body])
     assert path.read_bytes() == expected
-    assert (entry.num_bytes, entry.sha256) == (total, hashlib.sha256(expected).hexdigest())
+    # The header is the first piece, then 16 MB pieces whatever the buffers' size.
+    first = max(1, len(header))
+    digests = tuple(blake3(expected[a:b]).hexdigest() for a, b in piece_ranges(total, first))
+    assert (entry.num_bytes, entry.digests, entry.first_piece_bytes) == (total, digests, min(first, total))
+    assert len(digests) == 1 + max(0, -(-(total - first) // CHUNK_BYTES))
 
 
 def test_a_stream_that_ends_short_of_its_planned_size_is_refused(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import TINY_RUN, isotrain_cli, model_weights, torchrun
+from helpers import TINY_RUN, isotrain_cli, model_weights, rewrite_as_sha256_manifest, torchrun
 from isotrain.cli import main
 
 TINY = [*TINY_RUN, "train.max_steps=4", "checkpoint.every_steps=2"]
@@ -61,8 +61,11 @@ def edit_index(path) -> None:
 
 
 CORRUPTIONS = {
-    "flipped byte": ("model-00001-of-00002.safetensors", flip_byte, "sha256"),
-    "flipped optimizer byte": ("train_state/optimizer-00002-of-00002.safetensors", flip_byte, "sha256"),
+    "flipped byte": ("model-00001-of-00002.safetensors", flip_byte, "blake3"),
+    "flipped optimizer byte": ("train_state/optimizer-00002-of-00002.safetensors", flip_byte, "blake3"),
+    "flipped header byte": ("model-00002-of-00002.safetensors", lambda p: flip_byte(p, p.stat().st_size - 30),
+                            "blake3"),
+    "flipped state byte": ("train_state/state.json", flip_byte, "blake3"),
     "truncated shard": ("model-00002-of-00002.safetensors", truncate, "bytes"),
     "deleted file": ("tokenizer.json", lambda p: p.unlink(), "missing"),
     "deleted shard": ("train_state/optimizer-00001-of-00002.safetensors", lambda p: p.unlink(), "missing"),
@@ -86,8 +89,22 @@ def test_verify_names_the_bad_file(checkpoint, capsys, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["flipped byte", "flipped header byte", "truncated shard", "deleted shard"])
+def test_a_sha256_checkpoint_from_before_blake3_still_verifies(checkpoint, capsys, name):
+    rewrite_as_sha256_manifest(checkpoint)
+    code, out, _ = cli(capsys, "ckpt", "verify", str(checkpoint))
+    assert code == 0 and "sizes, sha256, headers and indexes checked" in out, out
+    file_name, damage, words = CORRUPTIONS[name]
+    damage(checkpoint / file_name)
+    code, out, err = cli(capsys, "ckpt", "verify", str(checkpoint))
+    first = err.splitlines()[0]
+    words = "sha256" if words == "blake3" else words
+    assert code == 1 and str(checkpoint / file_name) in first and words in first, err
+
+
+@pytest.mark.slow
 def test_an_edited_index_is_found_by_its_content_too(checkpoint, capsys):
-    """Without sha256 (--no-hash) the index still has to agree with the files' headers."""
+    """Without hashes (--no-hash) the index still has to agree with the files' headers."""
     edit_index(checkpoint / "model.safetensors.index.json")
     code, _, err = cli(capsys, "ckpt", "verify", "--no-hash", str(checkpoint))
     assert code == 1 and "model.safetensors.index.json" in err and "lacks" in err, err

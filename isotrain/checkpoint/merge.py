@@ -35,11 +35,11 @@ from isotrain.checkpoint.files import (
     FileEntry,
     commit,
     safetensors_header,
-    sha256_file,
     tensor_view,
     write_chunks,
     write_json,
 )
+from isotrain.checkpoint.digest import sha256_file
 from isotrain.checkpoint.load import CheckpointReader
 from isotrain.checkpoint.manifest import MODEL_INDEX, read_manifest, verify_checkpoint, write_manifest
 from isotrain.checkpoint.save import CheckpointError

@@ -69,20 +69,32 @@ def _split(vectors: list[torch.Tensor], micro_batches: list[EmbedMicroBatch]):
     return torch.cat(queries), torch.cat(positives), torch.cat(negatives)
 
 
-def global_loss_and_grads(local_q, local_p, local_n, ids, settings: LossSettings, group):
-    """Gather over DP, compute the global loss once (fp64), return (loss, ∂L/∂ local q, p, n)."""
-    size, rank = _group_size_rank(group)
-    gathered = [all_gather_rows(t.double(), group).requires_grad_() for t in (local_q, local_p, local_n)]
+def gather_global(local_q, local_p, local_n, ids, group):
+    """This rank's rows -> the global batch in the loss's layout (loss.py):
+    (queries [G, H], documents [G(1+N), H], query ids [G], document ids [G(1+N)]).
+
+    Positives and hard negatives are gathered separately and only then concatenated: gathering
+    per-rank [positives, negatives] blocks would interleave them and shift every label."""
+    queries, positives, negatives = (all_gather_rows(t, group) for t in (local_q, local_p, local_n))
     query_ids, positive_ids, negative_ids = (all_gather_rows(t, group) for t in ids)
-    documents = torch.cat([gathered[1], gathered[2]])
-    loss = contrastive_loss(gathered[0], documents, query_ids, torch.cat([positive_ids, negative_ids]), settings)
-    grads = torch.autograd.grad(loss, gathered, allow_unused=True)
-    local = []
-    for g, t, full in zip(grads, (local_q, local_p, local_n), gathered):
-        g = torch.zeros_like(full) if g is None else g
-        n = t.shape[0]
-        local.append(g[rank * n:(rank + 1) * n].to(t.dtype))
-    return float(loss), local
+    return queries, torch.cat([positives, negatives]), query_ids, torch.cat([positive_ids, negative_ids])
+
+
+def global_loss_and_grads(local_q, local_p, local_n, ids, settings: LossSettings, group):
+    """Gather over DP, compute the global loss once (fp64), return (loss, [∂L/∂ local q, p, n]).
+
+    Rank r's rows sit at [r·m, (r+1)·m) of the queries and positives and at G + [r·m·N, (r+1)·m·N)
+    of the documents (its hard negatives)."""
+    _, rank = _group_size_rank(group)
+    queries, documents, query_ids, document_ids = gather_global(
+        local_q.detach().double(), local_p.detach().double(), local_n.detach().double(), ids, group)
+    queries.requires_grad_()
+    documents.requires_grad_()
+    loss = contrastive_loss(queries, documents, query_ids, document_ids, settings)
+    grad_q, grad_d = torch.autograd.grad(loss, [queries, documents])
+    g, m, k = queries.shape[0], local_q.shape[0], local_n.shape[0]
+    local = [grad_q[rank * m:(rank + 1) * m], grad_d[rank * m:(rank + 1) * m], grad_d[g + rank * k:g + (rank + 1) * k]]
+    return float(loss.detach()), [grad.to(t.dtype) for grad, t in zip(local, (local_q, local_p, local_n))]
 
 
 def sum_gradients(model: nn.Module, group) -> None:

@@ -49,6 +49,17 @@ def cmd_rl(args) -> int:
     return 0
 
 
+def cmd_embed(args) -> int:
+    from isotrain.config import load_config
+
+    path, overrides = _split_config_and_overrides(args)
+    cfg = load_config(path, overrides)
+    from isotrain.embed.loop import embed_train
+
+    embed_train(cfg)
+    return 0
+
+
 def _warm_start(cfg) -> None:
     """The bundled RL example starts from a briefly trained SFT model; train it when it is absent."""
     from pathlib import Path
@@ -110,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     rl = commands.add_parser("rl", help="RL post-training (GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++)")
     _add_config_args(rl)
     rl.set_defaults(func=cmd_rl)
+
+    embed = commands.add_parser("embed", help="contrastive embedding training (negatives: the whole global batch)")
+    _add_config_args(embed)
+    embed.set_defaults(func=cmd_embed)
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)

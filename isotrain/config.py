@@ -384,6 +384,9 @@ class EmbedConfig(Section):
     hard_negatives: int = Field(
         0, ge=0, description="Hard negatives used per query: the first N of each row's `negatives`; rows with fewer "
         "are skipped and reported.")
+    eval_every: int = Field(
+        0, ge=0, description="Retrieval metrics on eval.path (rows like the training data) every this many steps; "
+        "0: before training and at the end only.")
 
     @field_validator("matryoshka_dims")
     @classmethod

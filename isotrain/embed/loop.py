@@ -25,6 +25,8 @@ from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.embed.batch import EmbedMicroBatch
 from isotrain.embed.data import read_pairs, skipped_report, text_id, tokenize_rows
 from isotrain.embed.encode import EncodeOptions
+from isotrain.embed.evaluate import evaluate_retrieval
+from isotrain.embed.export import sentence_transformers_files
 from isotrain.embed.gradcache import embed_forward_backward
 from isotrain.embed.loss import LossSettings
 from isotrain.embed.model import build_embedder, embed_tokenizer
@@ -62,6 +64,8 @@ class EmbedResult:
     step: int
     final_loss: float
     counters: dict
+    eval_before: dict | None = None  # eval_recall@1, ... (None without eval.path)
+    eval_after: dict | None = None
 
 
 def check_layout(degrees) -> None:
@@ -112,6 +116,9 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
     rows = read_pairs(cfg.data.path, cfg.embed.hard_negatives)
     report = skipped_report(rows)
+    held_out = None  # read now: a wrong eval.path is reported before any work
+    if cfg.eval.path is not None:
+        held_out = read_pairs(cfg.eval.path, 0, "eval.path").rows[: cfg.eval.max_samples]
     output_dir = start_run(cfg, info, console, plan, degrees, scope)
     if report:
         log(f"data.path {cfg.data.path!r}: {report}")
@@ -127,6 +134,9 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
                                                "tokenizer_sha256": tokenizer_fingerprint(tokenizer)})
     layout = {"world_size": info.world_size, **dict(degrees.as_rows())}
     checkpoints = CheckpointManager(cfg, info.rank, info.world_size, layout, model, optimizer, tokenizer, contract, log)
+    if info.is_main:  # every checkpoint and the final model are also sentence-transformers directories
+        checkpoints.static.update(sentence_transformers_files(cfg.embed.pooling, model.config.hidden_size,
+                                                              cfg.embed.normalize, cfg.data.max_seq_len))
     checkpoints.clean_leftovers()
     resumed = checkpoints.resume()
     state = RunState(0, {k: 0 for k in SFT_COUNTERS}) if resumed is None or resumed.weights_only \
@@ -143,13 +153,33 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     run = EmbedRun(cfg, info, model, optimizer, samples, sampler, checkpoints, settings, options, plan.dp_size,
                    dist.group.WORLD if info.is_distributed else None)
     writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=state.step)
+    evaluate = None if held_out is None else functools.partial(_evaluate, run, tokenizer, held_out, log)
+    before = after = None
     try:
-        run_loop(cfg, info, state, functools.partial(embed_step, run), checkpoints, writer, console)
+        if evaluate is not None and state.step == 0:
+            before = evaluate("before training")
+            writer.write({"step": 0, **before})
+        run_loop(cfg, info, state, functools.partial(embed_step, run), checkpoints, writer, console,
+                 evaluate=None if evaluate is None else lambda step: evaluate(f"after step {step}"),
+                 eval_every=cfg.embed.eval_every)
+        if state.stopped_by is None and evaluate is not None:
+            after = evaluate("after training")
+            writer.write({"step": state.step, **after})
     finally:
         writer.close()
     if state.stopped_by is not None:
         log(stopped_message(state.stopped_by, state.step, checkpoints.root))
-        return EmbedResult(output_dir, None, state.step, state.loss, state.counters)
+        return EmbedResult(output_dir, None, state.step, state.loss, state.counters, before)
     model_dir = checkpoints.save_model(output_dir / MODEL_DIR)
-    log(f"wrote {output_dir}: config.yaml, metrics.jsonl ({state.step} steps), model/")
-    return EmbedResult(output_dir, model_dir, state.step, state.loss, state.counters)
+    log(f"wrote {output_dir}: config.yaml, metrics.jsonl ({state.step} steps), model/ (also a sentence-transformers "
+        f"directory: SentenceTransformer({str(model_dir)!r}))")
+    return EmbedResult(output_dir, model_dir, state.step, state.loss, state.counters, before, after)
+
+
+def _evaluate(run: EmbedRun, tokenizer, held_out: list[dict], log, when: str) -> dict:
+    """Retrieval metrics of the held-out rows (every rank computes the same values; rank 0 prints them)."""
+    metrics = evaluate_retrieval(run.model, tokenizer, held_out, run.options, run.cfg.data.max_seq_len,
+                                 run.info.device, run.cfg.embed.query_prefix)
+    shown = ", ".join(f"{name} {value:.3f}" for name, value in metrics.items())
+    log(f"{when}: retrieval on {len(held_out)} held-out rows: {shown}")
+    return {f"eval_{name}": value for name, value in metrics.items()}

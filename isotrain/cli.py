@@ -53,7 +53,13 @@ def cmd_embed(args) -> int:
     from isotrain.config import load_config
 
     path, overrides = _split_config_and_overrides(args)
-    cfg = load_config(path, overrides)
+    if path is None:  # the bundled example: all-MiniLM-L6-v2 on standard-library docstrings
+        from isotrain.recipes import bundled_embedder_path, default_embed_recipe_path
+
+        cfg = load_config(None, [f"model.name_or_path={bundled_embedder_path()}", *overrides],
+                          default=default_embed_recipe_path())
+    else:
+        cfg = load_config(path, overrides)
     from isotrain.embed.loop import embed_train
 
     embed_train(cfg)

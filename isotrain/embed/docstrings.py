@@ -17,6 +17,7 @@ import importlib
 import inspect
 import json
 import re
+import warnings
 from pathlib import Path
 
 MODULES = ("argparse", "base64", "bisect", "calendar", "collections", "configparser", "contextlib", "copy", "csv",
@@ -63,12 +64,14 @@ def held_out(qualified_name: str) -> bool:
 
 def build() -> tuple[list[dict], list[dict]]:
     found = {}
-    for module_name in MODULES:
-        module = importlib.import_module(module_name)
-        for qualified, obj in _members(module):
-            row = pair(inspect.getdoc(obj) if not inspect.isclass(obj) else obj.__doc__)
-            if row is not None:
-                found[qualified] = row
+    with warnings.catch_warnings():  # reading typing's deprecated aliases warns; their docstrings are as good
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for module_name in MODULES:
+            module = importlib.import_module(module_name)
+            for qualified, obj in _members(module):
+                row = pair(inspect.getdoc(obj) if not inspect.isclass(obj) else obj.__doc__)
+                if row is not None:
+                    found[qualified] = row
     train, evaluation, seen = [], [], set()
     for qualified in sorted(found):
         row = found[qualified]

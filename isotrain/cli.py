@@ -56,8 +56,10 @@ def cmd_embed(args) -> int:
     if path is None:  # the bundled example: all-MiniLM-L6-v2 on standard-library docstrings
         from isotrain.recipes import bundled_embedder_path, default_embed_recipe_path
 
-        cfg = load_config(None, [f"model.name_or_path={bundled_embedder_path()}", *overrides],
-                          default=default_embed_recipe_path())
+        # Overrides naming a model replace the bundled one (and need no `embed` extra).
+        names_model = any(text.split("=", 1)[0].startswith("model.") for text in overrides)
+        bundled = [] if names_model else [f"model.name_or_path={bundled_embedder_path()}"]
+        cfg = load_config(None, [*bundled, *overrides], default=default_embed_recipe_path())
     else:
         cfg = load_config(path, overrides)
     from isotrain.embed.loop import embed_train

@@ -11,7 +11,7 @@ from helpers import isotrain_cli, kill_after_commit, model_weights, run_concurre
 
 BERT = ["model.config.model_type=bert", "model.config.hidden_size=32", "model.config.num_hidden_layers=2",
         "model.config.num_attention_heads=2", "model.config.intermediate_size=64",
-        "model.config.max_position_embeddings=64", "tokenizer.vocab_size=300", "data.max_seq_len=32"]
+        "model.config.max_position_embeddings=64", "tokenizer.vocab_size=300", "data.max_seq_len=32", "eval.path=null"]
 
 
 @pytest.fixture(scope="module")

@@ -62,9 +62,12 @@ def cmd_embed(args) -> int:
         cfg = load_config(None, [*bundled, *overrides], default=default_embed_recipe_path())
     else:
         cfg = load_config(path, overrides)
-    from isotrain.embed.loop import embed_train
+    from isotrain.embed.loop import embed_evaluate, embed_train
 
-    embed_train(cfg)
+    if args.eval_only:
+        embed_evaluate(cfg)
+    else:
+        embed_train(cfg)
     return 0
 
 
@@ -132,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     embed = commands.add_parser("embed", help="contrastive embedding training (negatives: the whole global batch)")
     _add_config_args(embed)
+    embed.add_argument("--eval-only", action="store_true",
+                       help="print the retrieval metrics of model.name_or_path on eval.path and exit")
     embed.set_defaults(func=cmd_embed)
 
     config = commands.add_parser("config", help="inspect configs")

@@ -176,6 +176,26 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     return EmbedResult(output_dir, model_dir, state.step, state.loss, state.counters, before, after)
 
 
+def embed_evaluate(cfg: Config, console: Console | None = None) -> dict:
+    """`isotrain embed --eval-only`: the retrieval metrics of model.name_or_path on eval.path, on one process."""
+    console = console or Console(stderr=False)
+    if cfg.eval.path is None:
+        raise ConfigError("isotrain embed --eval-only needs held-out rows; set eval.path to a file of "
+                          "{query, positive, negatives} rows")
+    if cfg.model.name_or_path is None:
+        raise ConfigError("isotrain embed --eval-only evaluates a trained model; set model.name_or_path to its directory")
+    held_out = read_pairs(cfg.eval.path, 0, "eval.path").rows[: cfg.eval.max_samples]
+    tokenizer = embed_tokenizer(cfg, [], DistInfo(0, 1, 0, torch.device("cpu")), Path(cfg.output_dir), console.print)
+    model = build_embedder(cfg, tokenizer, torch.device("cpu"))
+    options = EncodeOptions(cfg.embed.pooling, tokenizer.pad_token_id, tokenizer.padding_side, cfg.embed.chunk_tokens,
+                            cfg.train.seed)
+    metrics = evaluate_retrieval(model, tokenizer, held_out, options, cfg.data.max_seq_len, torch.device("cpu"),
+                                 cfg.embed.query_prefix)
+    shown = ", ".join(f"{name} {value:.3f}" for name, value in metrics.items())
+    console.print(f"{cfg.model.name_or_path}: retrieval on {len(held_out)} held-out rows: {shown}", soft_wrap=True)
+    return metrics
+
+
 def _evaluate(run: EmbedRun, tokenizer, held_out: list[dict], log, when: str) -> dict:
     """Retrieval metrics of the held-out rows (every rank computes the same values; rank 0 prints them)."""
     metrics = evaluate_retrieval(run.model, tokenizer, held_out, run.options, run.cfg.data.max_seq_len,

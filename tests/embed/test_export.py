@@ -37,3 +37,21 @@ def test_sentence_transformers_round_trip(data, tmp_path, pooling):  # noqa: F81
         want = encode_texts(model, tokenizer, texts, EncodeOptions(pooling, tokenizer.pad_token_id), 32, torch.device("cpu"))
         assert got.shape == want.shape
         assert float((got - want).abs().max()) <= 1e-6
+
+
+def test_eval_only_matches_the_runs_final_metrics(data, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    common = [*BERT, f"data.path={data}", f"eval.path={data}", "train.global_batch_size=8",
+              "train.micro_batch_size=8", "logging.progress=false"]
+    proc = isotrain_cli(["embed", *common, f"output_dir={run}", "train.max_steps=1", "checkpoint.every_steps=0"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    model_dir = run / "model"
+    proc = isotrain_cli(["embed", "--eval-only", f"model.name_or_path={model_dir}", f"eval.path={data}",
+                         "data.max_seq_len=32", f"output_dir={tmp_path / 'unused'}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if "retrieval on 40 held-out rows" in x][0]
+    assert line.endswith(f"recall@1 {final['eval_recall@1']:.3f}, recall@10 {final['eval_recall@10']:.3f}, "
+                         f"mrr@10 {final['eval_mrr@10']:.3f}, ndcg@10 {final['eval_ndcg@10']:.3f}")
+    proc = isotrain_cli(["embed", "--eval-only", f"model.name_or_path={model_dir}", "eval.path=null"])
+    assert proc.returncode == 2 and "isotrain embed --eval-only needs held-out rows" in proc.stderr

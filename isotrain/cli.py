@@ -54,6 +54,28 @@ def cmd_rl(args) -> int:
     return 0
 
 
+def cmd_embed(args) -> int:
+    from isotrain.config import load_config
+
+    path, overrides = _split_config_and_overrides(args)
+    if path is None:  # the bundled example: all-MiniLM-L6-v2 on standard-library docstrings
+        from isotrain.recipes import bundled_embedder_path, default_embed_recipe_path
+
+        # Overrides naming a model replace the bundled one (and need no `embed` extra).
+        names_model = any(text.split("=", 1)[0].startswith("model.") for text in overrides)
+        bundled = [] if names_model else [f"model.name_or_path={bundled_embedder_path()}"]
+        cfg = load_config(None, [*bundled, *overrides], default=default_embed_recipe_path())
+    else:
+        cfg = load_config(path, overrides)
+    from isotrain.embed.loop import embed_evaluate, embed_train
+
+    if args.eval_only:
+        embed_evaluate(cfg)
+    else:
+        embed_train(cfg)
+    return 0
+
+
 def _warm_start(cfg) -> None:
     """The bundled RL example starts from a briefly trained SFT model; train it when it is absent."""
     from pathlib import Path
@@ -148,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     rl = commands.add_parser("rl", help="RL post-training (GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++)")
     _add_config_args(rl)
     rl.set_defaults(func=cmd_rl)
+
+    embed = commands.add_parser("embed", help="contrastive embedding training (negatives: the whole global batch)")
+    _add_config_args(embed)
+    embed.add_argument("--eval-only", action="store_true",
+                       help="print the retrieval metrics of model.name_or_path on eval.path and exit")
+    embed.set_defaults(func=cmd_embed)
 
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)

@@ -369,6 +369,39 @@ class LoraConfig(Section):
     )
 
 
+class EmbedConfig(Section):
+    temperature: float = Field(0.05, gt=0, allow_inf_nan=False, description="InfoNCE temperature τ: scores are cos / τ.")
+    pooling: Literal["mean", "cls", "last"] = Field(
+        "mean", description="Text vector: mean of the token states, the first token's (`cls`, encoders) or the last "
+        "non-pad token's (`last`, decoder LMs); left or right padding alike.")
+    normalize: bool = Field(True, description="L2-normalise the vectors the model outputs (the loss always uses "
+                            "cosine similarity).")
+    matryoshka_dims: list[int] = Field(
+        [], description="Also train these leading sub-dimensions (loss averaged over them, each re-normalised); "
+        "empty: the full dimension only.")
+    chunk_tokens: int = Field(
+        0, ge=0, description="Padded tokens per forward pass when embedding a micro-batch (bounds activation memory; "
+        "the result does not depend on it); 0: a whole micro-batch at once.")
+    mask_duplicates: bool = Field(
+        True, description="Leave texts equal to a query's own positive (and positives of repeated queries) out of its "
+        "negatives: duplicates in the global batch are not false negatives.")
+    symmetric: bool = Field(False, description="Add the document → query InfoNCE term (the loss is the mean of both).")
+    query_prefix: str = Field("", description="Instruction prepended to every query text before tokenization.")
+    hard_negatives: int = Field(
+        0, ge=0, description="Hard negatives used per query: the first N of each row's `negatives`; rows with fewer "
+        "are skipped and reported.")
+    eval_every: int = Field(
+        0, ge=0, description="Retrieval metrics on eval.path (rows like the training data) every this many steps; "
+        "0: before training and at the end only.")
+
+    @field_validator("matryoshka_dims")
+    @classmethod
+    def _positive_dims(cls, dims: list[int]) -> list[int]:
+        if any(d <= 0 for d in dims) or len(set(dims)) != len(dims):
+            raise ValueError(f"embed.matryoshka_dims={dims} must be distinct positive sizes, e.g. [384, 128, 64]")
+        return dims
+
+
 class Config(Section):
     output_dir: str = Field("runs/default", description="Run directory: config, metrics, checkpoints, final model.")
     model: ModelConfig
@@ -382,6 +415,7 @@ class Config(Section):
     rl: RLConfig = RLConfig()
     rollout: RolloutConfig = RolloutConfig()
     lora: LoraConfig = LoraConfig()
+    embed: EmbedConfig = EmbedConfig()
 
 
 def set_dotted(tree: dict, dotted_key: str, value: Any) -> None:

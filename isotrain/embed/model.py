@@ -1,0 +1,65 @@
+"""The embedding model: a Hugging Face base model (encoder or decoder LM, no head), its tokenizer, and the
+checks that its pooling and Matryoshka sizes make sense for it."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModel
+
+from isotrain.errors import ConfigError
+from isotrain.models.build import build
+from isotrain.models.loading import model_config
+from isotrain.models.tokenizer import load_tokenizer, train_tokenizer
+from isotrain.parallel.dims import ParallelDims
+from isotrain.parallel.mesh import single_process
+
+
+def is_decoder_lm(config) -> bool:
+    """A model whose attention is causal: every architecture without a masked-LM (bidirectional) form."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def check_embedder(config, pooling: str, matryoshka_dims: list[int]) -> None:
+    if pooling == "cls" and is_decoder_lm(config):
+        raise ConfigError(f"embed.pooling='cls' cannot embed with {config.model_type!r}, a causal decoder whose "
+                          "first token sees no other token; use embed.pooling=last or mean")
+    too_large = [d for d in matryoshka_dims if d > config.hidden_size]
+    if too_large:
+        raise ConfigError(f"embed.matryoshka_dims {too_large} exceed the model's hidden size {config.hidden_size}; "
+                          f"use sizes up to {config.hidden_size}")
+
+
+def embed_tokenizer(cfg, texts, info, output_dir, log):
+    """The model's (or tokenizer.path's) tokenizer; a fresh model without one gets a tokenizer trained on `texts`
+    by rank 0 into <output_dir>/tokenizer (kept: a resumed run loads it), which the other ranks then load."""
+    from isotrain.train.setup import rank0_first
+
+    source = cfg.tokenizer.path or cfg.model.name_or_path
+    if source is not None:
+        return load_tokenizer(source)
+    trained_dir = output_dir / "tokenizer"
+
+    def train_and_save():
+        if info.is_main and not (trained_dir / "tokenizer_config.json").is_file():
+            trained = train_tokenizer(texts, cfg.tokenizer.type, cfg.tokenizer.vocab_size)
+            trained.save_pretrained(trained_dir)
+            log(f"trained a {cfg.tokenizer.type} tokenizer ({len(trained)} tokens) -> {trained_dir}")
+        return load_tokenizer(str(trained_dir))
+
+    return rank0_first(info, train_and_save)
+
+
+def build_embedder(cfg, tokenizer, device: torch.device) -> torch.nn.Module:
+    """The whole base model on every rank, identical everywhere (same seed or same files); training mode so that
+    dropout follows the model's config. No DDP wrapper: the GradCache step sums the gradients itself."""
+    config = model_config(cfg.model, tokenizer)
+    check_embedder(config, cfg.embed.pooling, cfg.embed.matryoshka_dims)
+    model = build(cfg.model, tokenizer, cfg.train.seed, single_process(ParallelDims(1, 1, 1)), device,
+                  model_class=AutoModel)
+    # An encoder's pooler head (BERT's tanh layer on [CLS]) is not part of any pooling here: it gets no
+    # gradient, so it is frozen (kept as loaded, saved as is) rather than left without optimizer state.
+    if getattr(model, "pooler", None) is not None:
+        model.pooler.requires_grad_(False)
+    return model

@@ -1,0 +1,64 @@
+"""Invariant 1 for `isotrain embed`, with real processes on gloo: for one global batch, the contrastive loss
+and every gradient are the same (≤ 1e-6 relative) on 1 × GA 1 (one autograd graph, no caching), 1 × GA 4,
+2 × GA 1, 2 × GA 2 and 4 × GA 1 — in-batch and hard negatives, the symmetric term, Matryoshka dims, duplicate
+texts, dropout on. The per-micro-batch loss of today's tools fails the same check (so it can fail), and the
+gathered hard negatives sit in the columns the loss's labels assume."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from embed.embed_cases import CASES, full_graph_reference, relative_error, run_case
+from helpers import run_concurrently, torchrun
+from isotrain.embed.loss import hard_negative_column
+
+WORKER = str(Path(__file__).with_name("gradcache_worker.py"))
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("embed-layouts")
+
+    def launch(nproc, layouts):
+        out = tmp / f"{nproc}.pt"
+        proc = torchrun(nproc, [WORKER, str(out), layouts])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return torch.load(out)
+
+    launched = run_concurrently({4: lambda: launch(4, "4x1"), 2: lambda: launch(2, "2x1,2x2")}, workers=2)
+    merged = {**launched[2], **launched[4], "tags2": launched[2]["tags"], "tags4": launched[4]["tags"]}
+    for case in CASES:
+        merged[("ref", case)] = full_graph_reference(case)
+        merged[("1x4", case)] = run_case(case, 0, 1, 4)
+    merged[("1x4", "control")] = run_case("hard_negatives", 0, 1, 4, per_micro_batch=True)
+    return merged
+
+
+def error(result, reference) -> float:
+    (loss, grads), (want_loss, want_grads) = result, reference
+    return max(abs(loss - want_loss) / abs(want_loss), relative_error(grads, want_grads))
+
+
+@pytest.mark.parametrize("layout", ["1x4", "2x1", "2x2", "4x1"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_loss_and_gradients_do_not_depend_on_layout(results, layout, case):
+    assert error(results[(layout, case)], results[("ref", case)]) <= RTOL
+
+
+@pytest.mark.parametrize("layout", ["1x4", "2x1", "2x2", "4x1"])
+def test_per_micro_batch_control_fails_the_same_check(results, layout):
+    """Negatives from each micro-batch only: wrong by orders of magnitude more than the tolerance."""
+    assert error(results[(layout, "control")], results[("ref", "hard_negatives")]) > 1000 * RTOL
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_gathered_hard_negatives_sit_in_their_label_columns(results, size):
+    """3 samples per rank, 2 hard negatives each: positive i in column i, negative (i, j) in column
+    G + 2i + j, whichever rank held sample i."""
+    tags, g, n = results[f"tags{size}"], 3 * size, 2
+    assert tags[:g] == [1000.0 + i for i in range(g)]
+    for i in range(g):
+        for j in range(n):
+            assert tags[hard_negative_column(i, j, g, n)] == 2000.0 + 10 * i + j

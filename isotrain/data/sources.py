@@ -34,6 +34,15 @@ def read_rows(path: str, fmt: str, field: str = "data.path") -> RowsResult:
     setting `field` (data.path, eval.path) that points at the file."""
     if fmt not in FORMATS:
         raise DataError(f"data.format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
+    result = sort_rows(path, field, lambda row: row_problem(row, fmt))
+    if not result.rows:
+        raise DataError(_no_rows_message(path, fmt, result, field))
+    return result
+
+
+def sort_rows(path: str, field: str, problem) -> RowsResult:
+    """The rows of `path` that `problem(row)` finds nothing wrong with, and the others with their reasons
+    (the caller refuses a file without any usable row, in its own words)."""
     source = check_source(path, field)
     if source.is_dir():
         raw, unit = _enumerate(_read_saved_dataset(source, field)), "row"
@@ -43,17 +52,14 @@ def read_rows(path: str, fmt: str, field: str = "data.path") -> RowsResult:
         raw, unit = _enumerate(_read_json(source, field)), "row"
     else:  # .parquet, the only other kind check_source accepts
         raw, unit = _enumerate(_read_parquet(source, field)), "row"
-
     result = RowsResult(rows=[], row_ids=[], unit=unit)
     for row_id, row, error in raw:
-        reason = error or row_problem(row, fmt)
+        reason = error or problem(row)
         if reason is None:
             result.rows.append(row)
             result.row_ids.append(row_id)
         else:
             result.skipped.append((row_id, reason))
-    if not result.rows:
-        raise DataError(_no_rows_message(path, fmt, result, field))
     return result
 
 

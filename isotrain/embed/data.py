@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
-from isotrain.data.sources import (RowsResult, _enumerate, _read_json, _read_jsonl, _read_parquet, _read_saved_dataset,
-                                   check_source)
+from isotrain.data.sources import RowsResult, sort_rows
 from isotrain.embed.batch import EmbedSample
 from isotrain.errors import DataError
 
@@ -44,25 +43,9 @@ def row_problem(row: object, num_negatives: int) -> str | None:
 
 def read_pairs(path: str, num_negatives: int, field: str = "data.path") -> RowsResult:
     """Every usable row of `path`, plus the skipped ones with their line (or row) numbers and reasons."""
-    source = check_source(path, field)
-    if source.is_dir():
-        raw, unit = _enumerate(_read_saved_dataset(source, field)), "row"
-    elif source.suffix == ".jsonl":
-        raw, unit = _read_jsonl(source), "line"
-    elif source.suffix == ".json":
-        raw, unit = _enumerate(_read_json(source, field)), "row"
-    else:
-        raw, unit = _enumerate(_read_parquet(source, field)), "row"
-    result = RowsResult(rows=[], row_ids=[], unit=unit)
-    for row_id, row, error in raw:
-        reason = error or row_problem(row, num_negatives)
-        if reason is None:
-            result.rows.append(row)
-            result.row_ids.append(row_id)
-        else:
-            result.skipped.append((row_id, reason))
+    result = sort_rows(path, field, lambda row: row_problem(row, num_negatives))
     if not result.rows:
-        first = f" (first: {unit} {result.skipped[0][0]}: {result.skipped[0][1]})" if result.skipped else ""
+        first = f" (first: {result.unit} {result.skipped[0][0]}: {result.skipped[0][1]})" if result.skipped else ""
         raise DataError(f"{field} {path!r} has no usable {{query, positive, negatives}} rows{first}; "
                         "fix the rows or lower embed.hard_negatives")
     return result

@@ -79,14 +79,9 @@ class CountingCollator:
         return batch
 
 
-def run_hf_variable(work: Path, name: str, model, tokenizer, documents: list[list[int]], flatten: bool,
-                    docs_per_micro: int, ga: int, hparams: dict, warmup: int, after_step) -> tuple[float, float]:
-    """HF Trainer over `documents` (one epoch, its own shuffle): (real tokens/s over the timed steps, the real
-    fraction of the padded slots). Padded: `DataCollatorForLanguageModeling(mlm=False)`, transformers' padding
-    collator for causal LMs (labels = input_ids, padding -> -100, attention mask). Flattening: every
-    micro-batch's documents in one row with restarting position ids, first label of each document -100."""
-    from transformers import (DataCollatorForLanguageModeling, DataCollatorWithFlattening, PrinterCallback, Trainer,
-                              TrainerCallback, TrainingArguments)
+def step_timer(after_step):
+    """A Trainer callback timing each optimizer step (on_step_begin to on_step_end), then calling `after_step`."""
+    from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -99,8 +94,21 @@ def run_hf_variable(work: Path, name: str, model, tokenizer, documents: list[lis
             self.seconds.append(time.perf_counter() - self._start)
             after_step()
 
+    return StepTimer()
+
+
+def run_hf_variable(work: Path, name: str, model, tokenizer, documents: list[list[int]], flatten: bool,
+                    docs_per_micro: int, ga: int, hparams: dict, warmup: int, after_step) -> tuple[float, float]:
+    """HF Trainer over `documents` (one epoch, its own shuffle): (real tokens/s over the timed steps, the real
+    fraction of the padded slots). Padded: `DataCollatorForLanguageModeling(mlm=False)`, transformers' padding
+    collator for causal LMs (labels = input_ids, padding -> -100, attention mask). Flattening: every
+    micro-batch's documents in one row with restarting position ids, first label of each document -100."""
+    from transformers import (DataCollatorForLanguageModeling, DataCollatorWithFlattening, PrinterCallback, Trainer,
+                              TrainingArguments)
+
+
     base = DataCollatorWithFlattening() if flatten else DataCollatorForLanguageModeling(tokenizer, mlm=False)
-    collator, timer = CountingCollator(base), StepTimer()
+    collator, timer = CountingCollator(base), step_timer(after_step)
     args = TrainingArguments(
         output_dir=str(work / "runs" / name), per_device_train_batch_size=docs_per_micro,
         gradient_accumulation_steps=ga, num_train_epochs=1, report_to=[], logging_steps=10**6, save_strategy="no",

@@ -65,7 +65,7 @@ from isotrain.train.loop import train
 from isotrain.train.loss import loss_weights, token_losses
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import StepOptions, global_counts, grad_norm_and_clip, train_step
-from sft_lengths import LENGTH_MODELS, document_lengths, length_summary, run_hf_variable, write_documents
+from sft_lengths import LENGTH_MODELS, document_lengths, length_summary, run_hf_variable, step_timer, write_documents
 
 SEQ_LEN = 256
 GLOBAL_BATCH = 8
@@ -175,18 +175,8 @@ def run_isotrain(work: Path, name: str, micro: int, steps: int, warmup: int, com
 
 
 def run_hf_trainer(work: Path, name: str, cfg, tokenizer, dataset, micro: int, steps: int, warmup: int, after_step):
-    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, default_data_collator
+    from transformers import PrinterCallback, Trainer, TrainingArguments, default_data_collator
 
-    class StepTimer(TrainerCallback):
-        def __init__(self):
-            self.seconds, self._start = [], 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self._start)
-            after_step()
 
     model = build_model(cfg.model, tokenizer, SEED)
     rows = [{"input_ids": torch.from_numpy(s.input_ids), "labels": torch.from_numpy(s.input_ids)}
@@ -198,7 +188,7 @@ def run_hf_trainer(work: Path, name: str, cfg, tokenizer, dataset, micro: int, s
         adam_epsilon=EPS, max_grad_norm=1.0, report_to=[], logging_steps=10**6, save_strategy="no",
         use_cpu=True, dataloader_num_workers=0, seed=SEED, disable_tqdm=True,
     )
-    timer = StepTimer()
+    timer = step_timer(after_step)
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=default_data_collator,
                       callbacks=[timer])
     trainer.remove_callback(PrinterCallback)  # its end-of-training summary would break up the table

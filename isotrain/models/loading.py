@@ -66,8 +66,9 @@ def checked_config(cfg: Config):
     config = _mapping_config(cfg.model) if fresh else _directory_config(cfg.model.name_or_path)
     where = "model.config" if fresh else f"the model in {cfg.model.name_or_path!r}"
     check_causal_lm(config, where)
-    check_sizes(config, "model.config" if fresh else f"{Path(cfg.model.name_or_path) / 'config.json'}",
-                cfg.model.config or {})
+    # A directory's config.json may set head_dim so that heads × head_dim differs from the hidden size (Gemma).
+    explicit = cfg.model.config if fresh else {"head_dim": getattr(config, "head_dim", None)}
+    check_sizes(config, "model.config" if fresh else f"{Path(cfg.model.name_or_path) / 'config.json'}", explicit)
     fit_max_seq_len(cfg.data, config, where, fresh)
     attention_kernel(cfg.model, config, AutoModelForCausalLM)
     return config

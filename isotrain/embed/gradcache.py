@@ -25,7 +25,7 @@ from torch import nn
 from isotrain.embed.batch import EmbedMicroBatch
 from isotrain.embed.encode import EncodeOptions, chunk_bounds, encode_chunk
 from isotrain.embed.loss import LossSettings, contrastive_loss
-from isotrain.parallel.dist import all_reduce_sum
+from isotrain.parallel.dist import all_reduce_flat, all_reduce_sum
 
 
 @dataclass
@@ -101,14 +101,8 @@ def sum_gradients(model: nn.Module, group) -> None:
     """Σ over DP ranks of every parameter gradient, in one flat all-reduce."""
     size, _ = _group_size_rank(group)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if size == 1 or not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if size > 1:
+        all_reduce_flat(grads, group)
 
 
 def embed_forward_backward(model: nn.Module, micro_batches: list[EmbedMicroBatch], settings: LossSettings,

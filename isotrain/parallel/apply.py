@@ -21,6 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from isotrain.parallel.dist import all_reduce_flat
 from isotrain.parallel.mesh import ParallelState
 
 
@@ -124,12 +125,5 @@ def sync_replica_grads(model: nn.Module, parallel: ParallelState) -> None:
         return
     group = parallel.mesh["dp_replicate"].get_group()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    if locals_:
-        flat = torch.cat([t.reshape(-1) for t in locals_])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in locals_:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+    all_reduce_flat([g.to_local() if isinstance(g, DTensor) else g for g in grads], group)
 

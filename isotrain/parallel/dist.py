@@ -52,6 +52,19 @@ def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
     return values
 
 
+def all_reduce_flat(tensors: list[torch.Tensor], group=None) -> None:
+    """Sum each tensor over `group` in place, with one all-reduce of their concatenation (one call, not one
+    per tensor)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -76,6 +76,11 @@ class ModelConfig(Section):
         None, description="Attention kernel passed to transformers; default: `sdpa` where the model supports it, "
         "else `eager`."
     )
+    add_special_tokens: list[str] = Field(
+        default_factory=list,
+        description="Extra special tokens added to the tokenizer (kept when already there); the embedding and "
+        "output layers grow to match, new rows initialised like transformers' resize_token_embeddings, seeded.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -121,10 +126,6 @@ class DataConfig(Section):
         False,
         description="Pack several rows into each sequence (per-document position ids, no attention or labels "
         "across documents; checked on the model before step 1, see docs/troubleshooting.md).",
-    )
-    add_special_tokens: list[str] = Field(
-        default_factory=list,
-        description="Extra special tokens added to the tokenizer; the embeddings are resized to match.",
     )
     cache_dir: str | None = Field(
         None, description="Where tokenized data is cached. Default: $ISOTRAIN_CACHE or ~/.cache/isotrain."
@@ -442,6 +443,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+# Keys that moved to another section: the hint names the new place instead of a look-alike.
+_MOVED = {"data.add_special_tokens": "model.add_special_tokens"}
+
+
 def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
     """Reject unknown keys with a did-you-mean hint, before pydantic's less friendly message."""
     if not isinstance(data, dict):
@@ -453,6 +458,8 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
             known = [f"{prefix}{name}" for name in fields]
             close = difflib.get_close_matches(dotted, known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}?" if close else f"known keys: {', '.join(known)}"
+            if dotted in _MOVED:
+                hint = f"it is now {_MOVED[dotted]} (the tokens change the model's vocabulary)"
             raise ConfigError(f"unknown config key {dotted!r}; {hint}")
         annotation = fields[key].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):

@@ -18,7 +18,7 @@ from isotrain.data.cache import CacheUnreadable, cache_key, cache_root, discard_
 from isotrain.data.packing import Sample, pack_examples, to_samples
 from isotrain.data.sources import check_source, read_rows
 from isotrain.data.tokenize import IGNORE_INDEX, tokenize_rows
-from isotrain.errors import ConfigError, DataError
+from isotrain.errors import DataError
 
 MAX_REPORTED_SKIPS = 20  # skipped rows kept in the stats; all are counted
 MAX_LOGGED_SKIPS = 5  # skipped rows named in the log line
@@ -62,18 +62,16 @@ def data_options(data_cfg: DataConfig) -> dict:
         "format": data_cfg.format,
         "max_seq_len": data_cfg.max_seq_len,
         "packing": data_cfg.packing,
-        "add_special_tokens": list(data_cfg.add_special_tokens),
     }
 
 
 def prepare_dataset(data_cfg: DataConfig, tokenizer, *, log=print) -> Dataset:
     """Samples of `data_cfg.path` for `tokenizer`, from the cache when the same inputs were seen before.
 
-    `data_cfg.add_special_tokens` must already be in the tokenizer (the trainer adds them, since it
-    also resizes the embeddings).
+    Tokens added with `model.add_special_tokens` are already in `tokenizer` (the trainer adds them,
+    since it also resizes the embeddings); the cache key covers them through the tokenizer's fingerprint.
     """
     check_source(data_cfg.path)
-    _check_added_tokens(data_cfg, tokenizer)
     entry = cache_root(data_cfg.cache_dir) / "tokenized" / cache_key(data_cfg.path, tokenizer, data_options(data_cfg))
     try:
         cached = load_entry(entry)
@@ -115,16 +113,6 @@ def build_samples(data_cfg: DataConfig, tokenizer) -> tuple[list[Sample], DataSt
         row_unit=rows.unit,
     )
     return samples, stats
-
-
-def _check_added_tokens(data_cfg: DataConfig, tokenizer) -> None:
-    vocab = tokenizer.get_vocab()
-    missing = [token for token in data_cfg.add_special_tokens if token not in vocab]
-    if missing:
-        raise ConfigError(
-            f"data.add_special_tokens {missing} are not in the tokenizer; add them with "
-            "isotrain.models.tokenizer.add_special_tokens (and resize the embeddings) before preparing the data"
-        )
 
 
 def _log_stats(stats: DataStats, path: str, log) -> None:

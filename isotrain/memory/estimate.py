@@ -166,7 +166,7 @@ def run_vocab_size(cfg: Config, config) -> tuple[int, str]:
     from isotrain.models.tokenizer import load_tokenizer
 
     source = cfg.tokenizer.path or cfg.model.name_or_path
-    special = len(cfg.data.add_special_tokens)
+    special = len(cfg.model.add_special_tokens)
     if source is not None:
         size = len(load_tokenizer(source)) + special
         return max(config.vocab_size or 0, size), "the tokenizer's"

@@ -96,7 +96,7 @@ def prepare_tokenizer(cfg: Config, info: DistInfo, output_dir: Path, log):
             return load_tokenizer(str(trained_dir))
 
         tokenizer = rank0_first(info, train_and_save)
-    added = add_special_tokens(tokenizer, cfg.data.add_special_tokens)
+    added = add_special_tokens(tokenizer, cfg.model.add_special_tokens)
     if added:
         log(f"added {added} special tokens; embeddings are resized to {len(tokenizer)}")
     return tokenizer

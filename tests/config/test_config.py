@@ -37,6 +37,11 @@ def test_unknown_key_suggests_the_right_one():
         build_config({**BASE, "train": {"lrr": 1}})
 
 
+def test_a_moved_key_names_its_new_place():
+    with pytest.raises(ConfigError, match=r"'data.add_special_tokens'; it is now model.add_special_tokens"):
+        build_config({**BASE, "data": {**BASE.get("data", {}), "add_special_tokens": ["<x>"]}})
+
+
 def test_wrong_type_names_field_and_value():
     with pytest.raises(ConfigError, match=r"train.global_batch_size='many' is invalid"):
         cfg_with(global_batch_size="many")

@@ -132,16 +132,23 @@ def test_skipped_rows_are_counted_and_logged_with_line_numbers(tmp_path, tok):
     assert any(line.startswith("skipped 2 of 5 rows in data.jsonl: line 4") for line in lines)  # also from cache
 
 
-def test_missing_file_and_missing_special_tokens_are_clear_errors(tmp_path, tok):
+def test_missing_file_is_a_clear_error(tmp_path, tok):
     with pytest.raises(DataError, match="does not exist"):
         prepare_dataset(DataConfig(path=str(tmp_path / "no.jsonl")), tok, log=lambda *_: None)
-    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    cfg = DataConfig(path=path, format="prompt_completion", add_special_tokens=["<tool>"])
-    with pytest.raises(ConfigError, match=r"data.add_special_tokens \['<tool>'\] are not in the tokenizer"):
-        prepare_dataset(cfg, tok, log=lambda *_: None)
+
+
+def test_added_special_tokens_change_the_cache_entry(tmp_path):
+    """model.add_special_tokens grows the tokenizer; its fingerprint, and so the cache entry, follow."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+2=", "completion": "3<tool>"}])
+    cfg = DataConfig(path=path, format="prompt_completion", cache_dir=str(tmp_path / "cache"))
+    plain = train_tokenizer(["0123456789+="], "char", vocab_size=0)
     extended = train_tokenizer(["0123456789+="], "char", vocab_size=0)
     add_special_tokens(extended, ["<tool>"])
-    assert len(prepare_dataset(cfg, extended, log=lambda *_: None)) == len(ROWS)
+    a = prepare_dataset(cfg, plain, log=lambda *_: None)
+    b = prepare_dataset(cfg, extended, log=lambda *_: None)
+    assert a.cache_path != b.cache_path
+    tool = extended.convert_tokens_to_ids("<tool>")
+    assert tool in b[0].input_ids.tolist() and tool not in a[0].input_ids.tolist()
 
 
 @pytest.mark.parametrize("packing", [False, True])

@@ -8,7 +8,7 @@ import isotrain.data.dataset as dataset_module
 from isotrain.config import DataConfig
 from isotrain.data import prepare_dataset
 from isotrain.data.cache import cache_key, save_entry
-from isotrain.errors import ConfigError, DataError
+from isotrain.errors import DataError
 from isotrain.models.tokenizer import add_special_tokens, train_tokenizer
 
 ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(12) for b in range(3)]

@@ -9,7 +9,7 @@ from transformers import AutoModel
 from isotrain.errors import ConfigError
 from isotrain.models.build import build
 from isotrain.models.loading import model_config
-from isotrain.models.tokenizer import load_tokenizer, train_tokenizer
+from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.mesh import single_process
 
@@ -32,8 +32,17 @@ def check_embedder(config, pooling: str, matryoshka_dims: list[int]) -> None:
 
 
 def embed_tokenizer(cfg, texts, info, output_dir, log):
-    """The model's (or tokenizer.path's) tokenizer; a fresh model without one gets a tokenizer trained on `texts`
-    by rank 0 into <output_dir>/tokenizer (kept: a resumed run loads it), which the other ranks then load."""
+    """The model's (or tokenizer.path's) tokenizer with `model.add_special_tokens` added (the model is then
+    built with that many rows); a fresh model without one gets a tokenizer trained on `texts` by rank 0 into
+    <output_dir>/tokenizer (kept: a resumed run loads it), which the other ranks then load."""
+    tokenizer = _base_tokenizer(cfg, texts, info, output_dir, log)
+    added = add_special_tokens(tokenizer, cfg.model.add_special_tokens)
+    if added:
+        log(f"added {added} special tokens; embeddings are resized to {len(tokenizer)}")
+    return tokenizer
+
+
+def _base_tokenizer(cfg, texts, info, output_dir, log):
     from isotrain.train.setup import rank0_first
 
     source = cfg.tokenizer.path or cfg.model.name_or_path

@@ -78,3 +78,18 @@ def test_pooling_the_model_cannot_do_is_one_sentence(data, tmp_path):
     assert "embed.pooling='cls' cannot embed with 'llama', a causal decoder whose first token sees no other token; " \
            "use embed.pooling=last or mean" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_added_special_tokens_reach_the_embedding_model(data, tmp_path):
+    from transformers import AutoModel, AutoTokenizer
+
+    from isotrain.config import load_config
+    from isotrain.embed.loop import embed_train
+
+    cfg = load_config(None, [*overrides(data, tmp_path / "r"), "train.micro_batch_size=8", "train.max_steps=1",
+                             "checkpoint.every_steps=0", 'model.add_special_tokens=["<q>","<d>"]'])
+    embed_train(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "r" / "model")
+    assert tokenizer.encode("<q>", add_special_tokens=False) == [tokenizer.convert_tokens_to_ids("<q>")]
+    assert AutoModel.from_pretrained(tmp_path / "r" / "model").get_input_embeddings().weight.shape[0] == len(tokenizer)
+    assert tokenizer.convert_tokens_to_ids("<d>") == len(tokenizer) - 1

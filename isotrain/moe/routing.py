@@ -9,7 +9,6 @@ so the counts below recompute exactly the model's selection. Only input tokens c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 
@@ -31,11 +30,13 @@ def router_probs(logits: torch.Tensor) -> torch.Tensor:
 def routing_counts(logits: list[torch.Tensor], top_k: int, mask: torch.Tensor) -> torch.Tensor:
     """int64 [num_layers, E]: C_le = number of input tokens layer l sends to expert e (Σ_e C_le = k · #tokens).
 
-    A one-hot sum rather than scatter_add/bincount: integer, exact and deterministic on every device."""
+    A one-hot sum rather than scatter_add/bincount: integer, exact and deterministic on every device; built by
+    comparison, not F.one_hot, whose index check syncs with the host on CUDA."""
     rows = []
     for layer in logits:
         chosen = torch.topk(router_probs(layer), top_k, dim=-1).indices  # [T, k]
-        one_hot = F.one_hot(chosen, layer.shape[-1]).sum(1)  # [T, E], 0/1 per expert
+        experts = torch.arange(layer.shape[-1], device=chosen.device)
+        one_hot = (chosen.unsqueeze(-1) == experts).sum(1)  # [T, E], 0/1 per expert (top-k indices are distinct)
         rows.append((one_hot * mask.unsqueeze(-1)).sum(0))
     return torch.stack(rows).to(torch.int64)
 

@@ -112,3 +112,44 @@ def test_load_metrics():
     assert load_ratio([[40, 0, 20, 20]]) is None  # an idle expert: no finite ratio
     row = router_metrics(RouterValues(aux_loss=1.25, z_loss=0.5, counts=counts))
     assert row == {"aux_loss": 1.25, "z_loss": 0.5, "load_ratio": 3.0, "expert_share": expert_shares(counts)}
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor -> Python value conversions (each one a host sync on an accelerator)."""
+
+    READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("num_micro_batches", [1, 2])
+def test_router_terms_add_no_host_sync(num_micro_batches):
+    """The router terms, the pre-pass (2 micro-batches) and the routing check read no value on the host: the step
+    keeps its one fetch. Compared with the same step without router terms; the pre-pass's forwards bring only the
+    reads of a forward itself (transformers' packed-sequence detection reads one boolean per forward)."""
+    from collections import Counter
+
+    batch = padded_batch()
+    parts = [{k: (v[i::num_micro_batches] if torch.is_tensor(v) else v) for k, v in batch.items()}
+             for i in range(num_micro_batches)]
+    reads = {}
+    for name in ("without", "with", "forward"):
+        model = tiny("qwen3_moe")
+        settings = router_settings(MoeConfig(z_loss_coef=0.01), model.config) if name == "with" else None
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        with _HostReads() as probe:
+            if name == "forward":
+                model(input_ids=parts[0]["input_ids"], position_ids=parts[0]["position_ids"], use_cache=False)
+            else:
+                train_step(model, optimizer, parts, 0.0, StepOptions(router=settings), CPU)
+        reads[name] = Counter(probe.reads)
+    prepass_forwards = num_micro_batches if num_micro_batches > 1 else 0
+    expected = reads["without"] + Counter({key: n * prepass_forwards for key, n in reads["forward"].items()})
+    assert reads["with"] == expected

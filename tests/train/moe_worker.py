@@ -68,8 +68,9 @@ def packed_samples() -> list[Sample]:
 
 
 def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.dtype, micro_batch: int,
-            force_reroute: bool = False) -> dict:
-    model = wrap_replicas(parallelize(tiny_moe(family, dtype), parallel).train(), parallel)
+            force_reroute: bool = False, checkpointing: bool = False) -> dict:
+    model = parallelize(tiny_moe(family, dtype), parallel, activation_checkpointing=checkpointing)
+    model = wrap_replicas(model.train(), parallel)
     optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1))
     settings = router_settings(MOE.model_copy(update={"aux_loss_scope": scope}), unwrap(model).config)
     options = StepOptions(grad_clip=1.0, dp_group=parallel.dp_group, parallel=parallel, router=settings)
@@ -111,7 +112,8 @@ def _reroute_after_prepass(model, num_micro_batches: int) -> None:
 
 
 def run_all(runs: list[tuple[tuple[int, int, int], int]], families=tuple(FAMILIES), scopes=("global", "micro_batch"),
-            packings=(False, True), dtypes=(torch.float32, torch.float64), force_reroute: bool = False) -> dict | None:
+            packings=(False, True), dtypes=(torch.float32, torch.float64), force_reroute: bool = False,
+            checkpointing: bool = False) -> dict | None:
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
     results = {}
@@ -123,7 +125,7 @@ def run_all(runs: list[tuple[tuple[int, int, int], int]], families=tuple(FAMILIE
                     for dtype in dtypes:
                         key = (family, scope, packed, str(dtype), layout, micro_batch)
                         results[key] = run_one(info, parallel, family, scope, packed, dtype, micro_batch,
-                                               force_reroute)
+                                               force_reroute, checkpointing)
     if info.is_distributed:
         shutdown_distributed()
     return results if info.is_main else None

@@ -5,7 +5,8 @@ on packed rows (two documents each). With `moe.aux_loss_scope=global` the loss (
 expert counts of every step, and every first-step gradient (routers and experts included) equal the 1-process,
 1-micro-batch reference within 1e-6 relative for GA 4, DDP 2 (1 and 2 micro-batches per rank) and FSDP2 2 (2 and 4
 micro-batches per rank), in fp32 (tensor scale floored as in test_equivalence.py) and in fp64 (weights after 2 steps
-too). `micro_batch` scope is the control: under GA 4 it differs by far more than the tolerance.
+too), and with activation checkpointing. `micro_batch` scope is the control: under GA 4 it differs by far more than
+the tolerance.
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ def assert_equivalent(results: dict, layout, micro_batch: int, reference: dict, 
 
 def test_gradient_accumulation_keeps_the_global_aux_loss(single):
     assert_equivalent(single, (1, 1, 1), 2, single)
+
+
+def test_activation_checkpointing_keeps_the_global_aux_loss(single):
+    """Recomputed decoder layers: the router logits the loss uses come from the first forward and backpropagate
+    through the recomputation."""
+    from moe_worker import run_all
+
+    assert_equivalent(run_all([((1, 1, 1), 2)], scopes=("global",), checkpointing=True), (1, 1, 1), 2, single)
 
 
 def test_micro_batch_scope_changes_with_gradient_accumulation(single):

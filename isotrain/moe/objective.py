@@ -5,9 +5,12 @@
 A `RouterStep` is made per optimizer step. With `global` scope it holds the global routing counts before the
 first backward: from the routing pre-pass (prepass.py) when a rank has several micro-batches, else they are
 all-reduced over DP right after the rank's one forward. Each micro-batch's term is then its exact share of the
-global aux / z, so the summed gradient is the same for any split. It also keeps, on the device, the values the
-step logs (aux, z, the counts for the load metrics) and a routing-mismatch count, fetched with the step's other
-values in its one host sync.
+global aux / z, so the summed gradient is the same for any split. When both coefficients are 0 nothing is
+backpropagated and no pre-pass runs; the values are still logged.
+
+The logged values come from sums kept on the device (summed over DP with the loss, fetched in the step's one
+host sync): routed tokens N, Σ_t logsumexp², the counts C_le and the probability sums S_le, from which the
+global aux and z follow on the host; `micro_batch` scope logs the mean of its micro-batches' own values.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from isotrain.moe.routing import layer_logits, prob_sums, routing_counts, z_sum
 from isotrain.moe.settings import RouterSettings
 from isotrain.parallel.dist import all_reduce_sum
 
+# Layout of RouterStep.local_values: 5 scalars, then C [L, E], then S [L, E].
+_MB_AUX, _MB_Z, _MISMATCH, _TOKENS, _Z_SUM = range(5)
+
 
 @dataclass
 class RouterStep:
@@ -33,54 +39,50 @@ class RouterStep:
     global_counts: torch.Tensor | None = None
     global_tokens: torch.Tensor | None = None
     expected_counts: list[torch.Tensor] = field(default_factory=list)
-    # What the step logs, summed over this rank's micro-batches (all-reduced by the step).
-    _aux: torch.Tensor | None = None
-    _z: torch.Tensor | None = None
-    _counts: torch.Tensor | None = None
-    _mismatch: torch.Tensor | None = None
+    _sums: list[torch.Tensor] | None = None  # this rank's logged sums (local_values), built by the first term
 
     def term(self, router_logits, mask: torch.Tensor, index: int) -> torch.Tensor:
         """The router terms of micro-batch `index` (coef-weighted, globally normalised; a scalar with gradient)."""
         logits = layer_logits(router_logits)
         counts = routing_counts(logits, self.settings.top_k, mask)
-        tokens = mask.sum()
-        pool_counts, pool_tokens, share = self._pool(counts, tokens, index)
-        aux = aux_loss_part(pool_counts, prob_sums(logits, mask), pool_tokens, self.settings.num_experts) * share
-        z = z_loss_part(z_sum(logits, mask), pool_tokens, len(logits)) * share
-        self._record(aux.detach(), z.detach(), counts)
+        tokens, probs, z_total = mask.sum(), prob_sums(logits, mask), z_sum(logits, mask)
+        scalars = torch.zeros(5, dtype=torch.float64, device=mask.device)
+        scalars[_TOKENS], scalars[_Z_SUM] = tokens.double(), z_total.detach().double()
+        if self.settings.aux_loss_scope == "micro_batch":
+            # Each micro-batch is its own pool; the objective is the mean over the micro-batches of all DP ranks.
+            share = 1.0 / (self.num_micro_batches * _world(self.group))
+            aux = aux_loss_part(counts, probs, tokens, self.settings.num_experts) * share
+            z = z_loss_part(z_total, tokens, len(logits)) * share
+            scalars[_MB_AUX], scalars[_MB_Z] = aux.detach().double(), z.detach().double()
+        elif self.settings.aux_loss_coef == 0 and self.settings.z_loss_coef == 0:
+            aux = z = torch.zeros((), device=mask.device)  # nothing to backpropagate
+        else:
+            pool_counts, pool_tokens = self._global_pool(counts, tokens, index, scalars)
+            aux = aux_loss_part(pool_counts, probs, pool_tokens, self.settings.num_experts)
+            z = z_loss_part(z_total, pool_tokens, len(logits))
+        self._record([scalars, counts.double().reshape(-1), probs.detach().double().reshape(-1)])
         return self.settings.aux_loss_coef * aux + self.settings.z_loss_coef * z
 
-    def _pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int):
-        """(counts, tokens) of the pool this micro-batch belongs to, and its weight in the objective."""
-        if self.settings.aux_loss_scope == "micro_batch":
-            # Mean over the micro-batches of all DP ranks (each rank has num_micro_batches of them).
-            return counts, tokens, 1.0 / (self.num_micro_batches * _world(self.group))
+    def _global_pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int, scalars: torch.Tensor):
+        """(counts [L, E], tokens) of the whole global batch."""
         if self.global_counts is not None:
             # The routing the pre-pass saw must be the routing trained on: the same local check on every rank,
             # counted on the device (raised by `check_routing` after the step's one fetch).
-            mismatch = (counts != self.expected_counts[index]).sum()
-            self._mismatch = mismatch if self._mismatch is None else self._mismatch + mismatch
-            return self.global_counts, self.global_tokens, 1.0
+            scalars[_MISMATCH] = (counts != self.expected_counts[index]).sum().double()
+            return self.global_counts, self.global_tokens
         # One micro-batch per rank: its counts, summed over DP, are the global ones (no gradient flows through them).
         tally = all_reduce_sum(torch.cat([tokens.reshape(1).to(torch.int64), counts.reshape(-1)]), self.group)
-        return tally[1:].view_as(counts), tally[0], 1.0
+        return tally[1:].view_as(counts), tally[0]
 
-    def _record(self, aux: torch.Tensor, z: torch.Tensor, counts: torch.Tensor) -> None:
-        if self._counts is None:
-            self._aux, self._z, self._counts = aux.double(), z.double(), counts.clone()
-        else:
-            self._aux, self._z, self._counts = self._aux + aux.double(), self._z + z.double(), self._counts + counts
-        if self._mismatch is None:
-            self._mismatch = torch.zeros((), dtype=torch.int64, device=counts.device)
+    def _record(self, parts: list[torch.Tensor]) -> None:
+        self._sums = parts if self._sums is None else [a + b for a, b in zip(self._sums, parts, strict=True)]
 
     def local_values(self) -> torch.Tensor:
-        """fp64 [3 + L·E]: aux, z, routing mismatches and counts of this rank's micro-batches, to be summed over DP
-        (fp64 holds every count exactly below 2^53)."""
-        head = torch.stack([self._aux, self._z, self._mismatch.double()])
-        return torch.cat([head, self._counts.double().reshape(-1)])
+        """fp64 [5 + 2·L·E]: this rank's sums, to be summed over DP (fp64 holds every count exactly below 2^53)."""
+        return torch.cat(self._sums)
 
     def num_layers(self) -> int:
-        return self._counts.shape[0]
+        return self._sums[1].numel() // self.settings.num_experts
 
 
 @dataclass
@@ -95,11 +97,23 @@ class RouterValues:
         return settings.aux_loss_coef * self.aux_loss + settings.z_loss_coef * self.z_loss
 
 
-def router_values(fetched: list[float], num_layers: int, num_experts: int) -> tuple[RouterValues, int]:
-    """(values, global routing mismatches) from the fetched fp64 vector `RouterStep.local_values` summed over DP."""
-    aux, z, mismatch, *flat = fetched
-    counts = [[int(c) for c in flat[layer * num_experts:(layer + 1) * num_experts]] for layer in range(num_layers)]
-    return RouterValues(aux_loss=aux, z_loss=z, counts=counts), int(mismatch)
+def router_values(fetched: list[float], settings: RouterSettings, num_layers: int) -> tuple[RouterValues, int]:
+    """(values, global routing mismatches) from `RouterStep.local_values` summed over DP and fetched.
+
+    global scope: aux = E · Σ_e (Σ_l C_le)(Σ_l S_le) / (N·L)², z = Σ logsumexp² / (N·L) (aux_loss.py), in fp64."""
+    num_experts = settings.num_experts
+    size = num_layers * num_experts
+    counts_flat, probs_flat = fetched[5:5 + size], fetched[5 + size:5 + 2 * size]
+    counts = [[int(c) for c in counts_flat[layer * num_experts:(layer + 1) * num_experts]]
+              for layer in range(num_layers)]
+    if settings.aux_loss_scope == "micro_batch":
+        aux, z = fetched[_MB_AUX], fetched[_MB_Z]
+    else:
+        rows = max(fetched[_TOKENS], 1) * num_layers
+        per_expert = [(sum(counts_flat[e::num_experts]), sum(probs_flat[e::num_experts])) for e in range(num_experts)]
+        aux = num_experts * sum(c * p for c, p in per_expert) / rows**2
+        z = fetched[_Z_SUM] / rows
+    return RouterValues(aux_loss=aux, z_loss=z, counts=counts), int(fetched[_MISMATCH])
 
 
 def check_routing(mismatch: int) -> None:

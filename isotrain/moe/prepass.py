@@ -18,7 +18,9 @@ from isotrain.parallel.dist import all_reduce_sum
 
 
 def needs_prepass(settings: RouterSettings, num_micro_batches: int) -> bool:
-    return settings.aux_loss_scope == "global" and num_micro_batches > 1
+    """Only the gradient needs the global counts first: with both coefficients 0 the logged values suffice."""
+    trained = settings.aux_loss_coef > 0 or settings.z_loss_coef > 0
+    return trained and settings.aux_loss_scope == "global" and num_micro_batches > 1
 
 
 def begin_router_step(settings: RouterSettings, micro_batches: list[dict], router_forward, group,

@@ -202,7 +202,7 @@ def _router_result(fetched: list[float], router: RouterStep | None) -> RouterVal
     """The host router values of the step; refuses a gradient pass that routed differently from its pre-pass."""
     if router is None:
         return None
-    values, mismatch = router_values(fetched, router.num_layers(), router.settings.num_experts)
+    values, mismatch = router_values(fetched, router.settings, router.num_layers())
     check_routing(mismatch)
     return values
 

@@ -153,3 +153,21 @@ def test_router_terms_add_no_host_sync(num_micro_batches):
     prepass_forwards = num_micro_batches if num_micro_batches > 1 else 0
     expected = reads["without"] + Counter({key: n * prepass_forwards for key, n in reads["forward"].items()})
     assert reads["with"] == expected
+
+
+def test_zero_coefficients_skip_the_prepass_but_log_the_global_values():
+    """moe.aux_loss_coef=0 and z_loss_coef=0: no pre-pass forward, no router gradient, the same logged values."""
+    batch = padded_batch()
+    parts = [{k: (v[i::2] if torch.is_tensor(v) else v) for k, v in batch.items()} for i in range(2)]
+    results, forwards = {}, {}
+    for name, moe in {"off": MoeConfig(aux_loss_coef=0.0), "on": MoeConfig(aux_loss_coef=0.1)}.items():
+        model = tiny("qwen3_moe")
+        calls = []
+        model.register_forward_hook(lambda *args: calls.append(1))
+        options = StepOptions(router=router_settings(moe, model.config))
+        results[name] = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), parts, 0.0, options, CPU)
+        forwards[name] = len(calls)
+    assert forwards == {"off": 2, "on": 4}  # the pre-pass runs one more forward per micro-batch
+    assert results["off"].router.counts == results["on"].router.counts
+    assert results["off"].router.aux_loss == pytest.approx(results["on"].router.aux_loss, rel=1e-12)
+    assert results["off"].router.z_loss == pytest.approx(results["on"].router.z_loss, rel=1e-12)

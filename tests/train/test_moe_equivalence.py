@@ -68,7 +68,8 @@ def test_micro_batch_scope_changes_with_gradient_accumulation(single):
         ga4 = single[(family, "micro_batch", False, FP32, (1, 1, 1), 2)]
         ga1 = single[(family, "micro_batch", False, FP32, *REFERENCE)]
         reference = single[(family, "global", False, FP32, *REFERENCE)]
-        assert ga1["losses"][0] == reference["losses"][0] and ga1["aux"][0] == reference["aux"][0]
+        assert ga1["losses"][0] == pytest.approx(reference["losses"][0], rel=RTOL)
+        assert ga1["aux"][0] == pytest.approx(reference["aux"][0], rel=RTOL)
         assert abs(ga4["aux"][0] - ga1["aux"][0]) > 1000 * RTOL * ga1["aux"][0], family
         assert max_rel_diff(ga4, reference) > 1000 * RTOL, family
         router = "model.layers.0.mlp.gate.weight"

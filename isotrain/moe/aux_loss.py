@@ -25,12 +25,13 @@ def aux_loss_part(pool_counts: torch.Tensor, local_prob_sums: torch.Tensor, pool
     pool_counts int64 [L, E] and pool_tokens (N) of the pool; local_prob_sums fp32 [L, E] of this forward's
     tokens (a subset of the pool, or the pool itself). With local = pool it is the whole aux of the pool."""
     num_layers = pool_counts.shape[0]
-    rows = pool_tokens.to(torch.float32).clamp_min(1) * num_layers  # N·L
-    fractions = pool_counts.sum(0).to(torch.float32) / rows
+    dtype = local_prob_sums.dtype  # fp32, or fp64 for an fp64 model
+    rows = pool_tokens.to(dtype).clamp_min(1) * num_layers  # N·L
+    fractions = pool_counts.sum(0).to(dtype) / rows
     return num_experts * (fractions * local_prob_sums.sum(0)).sum() / rows
 
 
 def z_loss_part(local_z_sum: torch.Tensor, pool_tokens: torch.Tensor, num_layers: int) -> torch.Tensor:
     """Σ_l Σ_t logsumexp² / (N·L): the router z-loss (mean over the pool's tokens and the MoE layers) share of
     the tokens behind `local_z_sum`."""
-    return local_z_sum / (pool_tokens.to(torch.float32).clamp_min(1) * num_layers)
+    return local_z_sum / (pool_tokens.to(local_z_sum.dtype).clamp_min(1) * num_layers)

@@ -100,7 +100,7 @@ class RouterValues:
 def router_values(fetched: list[float], settings: RouterSettings, num_layers: int) -> tuple[RouterValues, int]:
     """(values, global routing mismatches) from `RouterStep.local_values` summed over DP and fetched.
 
-    global scope: aux = E · Σ_e (Σ_l C_le)(Σ_l S_le) / (N·L)², z = Σ logsumexp² / (N·L) (aux_loss.py), in fp64."""
+    global scope, in fp64: aux = E · Σ_e (Σ_l C_le)(Σ_l S_le) / (N·L)², z = Σ logsumexp² / (N·L) (aux_loss.py)."""
     num_experts = settings.num_experts
     size = num_layers * num_experts
     counts_flat, probs_flat = fetched[5:5 + size], fetched[5 + size:5 + 2 * size]

@@ -47,8 +47,9 @@ def prob_sums(logits: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
 
 
 def z_sum(logits: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-    """fp32 scalar with gradient: Σ_l Σ_{input tokens t} logsumexp(logits_l(t))² (the router z-loss numerator)."""
-    total = torch.zeros((), dtype=torch.float32, device=mask.device)
+    """Scalar (fp32 at least) with gradient: Σ_l Σ_{input tokens t} logsumexp(logits_l(t))², the router
+    z-loss numerator."""
+    total = 0
     for layer in logits:
         lse = torch.logsumexp(layer.to(torch.promote_types(layer.dtype, torch.float32)), dim=-1)
         total = total + (lse.square() * mask).sum()

@@ -197,9 +197,10 @@ def _train(cfg: Config, info: DistInfo, console: Console,
     if info.is_main:  # only now: a run refused above leaves the previous run's config.yaml as it was
         atomic_write_text(output_dir / "config.yaml", dump_config(cfg))
     peak = peak_tflops(cfg.train.peak_tflops, info.device)
+    options = step_options(cfg, parallel, document_mask=document_mask,
+                           router=router_settings(cfg.moe, hf_model(model).config))
     run = Run(cfg, info, parallel, plan, model, optimizer, dataset, sampler, checkpoints, tokenizer.pad_token_id,
-              step_options(cfg, parallel, document_mask=document_mask,
-                           router=router_settings(cfg.moe, hf_model(model).config)), peak * info.world_size if peak else None, count_parameters(model))
+              options, peak * info.world_size if peak else None, count_parameters(model))
     writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=state.step)
     try:
         run_loop(cfg, info, state, functools.partial(sft_step, run), checkpoints, writer, console,

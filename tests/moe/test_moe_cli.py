@@ -35,7 +35,8 @@ def test_moe_run_logs_router_metrics_and_dense_run_refuses_moe_keys(tmp_path):
 
     events = EventAccumulator(str(moe_run / "tensorboard")).Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/aux_loss", "train/load_ratio", "expert_share_layer_0/expert_0", "expert_share_layer_1/expert_3"} <= tags
+    expected = {"train/aux_loss", "train/load_ratio", "expert_share_layer_0/expert_0", "expert_share_layer_1/expert_3"}
+    assert expected <= tags
 
     dense = runs["dense"]
     assert dense.returncode != 0 and "Traceback" not in dense.stderr

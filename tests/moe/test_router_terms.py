@@ -78,7 +78,8 @@ def test_one_micro_batch_gives_transformers_aux_loss(family, scope):
 def test_logged_loss_is_the_whole_objective():
     """loss = cross-entropy + aux_loss_coef · aux + z_loss_coef · z; the coefficient 0 turns a term off."""
     losses, values = {}, {}
-    for name, moe in {"off": MoeConfig(aux_loss_coef=0.0), "on": MoeConfig(aux_loss_coef=0.3, z_loss_coef=0.02)}.items():
+    settings = {"off": MoeConfig(aux_loss_coef=0.0), "on": MoeConfig(aux_loss_coef=0.3, z_loss_coef=0.02)}
+    for name, moe in settings.items():
         model = tiny("qwen3_moe")
         options = StepOptions(router=router_settings(moe, model.config))
         result = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), [padded_batch()], 0.0, options, CPU)

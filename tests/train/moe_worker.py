@@ -63,7 +63,8 @@ def packed_samples() -> list[Sample]:
     for a, b in zip(docs[::2], docs[1::2]):
         rows.append(Sample(np.concatenate([a.input_ids, b.input_ids]), np.concatenate([a.labels, b.labels]),
                            np.concatenate([a.position_ids, b.position_ids]),
-                           np.concatenate([a.segment_ids, b.segment_ids + a.segment_ids.max() + 1]), a.row_ids + b.row_ids))
+                           np.concatenate([a.segment_ids, b.segment_ids + a.segment_ids.max() + 1]),
+                           a.row_ids + b.row_ids))
     return rows
 
 

@@ -34,7 +34,11 @@ FAMILIES = {
     "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": [],
                   "head_dim": 8},
     "mixtral": {"num_local_experts": 4, "sliding_window": None},
+    # Shared expert and its gate next to the routed ones; checked on demand (families=qwen2_moe), not in the suite.
+    "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
+SUITE_FAMILIES = ("qwen3_moe", "mixtral")
 # Large enough that the router terms move the router's gradient far beyond the tolerance when their pool is wrong.
 MOE = MoeConfig(aux_loss_coef=0.5, z_loss_coef=0.01)
 
@@ -112,7 +116,7 @@ def _reroute_after_prepass(model, num_micro_batches: int) -> None:
     router.register_forward_hook(hook)
 
 
-def run_all(runs: list[tuple[tuple[int, int, int], int]], families=tuple(FAMILIES), scopes=("global", "micro_batch"),
+def run_all(runs: list[tuple[tuple[int, int, int], int]], families=SUITE_FAMILIES, scopes=("global", "micro_batch"),
             packings=(False, True), dtypes=(torch.float32, torch.float64), force_reroute: bool = False,
             checkpointing: bool = False) -> dict | None:
     torch.use_deterministic_algorithms(True)
@@ -133,13 +137,14 @@ def run_all(runs: list[tuple[tuple[int, int, int], int]], families=tuple(FAMILIE
 
 
 if __name__ == "__main__":
-    # moe_worker.py OUT.pt RUNS [scopes=global,...]
+    # moe_worker.py OUT.pt RUNS [scopes=global,...] [families=qwen3_moe,...]
     out, runs, *flags = sys.argv[1:]
     parsed = []
     for run in runs.split(","):
         layout, micro = run.split(":")
         parsed.append((tuple(int(x) for x in layout.split("x")), int(micro)))
     scopes = next((f.split("=", 1)[1].split(",") for f in flags if f.startswith("scopes=")), ["global", "micro_batch"])
-    results = run_all(parsed, scopes=tuple(scopes))
+    families = next((f.split("=", 1)[1].split(",") for f in flags if f.startswith("families=")), SUITE_FAMILIES)
+    results = run_all(parsed, scopes=tuple(scopes), families=tuple(families))
     if results is not None:
         torch.save(results, out)

@@ -212,6 +212,25 @@ class ParallelConfig(Section):
     )
 
 
+class MoeConfig(Section):
+    aux_loss_coef: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="Weight of the router's load-balancing loss in the objective; null takes the model config's "
+        "`router_aux_loss_coef`, 0 turns the loss off. Mixture-of-experts models only (docs/moe.md).",
+    )
+    aux_loss_scope: Literal["global", "micro_batch"] = Field(
+        "global",
+        description="Tokens the load-balancing loss pools: `global`, the whole global batch (the same loss and "
+        "gradient for any split into ranks and micro-batches; costs a no-grad routing forward with gradient "
+        "accumulation), or `micro_batch`, each micro-batch on its own and averaged (what other frameworks do).",
+    )
+    z_loss_coef: float = Field(
+        0.0, ge=0, allow_inf_nan=False,
+        description="Weight of the router z-loss, the mean over routed tokens and MoE layers of "
+        "logsumexp(router logits)²; 0 turns it off.",
+    )
+
+
 class LoggingConfig(Section):
     tensorboard: bool = Field(False, description="Also write TensorBoard events (needs the `tensorboard` extra).")
     progress: bool = Field(True, description="Show a progress bar on rank 0.")
@@ -411,6 +430,7 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
+    moe: MoeConfig = MoeConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     rl: RLConfig = RLConfig()

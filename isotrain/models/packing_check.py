@@ -68,10 +68,20 @@ def lm_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Ten
 
     use_cache=False: with a KV cache transformers stops detecting packed documents. `with_mask`: the model
     ignores position restarts, so isotrain passes the per-document mask itself."""
+    return lm_forward(model, input_ids, position_ids, with_mask).logits
+
+
+def lm_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, with_mask: bool,
+               router_logits: bool = False):
+    """`lm_logits`' forward, returning the model output; `router_logits`: an MoE model also returns its
+    routers' logits (`.router_logits`, one [B·L, E] tensor per MoE layer). No labels are passed, so
+    transformers adds no aux loss of its own (isotrain forms it: isotrain/moe/)."""
     kwargs = {}
     if with_mask:
         kwargs["attention_mask"] = document_mask(position_ids, hf_model(model).config._attn_implementation)
-    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).logits
+    if router_logits:
+        kwargs["output_router_logits"] = True
+    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
 
 
 def _probe_batch(vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,9 @@ from isotrain.data.sources import read_rows
 from isotrain.models.checks import check_prompt_room, max_positions
 from isotrain.models.loading import check_layout_fits, checked_config, count_parameters
 from isotrain.models.packing_check import packing_needs_mask
-from isotrain.models.unwrap import unwrap
+from isotrain.models.unwrap import hf_model, unwrap
+from isotrain.moe.metrics import router_metrics
+from isotrain.moe.settings import check_moe_section, router_settings
 from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import DistInfo, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import ParallelState, build_parallel
@@ -117,6 +119,8 @@ def _metrics_row(run: Run, counters: dict, result, lr: float, step_s: float) -> 
         mean_len = result.num_input_tokens / max(result.num_samples, 1)
         flops_tok = flops_per_token(run.num_params, base.num_hidden_layers, base.hidden_size, mean_len)
         row["mfu"] = tokens_per_s * flops_tok / (run.world_peak_tflops * 1e12)
+    if result.router is not None:
+        row.update(router_metrics(result.router))
     return row
 
 
@@ -170,6 +174,7 @@ def _train(cfg: Config, info: DistInfo, console: Console,
     degrees = resolve_dims(cfg.parallel, info.world_size)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
     model_cfg = checked_config(cfg)
+    check_moe_section(cfg.moe, model_cfg)
     check_layout_fits(cfg.model, degrees)
     eval_rows = _eval_rows(cfg)
     output_dir = start_run(cfg, info, console, plan, degrees, scope)
@@ -192,8 +197,10 @@ def _train(cfg: Config, info: DistInfo, console: Console,
     if info.is_main:  # only now: a run refused above leaves the previous run's config.yaml as it was
         atomic_write_text(output_dir / "config.yaml", dump_config(cfg))
     peak = peak_tflops(cfg.train.peak_tflops, info.device)
+    options = step_options(cfg, parallel, document_mask=document_mask,
+                           router=router_settings(cfg.moe, hf_model(model).config))
     run = Run(cfg, info, parallel, plan, model, optimizer, dataset, sampler, checkpoints, tokenizer.pad_token_id,
-              step_options(cfg, parallel, document_mask=document_mask), peak * info.world_size if peak else None, count_parameters(model))
+              options, peak * info.world_size if peak else None, count_parameters(model))
     writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=state.step)
     try:
         run_loop(cfg, info, state, functools.partial(sft_step, run), checkpoints, writer, console,

@@ -67,6 +67,9 @@ class MetricsWriter:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"train/{key}", value, row["step"])
+            for layer, shares in enumerate(row.get("expert_share", [])):  # MoE: a section per MoE layer
+                for expert, share in enumerate(shares):
+                    self._tb.add_scalar(f"expert_share_layer_{layer}/expert_{expert}", share, row["step"])
 
     def close(self) -> None:
         if self._file is not None:

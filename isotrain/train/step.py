@@ -4,13 +4,15 @@ Order of a step (the invariant each stage keeps is in brackets):
   1. count input tokens, trained tokens, loss denominator and samples of every local micro-batch,
      and all-reduce them over DP — before any backward [the loss divides by the global count];
   2. per micro-batch: forward, Σ weighted token losses / global denominator, backward; DDP syncs
-     (SUM) only on the last micro-batch [gradient = gradient of the global mean];
-  3. all-reduce the summed loss values over DP [the logged loss is the global value];
+     (SUM) only on the last micro-batch [gradient = gradient of the global mean]; an MoE model adds its router
+     terms, each micro-batch its exact share of the global aux / z-loss (isotrain/moe/; with `global` scope and
+     several micro-batches a no-grad routing pre-pass first gives the global expert counts);
+  3. all-reduce the summed loss values (and router values) over DP [the logged loss is the global objective];
   4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
      global grad norm (every element counted once, one fp64 all-reduce), clip, set the lr, optimizer step;
      a NaN or infinite loss or norm stops the run before the update [weights and checkpoints stay finite].
-The SFT step (`train_step`) leaves the counts, the loss and the norm on the device and fetches them together,
-once, before the update: one host sync per step.
+The SFT step (`train_step`) leaves the counts, the loss, the router values and the norm on the device and fetches
+them together, once, before the update: one host sync per step.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
 from isotrain.errors import TrainingError
-from isotrain.models.packing_check import lm_logits
+from isotrain.models.packing_check import lm_forward
+from isotrain.moe.routing import input_token_mask
+from isotrain.moe.objective import RouterStep, RouterValues, check_routing, router_values
+from isotrain.moe.prepass import begin_router_step
+from isotrain.moe.settings import RouterSettings
 from isotrain.parallel.dist import all_reduce_sum
 from isotrain.parallel.apply import sync_replica_grads
 from isotrain.train.loss import loss_weights, token_losses
@@ -39,6 +45,7 @@ class StepResult:
     num_input_tokens: int  # global, this step
     num_trained_tokens: int  # global, this step
     num_samples: int  # global, this step
+    router: RouterValues | None = None  # MoE models: aux / z-loss and expert loads (loss includes their terms)
 
 
 @dataclass(frozen=True)
@@ -50,16 +57,19 @@ class StepOptions:
     loss_parallel: bool = False  # TP: logits arrive sharded over the vocabulary
     parallel: object = None  # the run's ParallelState (TP × DDP gradient sums)
     document_mask: bool = False  # packed batches get isotrain's per-document mask (models/packing_check.py)
+    router: RouterSettings | None = None  # MoE models: the router terms of the objective (isotrain/moe/)
 
 
-def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool = False) -> StepOptions:
+def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool = False,
+                 router: RouterSettings | None = None) -> StepOptions:
     """The step settings of a run: FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16.
     `loss_parallel`: the model was built with vocabulary-sharded logits under TP (SFT; RL gathers them).
-    `document_mask`: the run's packing probe found that the model ignores position-id restarts."""
+    `document_mask`: the run's packing probe found that the model ignores position-id restarts.
+    `router`: an MoE model's router terms (isotrain.moe.settings.router_settings)."""
     autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and parallel.dims.dp_shard == 1 else None
     return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
                        dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel,
-                       document_mask=document_mask)
+                       document_mask=document_mask, router=router)
 
 
 def _global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> torch.Tensor:
@@ -111,46 +121,103 @@ def accumulate_gradients(model: nn.Module, micro_batches: list, loss_sum, denomi
     backpropagates its exact share of the global loss and the summed gradient does not depend on
     the split (invariant 1). SFT and RL differ only in `loss_sum` and in how they count.
     """
-    global_sum = _backpropagate(model, micro_batches, loss_sum, max(denominator, 1), options, device)
+    global_sum, _ = _backpropagate(model, micro_batches, loss_sum, max(denominator, 1), options, device)
     return float(global_sum) / max(denominator, 1)
 
 
 def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator, options: StepOptions,
-                   device: torch.device) -> torch.Tensor:
+                   device: torch.device, router: RouterStep | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """accumulate_gradients without a host sync: `denominator` (>= 1) may be a device tensor, and the
-    global Σ loss_sum comes back as an fp64 tensor, all-reduced over DP."""
+    global Σ loss_sum comes back as an fp64 tensor, all-reduced over DP.
+
+    With `router`, `loss_sum(mb, autocast, index)` returns (weighted token-loss sum, router term); the router term
+    is already globally normalised and joins the objective as it is. Its logged values (RouterStep.local_values)
+    come back summed over DP, from the same all-reduce as the loss (else None)."""
     local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
         # Vocabulary-parallel cross-entropy: forward and backward both run inside loss_parallel.
         with _sync_context(model, i == len(micro_batches) - 1), _loss_parallel(options):
-            weighted_sum = loss_sum(mb, _autocast(options, device))
-            (weighted_sum / denominator).backward()
+            if router is None:
+                weighted_sum = loss_sum(mb, _autocast(options, device))
+                (weighted_sum / denominator).backward()
+            else:
+                weighted_sum, router_term = loss_sum(mb, _autocast(options, device), i)
+                (weighted_sum / denominator + router_term).backward()
         local_loss_sum += weighted_sum.detach().double()
     if options.parallel is not None:
         sync_replica_grads(model, options.parallel)
-    return all_reduce_sum(local_loss_sum, options.dp_group)
+    if router is None:
+        return all_reduce_sum(local_loss_sum, options.dp_group), None
+    values = all_reduce_sum(torch.cat([local_loss_sum.reshape(1), router.local_values()]), options.dp_group)
+    return values[0], values[1:]
 
 
-def _sft_loss_sum(model: nn.Module, options: StepOptions, device: torch.device):
-    """loss_sum(mb, autocast) of SFT: Σ_t weight_t · ℓ_t of one micro-batch (weights: train/loss.py)."""
+def _sft_forward(model: nn.Module, mb: dict, options: StepOptions, device: torch.device):
+    """The model output of one micro-batch (with router logits for an MoE model)."""
+    return lm_forward(model, mb["input_ids"].to(device), mb["position_ids"].to(device), options.document_mask,
+                      router_logits=options.router is not None)
 
-    def loss_sum(mb: dict, autocast) -> torch.Tensor:
+
+def _sft_loss_sum(model: nn.Module, options: StepOptions, device: torch.device, router: RouterStep | None = None):
+    """loss_sum(mb, autocast) of SFT: Σ_t weight_t · ℓ_t of one micro-batch (weights: train/loss.py).
+    With `router` (MoE): loss_sum(mb, autocast, index) -> (that sum, the micro-batch's router term)."""
+
+    def loss_sum(mb: dict, autocast, index: int | None = None):
         labels = mb["labels"].to(device)
-        weights, _ = loss_weights(labels, mb["segment_ids"].to(device), options.loss_reduction)
+        segments = mb["segment_ids"].to(device)
+        weights, _ = loss_weights(labels, segments, options.loss_reduction)
         with autocast:
-            logits = lm_logits(model, mb["input_ids"].to(device), mb["position_ids"].to(device), options.document_mask)
-        return (token_losses(logits, labels) * weights).sum()
+            output = _sft_forward(model, mb, options, device)
+        weighted_sum = (token_losses(output.logits, labels) * weights).sum()
+        if router is None:
+            return weighted_sum
+        return weighted_sum, router.term(output.router_logits, input_token_mask(segments), index)
 
     return loss_sum
+
+
+def _router_step(model: nn.Module, micro_batches: list[dict], options: StepOptions,
+                 device: torch.device) -> RouterStep | None:
+    """The step's router terms (None for a dense model), after the routing pre-pass when the scope needs one."""
+    if options.router is None:
+        return None
+
+    def router_forward(mb: dict):
+        with _autocast(options, device):  # routed exactly as the gradient pass will route it
+            return _sft_forward(model, mb, options, device).router_logits
+
+    return begin_router_step(options.router, micro_batches, router_forward, options.dp_group, device)
+
+
+def _sft_backpropagate(model: nn.Module, micro_batches: list[dict], denominator, options: StepOptions,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, RouterStep | None]:
+    """The SFT backward passes: (global loss sum, global router values or None, the step's RouterStep or None)."""
+    router = _router_step(model, micro_batches, options, device)
+    loss_sum, values = _backpropagate(model, micro_batches, _sft_loss_sum(model, options, device, router),
+                                      denominator, options, device, router)
+    return loss_sum, values, router
+
+
+def _router_result(fetched: list[float], router: RouterStep | None) -> RouterValues | None:
+    """The host router values of the step; refuses a gradient pass that routed differently from its pre-pass."""
+    if router is None:
+        return None
+    values, mismatch = router_values(fetched, router.settings, router.num_layers())
+    check_routing(mismatch)
+    return values
 
 
 def forward_backward(
     model: nn.Module, micro_batches: list[dict], options: StepOptions, device: torch.device
 ) -> tuple[float, list[int]]:
-    """Accumulate gradients of the global-batch loss; return (global loss, global counts)."""
+    """Accumulate gradients of the global-batch loss; return (global loss, global counts). The loss is the whole
+    objective (an MoE model's router terms included)."""
     counts = global_counts(micro_batches, options.loss_reduction, device, options.dp_group)
-    loss_sum = _sft_loss_sum(model, options, device)
-    return accumulate_gradients(model, micro_batches, loss_sum, counts[2], options, device), counts
+    denominator = max(counts[2], 1)
+    loss_sum, values, router = _sft_backpropagate(model, micro_batches, denominator, options, device)
+    loss = float(loss_sum) / denominator
+    result = _router_result(values.tolist(), router) if router is not None else None
+    return (loss if result is None else loss + result.objective(router.settings)), counts
 
 
 def _reduce_partial_grads(parameters: list[nn.Parameter]) -> None:
@@ -255,17 +322,20 @@ def train_step(
     still be copying the weights the update changes)."""
     counts = _global_counts(micro_batches, options.loss_reduction, device, options.dp_group)
     denominator = counts[2].clamp_min(1)  # an all-masked global batch gives zero gradients, not NaN
-    loss_sum = _backpropagate(model, micro_batches, _sft_loss_sum(model, options, device), denominator, options,
-                              device)
+    loss_sum, values, router = _sft_backpropagate(model, micro_batches, denominator, options, device)
     if before_update is not None:
         before_update()
     parameters = [p for p in model.parameters() if p.requires_grad]
     squares = grad_norm_squares(parameters).to(device)
     # The step's one host sync. fp64 holds every count exactly (< 2^53).
-    fetched = torch.cat([torch.stack([loss_sum, squares]), counts.double()]).tolist()
+    extra = [] if values is None else [values]
+    fetched = torch.cat([torch.stack([loss_sum, squares]), counts.double(), *extra]).tolist()
     loss = fetched[0] / max(fetched[4], 1)
     norm = math.sqrt(fetched[1])
+    result = _router_result(fetched[6:], router)  # refuses a changed routing before the update
+    if result is not None:
+        loss += result.objective(router.settings)
     apply_update(optimizer, parameters, lr, options.grad_clip, loss, norm)
-    num_input_tokens, num_trained_tokens, _, num_samples = (int(c) for c in fetched[2:])
+    num_input_tokens, num_trained_tokens, _, num_samples = (int(c) for c in fetched[2:6])
     return StepResult(loss=loss, grad_norm=norm, num_input_tokens=num_input_tokens,
-                      num_trained_tokens=num_trained_tokens, num_samples=num_samples)
+                      num_trained_tokens=num_trained_tokens, num_samples=num_samples, router=result)

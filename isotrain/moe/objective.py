@@ -1,0 +1,129 @@
+"""The router terms of one optimizer step: what each micro-batch adds to the objective, and what the step logs.
+
+    objective = CE + aux_loss_coef · aux + z_loss_coef · z            (aux, z: aux_loss.py)
+
+A `RouterStep` is made per optimizer step. With `global` scope it holds the global routing counts before the
+first backward: from the routing pre-pass (prepass.py) when a rank has several micro-batches, else they are
+all-reduced over DP right after the rank's one forward. Each micro-batch's term is then its exact share of the
+global aux / z, so the summed gradient is the same for any split. When both coefficients are 0 nothing is
+backpropagated and no pre-pass runs; the values are still logged.
+
+The logged values come from sums kept on the device (summed over DP with the loss, fetched in the step's one
+host sync): routed tokens N, Σ_t logsumexp², the counts C_le and the probability sums S_le, from which the
+global aux and z follow on the host; `micro_batch` scope logs the mean of its micro-batches' own values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from isotrain.errors import TrainingError
+from isotrain.moe.aux_loss import aux_loss_part, z_loss_part
+from isotrain.moe.routing import layer_logits, prob_sums, routing_counts, z_sum
+from isotrain.moe.settings import RouterSettings
+from isotrain.parallel.dist import all_reduce_sum
+
+# Layout of RouterStep.local_values: 5 scalars, then C [L, E], then S [L, E].
+_MB_AUX, _MB_Z, _MISMATCH, _TOKENS, _Z_SUM = range(5)
+
+
+@dataclass
+class RouterStep:
+    settings: RouterSettings
+    num_micro_batches: int  # this rank's; every DP rank has as many
+    group: object = None  # the DP group the counts are summed over
+    # Global scope with a pre-pass: the global counts [L, E], tokens, and each local micro-batch's own counts.
+    global_counts: torch.Tensor | None = None
+    global_tokens: torch.Tensor | None = None
+    expected_counts: list[torch.Tensor] = field(default_factory=list)
+    _sums: list[torch.Tensor] | None = None  # this rank's logged sums (local_values), built by the first term
+
+    def term(self, router_logits, mask: torch.Tensor, index: int) -> torch.Tensor:
+        """The router terms of micro-batch `index` (coef-weighted, globally normalised; a scalar with gradient)."""
+        logits = layer_logits(router_logits)
+        counts = routing_counts(logits, self.settings.top_k, mask)
+        tokens, probs, z_total = mask.sum(), prob_sums(logits, mask), z_sum(logits, mask)
+        scalars = torch.zeros(5, dtype=torch.float64, device=mask.device)
+        scalars[_TOKENS], scalars[_Z_SUM] = tokens.double(), z_total.detach().double()
+        if self.settings.aux_loss_scope == "micro_batch":
+            # Each micro-batch is its own pool; the objective is the mean over the micro-batches of all DP ranks.
+            share = 1.0 / (self.num_micro_batches * _world(self.group))
+            aux = aux_loss_part(counts, probs, tokens, self.settings.num_experts) * share
+            z = z_loss_part(z_total, tokens, len(logits)) * share
+            scalars[_MB_AUX], scalars[_MB_Z] = aux.detach().double(), z.detach().double()
+        elif self.settings.aux_loss_coef == 0 and self.settings.z_loss_coef == 0:
+            aux = z = torch.zeros((), device=mask.device)  # nothing to backpropagate
+        else:
+            pool_counts, pool_tokens = self._global_pool(counts, tokens, index, scalars)
+            aux = aux_loss_part(pool_counts, probs, pool_tokens, self.settings.num_experts)
+            z = z_loss_part(z_total, pool_tokens, len(logits))
+        self._record([scalars, counts.double().reshape(-1), probs.detach().double().reshape(-1)])
+        return self.settings.aux_loss_coef * aux + self.settings.z_loss_coef * z
+
+    def _global_pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int, scalars: torch.Tensor):
+        """(counts [L, E], tokens) of the whole global batch."""
+        if self.global_counts is not None:
+            # The routing the pre-pass saw must be the routing trained on: the same local check on every rank,
+            # counted on the device (raised by `check_routing` after the step's one fetch).
+            scalars[_MISMATCH] = (counts != self.expected_counts[index]).sum().double()
+            return self.global_counts, self.global_tokens
+        # One micro-batch per rank: its counts, summed over DP, are the global ones (no gradient flows through them).
+        tally = all_reduce_sum(torch.cat([tokens.reshape(1).to(torch.int64), counts.reshape(-1)]), self.group)
+        return tally[1:].view_as(counts), tally[0]
+
+    def _record(self, parts: list[torch.Tensor]) -> None:
+        self._sums = parts if self._sums is None else [a + b for a, b in zip(self._sums, parts, strict=True)]
+
+    def local_values(self) -> torch.Tensor:
+        """fp64 [5 + 2·L·E]: this rank's sums, to be summed over DP (fp64 holds every count exactly below 2^53)."""
+        return torch.cat(self._sums)
+
+    def num_layers(self) -> int:
+        return self._sums[1].numel() // self.settings.num_experts
+
+
+@dataclass
+class RouterValues:
+    """The step's global router values, on the host."""
+
+    aux_loss: float
+    z_loss: float
+    counts: list[list[int]]  # [L][E] global tokens per expert per MoE layer (each token counted k times)
+
+    def objective(self, settings: RouterSettings) -> float:
+        return settings.aux_loss_coef * self.aux_loss + settings.z_loss_coef * self.z_loss
+
+
+def router_values(fetched: list[float], settings: RouterSettings, num_layers: int) -> tuple[RouterValues, int]:
+    """(values, global routing mismatches) from `RouterStep.local_values` summed over DP and fetched.
+
+    global scope, in fp64: aux = E · Σ_e (Σ_l C_le)(Σ_l S_le) / (N·L)², z = Σ logsumexp² / (N·L) (aux_loss.py)."""
+    num_experts = settings.num_experts
+    size = num_layers * num_experts
+    counts_flat, probs_flat = fetched[5:5 + size], fetched[5 + size:5 + 2 * size]
+    counts = [[int(c) for c in counts_flat[layer * num_experts:(layer + 1) * num_experts]]
+              for layer in range(num_layers)]
+    if settings.aux_loss_scope == "micro_batch":
+        aux, z = fetched[_MB_AUX], fetched[_MB_Z]
+    else:
+        rows = max(fetched[_TOKENS], 1) * num_layers
+        per_expert = [(sum(counts_flat[e::num_experts]), sum(probs_flat[e::num_experts])) for e in range(num_experts)]
+        aux = num_experts * sum(c * p for c, p in per_expert) / rows**2
+        z = fetched[_Z_SUM] / rows
+    return RouterValues(aux_loss=aux, z_loss=z, counts=counts), int(fetched[_MISMATCH])
+
+
+def check_routing(mismatch: int) -> None:
+    """Refuse the update when a gradient pass routed tokens differently from its pre-pass."""
+    if mismatch:
+        raise TrainingError(f"{mismatch} expert choices of the gradient pass differ from the routing pre-pass of the "
+                            "same micro-batches, so the global load-balancing loss would be wrong; the run stopped "
+                            "before this update: turn off router noise (e.g. router_jitter_noise) or dropout before "
+                            "the routers, or set moe.aux_loss_scope=micro_batch")
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1

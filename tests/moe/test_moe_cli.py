@@ -1,0 +1,45 @@
+"""`isotrain train` on an MoE model: metrics.jsonl and TensorBoard carry the router values; `moe.*` on a dense
+model is refused in one sentence before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import isotrain_cli, run_concurrently
+
+TINY_MOE = ["model.config.model_type=qwen3_moe", "model.config.hidden_size=32", "model.config.intermediate_size=64",
+            "model.config.num_hidden_layers=2", "model.config.num_experts=4", "model.config.num_experts_per_tok=2",
+            "model.config.moe_intermediate_size=32", "model.config.head_dim=8", "train.global_batch_size=16",
+            "train.micro_batch_size=4", "train.max_steps=2", "eval.path=null", "logging.progress=false",
+            "data.packing=true"]
+
+
+@pytest.mark.slow
+def test_moe_run_logs_router_metrics_and_dense_run_refuses_moe_keys(tmp_path):
+    moe_run, dense_run = tmp_path / "moe", tmp_path / "dense"
+    runs = run_concurrently({
+        "moe": lambda: isotrain_cli(["train", *TINY_MOE, "moe.z_loss_coef=0.001", "logging.tensorboard=true",
+                                     f"output_dir={moe_run}"]),
+        "dense": lambda: isotrain_cli(["train", "moe.aux_loss_coef=0.01", f"output_dir={dense_run}"]),
+    })
+    assert runs["moe"].returncode == 0, runs["moe"].stderr[-3000:]
+    rows = [json.loads(line) for line in (moe_run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["aux_loss"] > 0 and row["z_loss"] > 0 and row["load_ratio"] >= 1
+        assert len(row["expert_share"]) == 2 and all(len(layer) == 4 for layer in row["expert_share"])
+        assert all(abs(sum(layer) - 1) < 1e-3 for layer in row["expert_share"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(moe_run / "tensorboard")).Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {"train/aux_loss", "train/load_ratio", "expert_share_layer_0/expert_0", "expert_share_layer_1/expert_3"}
+    assert expected <= tags
+
+    dense = runs["dense"]
+    assert dense.returncode != 0 and "Traceback" not in dense.stderr
+    assert ("error: moe.aux_loss_coef=0.01 is set but the model (llama) has no mixture-of-experts layers; remove "
+            "moe.aux_loss_coef or train an MoE model") in " ".join(dense.stderr.split())
+    assert not (dense_run / "metrics.jsonl").exists()

@@ -310,9 +310,9 @@ def check_experts(reader: CheckpointReader, model: nn.Module, what: str = "check
     naming the key (expert_keys.key_problems); counts keys over every model file, not the index alone."""
     config = getattr(hf_model(model), "config", None)
     fmt = expert_format(config)
-    if fmt is None or num_experts(config, fmt) is None:
+    if fmt is None or num_experts(config) is None:
         return
-    problems = key_problems(reader.model_key_counts(), num_experts(config, fmt), fmt)
+    problems = key_problems(reader.model_key_counts(), num_experts(config), fmt)
     if problems:
         more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         raise CheckpointError(f"{what} {reader.directory} cannot be loaded: {problems[0]}{more}; load a "

@@ -38,7 +38,6 @@ _FUSED = re.compile(r"^(?P<layer>.+)\.mlp\.experts\.(?P<which>gate_up_proj|down_
 class ExpertFormat:
     """How one model family stores its experts on disk."""
 
-    num_experts_field: str  # the config field holding E
     block: str  # the MoE block's module name in saved keys ("mlp" in memory for every family)
     gate: str  # per-expert leaf names: gate, up and down projections
     up: str
@@ -54,12 +53,12 @@ class ExpertFormat:
                           r"\.weight$")
 
 
-_QWEN = ExpertFormat("num_experts", "mlp", "gate_proj", "up_proj", "down_proj")
+_QWEN = ExpertFormat("mlp", "gate_proj", "up_proj", "down_proj")
 FORMATS: dict[str, ExpertFormat] = {
     "qwen2_moe": _QWEN,
     "qwen3_moe": _QWEN,
     "olmoe": _QWEN,
-    "mixtral": ExpertFormat("num_local_experts", "block_sparse_moe", "w1", "w3", "w2"),
+    "mixtral": ExpertFormat("block_sparse_moe", "w1", "w3", "w2"),
 }
 
 
@@ -70,10 +69,18 @@ def expert_format(config) -> ExpertFormat | None:
     return FORMATS.get(model_type)
 
 
-def num_experts(config, fmt: ExpertFormat) -> int | None:
-    value = config.get(fmt.num_experts_field) if isinstance(config, dict) else getattr(config, fmt.num_experts_field,
-                                                                                         None)
-    return int(value) if value is not None else None
+# The config fields that hold E: config.json of qwen3_moe says `num_local_experts` (its attribute map's target),
+# qwen2_moe and olmoe `num_experts`; a transformers config object answers both through its attribute map.
+_NUM_EXPERTS_FIELDS = ("num_experts", "num_local_experts")
+
+
+def num_experts(config) -> int | None:
+    """E, the number of routed experts per MoE layer, from a config or config.json as a dict."""
+    for field in _NUM_EXPERTS_FIELDS:
+        value = config.get(field) if isinstance(config, dict) else getattr(config, field, None)
+        if value is not None:
+            return int(value)
+    return None
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,7 @@ def test_a_save_on_one_layout_resumes_on_the_other_with_equal_losses(tmp_path, s
         assert ((got[name] - expected[name]).abs().max() / scale) <= 1e-6, name
 
 
+@pytest.mark.slow
 def test_fsdp2_ranks_each_write_the_experts_they_hold(saved_on):
     """2 ranks, 4 experts: dim 0 of each fused tensor is split 2 + 2, so experts 0-1 go to one file and 2-3
     to the other, with their moments (no expert travels to another rank)."""

@@ -221,16 +221,21 @@ def part_view(local: torch.Tensor, own: Box, part: Part) -> torch.Tensor:
     return view[0] if part.drop_first else view
 
 
-@functools.cache
 def part_spec(spec: ShardSpec | None, part: Part) -> ShardSpec | None:
     """Each rank's block of the saved tensor `part` of a tensor laid out as `spec`.
 
     Generic over placements: an expert's tensor is held by the ranks whose box of the fused tensor contains
     its rows, whether dim 0 is split by FSDP2 or by expert parallelism (`Shard(0)` over the experts), and
-    split further if another mesh axis cuts its other dims (TP). Cached: a model has few distinct ones.
+    split further if another mesh axis cuts its other dims (TP).
     """
-    if spec is None:
-        return None
+    return None if spec is None else _part_spec(spec, part.box, part.drop_first)
+
+
+@functools.cache
+def _part_spec(spec: ShardSpec, box: Box, drop_first: bool) -> ShardSpec | None:
+    """Cached by the part's block, not its name: every layer's expert e shares one (a large MoE model has
+    tens of thousands of expert tensors, and this runs for each of them inside an async save's blocking part)."""
+    part = Part("", box, drop_first)
     rank_boxes = [within(spec.boxes[i], part) for i in spec.box_of_rank]
     if all(box == full_box(part.shape) for box in rank_boxes):
         return None  # every rank holds the whole part

@@ -292,3 +292,22 @@ def test_inspect_describes_the_experts(trained, capsys):
     out = capsys.readouterr().out
     assert "experts: 2 MoE layer(s) x 4 experts (qwen3_moe), stored one tensor per expert and projection " \
            "(global ids 0-3)" in out
+
+
+def test_bf16_moe_checkpoints_hold_fp32_masters_per_expert_and_resume_exactly(tmp_path):
+    """bf16 model files per expert, their fp32 masters under the same per-expert names, read back on resume:
+    the resumed run's files are byte-identical to the uninterrupted run's."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for run_dir in (straight, resumed):
+        in_process("qwen3_moe", run_dir, "model.dtype=bfloat16")
+    shutil.rmtree(resumed / "checkpoints" / "step-00000006")
+    shutil.rmtree(resumed / "model")
+    write_latest(resumed / "checkpoints", "step-00000003")
+    in_process("qwen3_moe", resumed, "model.dtype=bfloat16")
+    a, b = straight / "checkpoints" / "step-00000006", resumed / "checkpoints" / "step-00000006"
+    for name in ("model.safetensors", "train_state/optimizer.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    model, state = load_file(a / "model.safetensors"), load_file(a / "train_state" / "optimizer.safetensors")
+    key = "model.layers.1.mlp.experts.3.gate_proj.weight"
+    assert model[key].dtype == torch.bfloat16 and state[f"master.{key}"].dtype == torch.float32
+    assert torch.equal(state[f"master.{key}"].to(torch.bfloat16), model[key])

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from isotrain.models.expert_keys import Part, expert_format, saved_parts
+from isotrain.models.expert_keys import Part, expert_format, is_fused, num_experts, saved_parts
 from isotrain.models.unwrap import hf_model, is_lora, unwrap
 from isotrain.models.weights import sync_named_tensors
 
@@ -192,8 +192,18 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def model_parts(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, list[Part]]:
     """The saved tensors of each in-memory tensor: itself under its name, or, for the fused experts of a MoE
     family, one tensor per expert and projection under the keys `save_pretrained` writes (expert_keys.py)."""
-    fmt = expert_format(getattr(hf_model(model), "config", None))
+    config = getattr(hf_model(model), "config", None)
+    fmt = expert_format(config)
     tensors = model_tensors(model) if tensors is None else tensors
+    if fmt is not None and num_experts(config) is not None:
+        for name, t in tensors.items():
+            if is_fused(name, tuple(t.shape)) and t.shape[0] != num_experts(config):
+                # Expert ids are global dim-0 indices: a rank's local slice would be numbered from 0 again.
+                from isotrain.checkpoint.save import CheckpointError
+
+                raise CheckpointError(f"{name} holds {t.shape[0]} experts but the model has {num_experts(config)}; "
+                                      "experts split over ranks must be DTensors (Shard(0) over their global ids) so "
+                                      "that checkpoints store every expert under its global id")
     return {name: saved_parts(name, tuple(t.shape), fmt) for name, t in tensors.items()}
 
 

@@ -61,3 +61,19 @@ def test_expert_parallel_experts_save_under_global_ids_and_load_on_any_layout(tm
         assert torch.equal(got, want), name
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(fresh_optimizer.state[got][key], optimizer.state[want][key]), (name, key)
+
+
+def test_experts_held_as_a_local_slice_are_refused_rather_than_renumbered():
+    """A rank's experts as a plain local tensor (2 of 4) would be saved as experts 0-1 by every rank; refused."""
+    from torch import nn
+
+    from ep_worker import tiny_moe
+    from isotrain.checkpoint.save import CheckpointError
+    from isotrain.checkpoint.state import collect_items
+
+    model = tiny_moe(0)
+    experts = model.model.layers[1].mlp.experts
+    experts.down_proj = nn.Parameter(experts.down_proj.detach()[2:].clone())
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.1\.mlp\.experts\.down_proj holds 2 experts but "
+                                              r"the model has 4; experts split over ranks must be DTensors"):
+        collect_items(model, torch.optim.AdamW(model.parameters()), torch.float32)

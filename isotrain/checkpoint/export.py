@@ -112,7 +112,11 @@ def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_ke
         stored = reader.dtype(plan[key][0])
         return target if stored.is_floating_point else stored
 
-    shapes = {k: (torch.Size(reader.shape(plan[k][0]) if plan[k][1] is None else plan[k][1].shape), out_dtype(k)) for k in kept}
+    def out_shape(key: str) -> torch.Size:
+        stored, part = plan[key]
+        return torch.Size(reader.shape(stored) if part is None else part.shape)
+
+    shapes = {k: (out_shape(k), out_dtype(k)) for k in kept}
     shards = _plan_shards(shapes, max_shard_bytes)
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
     manifest = read_manifest(source)

@@ -84,6 +84,8 @@ def cmd_inspect(args) -> int:
     params = sum(math.prod(t.shape) for t in found.model)
     console.print(f"{params:,} parameters in {len(found.model)} tensors ({human_bytes(sum(t.num_bytes for t in found.model))}); "
                   f"{len(found.files)} files, {human_bytes(sum(found.files.values()))} in all")
+    if found.experts:
+        console.print(f"experts: {escape(found.experts)}")
 
     tensors = Table(title="model tensors", title_justify="left")
     for column in ("name", "dtype", "shape", "bytes", "file"):

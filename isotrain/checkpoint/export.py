@@ -31,6 +31,7 @@ from isotrain.checkpoint.manifest import MODEL_INDEX, read_manifest, verify_chec
 from isotrain.checkpoint.save import CheckpointError
 from isotrain.checkpoint.state import OPTIMIZER_STATE_KEYS
 from isotrain.checkpoint.tools import directory_bytes
+from isotrain.models.expert_keys import Part, expert_format, is_fused, saved_name, saved_parts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _STATE_PREFIXES = tuple(f"{key}." for key in (*OPTIMIZER_STATE_KEYS, "master"))
@@ -92,21 +93,30 @@ def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_ke
 
     reader = CheckpointReader(source)
     model_keys = sorted(k for k in reader.keys() if not k.startswith(_STATE_PREFIXES))
-    dropped = [k for k in model_keys if pattern and pattern.search(k)]
-    kept = [k for k in model_keys if not (pattern and pattern.search(k))]
+    plan = _saved_keys(source, reader, model_keys)
+    dropped = [k for k in plan if pattern and pattern.search(k)]
+    kept = [k for k in plan if not (pattern and pattern.search(k))]
     if not kept:
         raise CheckpointError(f"--drop-keys {drop_keys!r} matches every tensor of {source}; nothing would be exported")
-    from_master = any(f"master.{k}" in reader for k in kept)
+    from_master = any(f"master.{plan[k][0]}" in reader for k in kept)
 
     def read(key: str) -> torch.Tensor:
-        tensor = reader.read(f"master.{key}" if f"master.{key}" in reader else key)
+        stored, part = plan[key]
+        tensor = reader.read(f"master.{stored}" if f"master.{stored}" in reader else stored,
+                             None if part is None else part.box)
+        if part is not None and part.drop_first:
+            tensor = tensor[0]
         return tensor.to(target) if tensor.is_floating_point() else tensor
 
     def out_dtype(key: str) -> torch.dtype:
-        stored = reader.dtype(key)
+        stored = reader.dtype(plan[key][0])
         return target if stored.is_floating_point else stored
 
-    shapes = {k: (torch.Size(reader.shape(k)), out_dtype(k)) for k in kept}
+    def out_shape(key: str) -> torch.Size:
+        stored, part = plan[key]
+        return torch.Size(reader.shape(stored) if part is None else part.shape)
+
+    shapes = {k: (out_shape(k), out_dtype(k)) for k in kept}
     shards = _plan_shards(shapes, max_shard_bytes)
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
     manifest = read_manifest(source)
@@ -124,6 +134,24 @@ def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_ke
     model_files = [n for n in manifest["files"] if n.startswith("model") and "safetensors" in n]
     return ExportReport(out, len(kept), dropped, target_name, directory_bytes(source),
                         sum(directory_bytes(source / n) for n in model_files), directory_bytes(out), from_master)
+
+
+def _saved_keys(source: Path, reader: CheckpointReader, model_keys: list[str]) -> dict[str, tuple[str, Part | None]]:
+    """Output key -> (stored key, the block of it to write or None for all of it): a MoE model's experts one
+    tensor each under the keys `save_pretrained` writes, also when the source stored them fused (isotrain
+    checkpoints written before per-expert saving); any other tensor as stored."""
+    try:
+        fmt = expert_format(json.loads((source / "config.json").read_text()))
+    except (OSError, ValueError):
+        fmt = None
+    plan: dict[str, tuple[str, Part | None]] = {}
+    for key in model_keys:
+        shape = reader.shape(key)
+        if fmt is not None and is_fused(key, shape):
+            plan.update((part.key, (key, part)) for part in saved_parts(key, shape, fmt))
+        else:
+            plan[saved_name(key, fmt)] = (key, None)
+    return dict(sorted(plan.items()))
 
 
 def _write(source: Path, tmp: Path, shards: list[list[str]], shapes: dict, read, dtype_name: str) -> dict[str, FileEntry]:

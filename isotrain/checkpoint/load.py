@@ -12,6 +12,7 @@ import json
 import math
 import os
 import struct
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +28,17 @@ from isotrain.checkpoint.state import (
     Box,
     box_index,
     full_box,
+    is_empty,
+    is_whole,
     local_part,
+    model_parts,
     model_tensors,
+    part_view,
     shard_spec,
+    within,
 )
+from isotrain.models.expert_keys import Part, expert_format, key_problems, num_experts
+from isotrain.models.unwrap import hf_model
 
 
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
@@ -119,6 +127,12 @@ class CheckpointReader:
             for key in self._file(single)[2]:
                 if key != "__metadata__":
                     self._where[key] = single
+
+    def model_key_counts(self) -> Counter:
+        """How many model files hold each key: every file the index names, read header by header (a key
+        held by two files, which the index can map to one only, counts twice)."""
+        files = sorted({self._where[key] for key in self.model_keys})
+        return Counter(key for path in files for key in self._file(path)[2] if key != "__metadata__")
 
     def _file(self, path: Path) -> tuple[int, int, dict]:
         if path not in self._files:
@@ -264,35 +278,103 @@ class ReadAhead:
 _RESUME_HINT = "resume with the checkpoint's model.config or set checkpoint.resume=never"
 
 
+def sources(reader: CheckpointReader, name: str, shape: tuple[int, ...], parts: list[Part],
+            probe: str = "") -> list[Part]:
+    """The saved tensors that hold in-memory tensor `name`: its parts (the keys `save_pretrained` writes), or,
+    in checkpoints isotrain wrote before MoE experts were saved per expert, the tensor whole under its
+    in-memory name. `probe`: the prefix whose keys decide (`step.` for optimizer state). A checkpoint holding
+    both is refused: the same weights would be stored twice."""
+    if parts[0].key == name:
+        return parts
+    legacy = f"{probe}{name}"
+    if legacy not in reader:
+        return parts
+    both = next((f"{probe}{part.key}" for part in parts if f"{probe}{part.key}" in reader), None)
+    if both is not None:
+        raise CheckpointError(f"checkpoint {reader.directory} holds both {legacy!r} and {both!r}, the same weights "
+                              "twice (an expert is duplicated); keep one format: export it again from its run")
+    return [Part(name, full_box(shape))]
+
+
+def model_sources(reader: CheckpointReader, model: nn.Module, parts: dict[str, list[Part]] | None = None,
+                  probe: str = "") -> dict[str, list[Part]]:
+    """`sources` of every tensor of `model`; without `parts`, every tensor is stored whole under its name."""
+    tensors = model_tensors(model)
+    if parts is None:
+        return {name: [Part(name, full_box(tuple(t.shape)))] for name, t in tensors.items()}
+    return {name: sources(reader, name, tuple(t.shape), parts[name], probe) for name, t in tensors.items()}
+
+
+def check_experts(reader: CheckpointReader, model: nn.Module, what: str = "checkpoint") -> None:
+    """Refuse model files in which any expert of a MoE model is missing, duplicated or out of range,
+    naming the key (expert_keys.key_problems); counts keys over every model file, not the index alone."""
+    config = getattr(hf_model(model), "config", None)
+    fmt = expert_format(config)
+    if fmt is None or num_experts(config) is None:
+        return
+    problems = key_problems(reader.model_key_counts(), num_experts(config), fmt)
+    if problems:
+        more = f" ({len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise CheckpointError(f"{what} {reader.directory} cannot be loaded: {problems[0]}{more}; load a "
+                              "checkpoint that holds every expert once (`isotrain ckpt verify` lists every problem)")
+
+
 def check_model_shapes(reader: CheckpointReader, model: nn.Module, prefix: str = "", what: str = "checkpoint",
                        hint: str = _RESUME_HINT, skip: frozenset[str] = frozenset(), strict: bool = False,
-                       ignored: tuple[str, ...] = ()) -> None:
+                       ignored: tuple[str, ...] = (), found: dict[str, list[Part]] | None = None) -> None:
     """Refuse a checkpoint whose tensors do not match the model's names and shapes (`skip`: not loaded here).
 
+    `found`: where each tensor is stored (`model_sources`; by default whole under its name).
     `strict`: the model files may hold no tensor the model lacks either (a Qwen2 checkpoint's attention biases
     would otherwise be dropped without a word when loaded into a Llama); names matching a pattern of
     `ignored` (checkpoint.ignore_keys) are exempt."""
-    tensors = {name: t for name, t in model_tensors(model).items() if name not in skip}
-    missing = [name for name in tensors if f"{prefix}{name}" not in reader]
+    found = model_sources(reader, model) if found is None else found
+    wanted = {name: found[name] for name in model_tensors(model) if name not in skip}
+    missing = [part.key for parts in wanted.values() for part in parts if f"{prefix}{part.key}" not in reader]
     if missing:
         raise CheckpointError(f"{what} {reader.directory} has no tensor {prefix}{missing[0]!r} ({len(missing)} "
                               f"missing); it was saved from a different model: {hint}")
     if strict:
-        known = set(model_tensors(model))
+        known = {part.key for parts in found.values() for part in parts}
         extra = sorted(key for key in reader.model_keys if key not in known and not matches(key, ignored))
         if extra:
             raise CheckpointError(f"{what} {reader.directory} holds {len(extra)} tensor(s) the model does not have, "
                                   f"first {extra[0]!r}; it was saved from a different model: {hint}, or list them "
                                   "in checkpoint.ignore_keys to load the rest on purpose")
-    for name, tensor in tensors.items():
-        saved = reader.shape(f"{prefix}{name}")
-        if saved != tuple(tensor.shape):
-            raise CheckpointError(f"{what} {reader.directory} has {name} of shape {list(saved)} but the model has "
-                                  f"{list(tensor.shape)}; {hint}")
+    for parts in wanted.values():
+        for part in parts:
+            saved = reader.shape(f"{prefix}{part.key}")
+            if saved != part.shape:
+                raise CheckpointError(f"{what} {reader.directory} has {part.key} of shape {list(saved)} but the model "
+                                      f"has {list(part.shape)}; {hint}")
 
 
 def matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def part_reads(parts: list[Part], target: torch.Tensor, rank: int) -> list[tuple[Part, Box | None, torch.Tensor]]:
+    """What this rank reads to fill its block of `target` (a plain tensor or DTensor): for each saved part it
+    holds some of, (part, the block of the part to read, the memory it goes to). Generic over placements:
+    an expert's part is read by the ranks whose block of the fused tensor holds its rows (FSDP2's or expert
+    parallelism's `Shard(0)`), each reading only its own rows and columns."""
+    local, shape = local_part(target), tuple(target.shape)
+    if is_whole(parts, shape):
+        return [(parts[0], _box(target, rank), local)]
+    spec = shard_spec(target)
+    own = spec.box(rank) if spec is not None else full_box(shape)
+    reads = []
+    for part in parts:
+        box = within(own, part)
+        if not is_empty(box):
+            reads.append((part, box, part_view(local, own, part)))
+    return reads
+
+
+def _read_parts(reader: CheckpointReader, prefix: str, parts: list[Part], target: torch.Tensor, rank: int) -> None:
+    with torch.no_grad():
+        for part, box, into in part_reads(parts, target, rank):
+            reader.read_into(f"{prefix}{part.key}", into, box, kept=True)
 
 
 def load_model(reader: CheckpointReader, model: nn.Module, rank: int, what: str = "checkpoint",
@@ -301,15 +383,17 @@ def load_model(reader: CheckpointReader, model: nn.Module, rank: int, what: str 
     """Weights from the fp32 master copies when the model files are in a lower precision; each rank
     reads its own part of each tensor. `skip`: tensors the caller fills itself. With `strict`, names and
     shapes must match both ways; tensors matching `ignored` are neither required nor loaded (they keep
-    the model's own values)."""
+    the model's own values). A MoE model's experts come from their per-expert keys (or, in older
+    checkpoints, the fused tensors), every expert present exactly once (`check_experts`)."""
     skip = skip | {name for name in model_tensors(model) if matches(name, ignored)}
     tensors = {name: t for name, t in model_tensors(model).items() if name not in skip}
+    check_experts(reader, model, what)
+    found = model_sources(reader, model, model_parts(model))
     floating = [name for name in tensors if tensors[name].is_floating_point()]
-    use_master = bool(floating) and all(f"master.{name}" in reader for name in floating)
-    check_model_shapes(reader, model, what=what, hint=hint, skip=skip, strict=strict, ignored=ignored)
+    use_master = bool(floating) and all(f"master.{part.key}" in reader for name in floating for part in found[name])
+    check_model_shapes(reader, model, what=what, hint=hint, skip=skip, strict=strict, ignored=ignored, found=found)
     for name, tensor in tensors.items():
-        source = f"master.{name}" if use_master and tensor.is_floating_point() else name
-        _read_into(reader, source, tensor, rank)
+        _read_parts(reader, "master." if use_master and tensor.is_floating_point() else "", found[name], tensor, rank)
 
 
 def load_hf_weights(directory: Path, model: nn.Module, rank: int, skip: frozenset[str] = frozenset()) -> None:
@@ -343,34 +427,39 @@ def _new_moments(param: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
                    prefix: str = "") -> None:
-    """AdamW moments and step per parameter name, each in this rank's layout.
+    """AdamW moments and step per saved tensor name (a MoE expert's moments per expert), each in this rank's
+    layout; a `prefix` names another model of the run (its tensors stored whole).
 
     The moments are new memory, and faulting it in costs about a quarter of the read time: a
     second thread allocates them ahead of the reads, so the faults overlap the disk.
     """
     names = {id(p): n for n, p in model_tensors(model).items()}
+    parts = model_parts(model) if not prefix else None
+    found = model_sources(reader, model, parts, probe="step.")
     params = [param for group in optimizer.param_groups for param in group["params"]]
     for param in params:
-        name = prefix + names[id(param)]
-        if f"step.{name}" not in reader:
-            raise CheckpointError(
-                f"checkpoint {reader.directory} has no optimizer state for {name!r}; it is not a training "
-                "checkpoint of this model: set checkpoint.load_only=model to start from its weights only"
-            )
-    reads = [(f"{key}.{prefix}{names[id(param)]}", _box(param, rank)) for param in params
-             for key in OPTIMIZER_STATE_KEYS if key != "step"]  # moments share their parameter's layout
+        for part in found[names[id(param)]]:
+            if f"step.{prefix}{part.key}" not in reader:
+                raise CheckpointError(
+                    f"checkpoint {reader.directory} has no optimizer state for {prefix}{part.key!r}; it is not a "
+                    "training checkpoint of this model: set checkpoint.load_only=model to start from its weights only"
+                )
+    plans = [part_reads(found[names[id(param)]], param, rank) for param in params]
+    reads = [(f"{key}.{prefix}{part.key}", box) for plan in plans for key in OPTIMIZER_STATE_KEYS if key != "step"
+             for part, box, _ in plan]  # moments share their parameter's layout
     ahead = ReadAhead(reader, reads)
     with ThreadPoolExecutor(max_workers=1) as allocator:
         moments = [allocator.submit(_new_moments, param) for param in params]
         index = 0
         for param, allocated in zip(params, moments):
-            name = prefix + names[id(param)]
+            name = names[id(param)]
             state = allocated.result()
             for key, tensor in state.items():
-                ahead.before(index)
-                _read_into(reader, f"{key}.{name}", tensor, rank)
-                index += 1
-            state["step"] = reader.read(f"step.{name}").clone()
+                for part, box, into in part_reads(found[name], tensor, rank):
+                    ahead.before(index)
+                    reader.read_into(f"{key}.{prefix}{part.key}", into, box, kept=True)
+                    index += 1
+            state["step"] = reader.read(f"step.{prefix}{found[name][0].key}").clone()
             optimizer.state[param] = {key: state[key] for key in OPTIMIZER_STATE_KEYS}
 
 

@@ -84,13 +84,21 @@ def static_files(model, tokenizer, save_dtype: torch.dtype) -> dict[str, bytes]:
     config = copy.deepcopy(base.config)
     config.dtype = save_dtype
     config.use_cache = True
-    config.architectures = [type(base).__name__]
+    config.architectures = [model_class_name(base)]
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)
         if getattr(base, "generation_config", None) is not None:
             base.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def model_class_name(model) -> str:
+    """The Hugging Face class of `model`: FSDP2's `fully_shard` swaps in a generated subclass (`FSDPLlamaForCausalLM`)
+    whose name no library knows, so the first class of the MRO that is not FSDP2's is named."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls.__name__ for cls in type(model).__mro__ if not issubclass(cls, FSDPModule))
 
 
 def _host_buffer(item: Item, buffers: dict[str, torch.Tensor]) -> torch.Tensor:

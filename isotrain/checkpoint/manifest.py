@@ -14,6 +14,7 @@ are still read and verified.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -165,4 +166,25 @@ def verify_checkpoint(directory: Path, hash_files: bool = True, threads: int = 2
             _check_index(directory, index, problems)
     if manifest.get("kind") == "checkpoint" and not (directory / "train_state" / "state.json").is_file():
         problems.append(f"{directory / 'train_state' / 'state.json'} is missing")
-    return problems
+    return problems + expert_problems(directory)
+
+
+def expert_problems(directory: Path) -> list[str]:
+    """For a MoE model directory: every expert of every layer held exactly once, in range (expert_keys.py),
+    counted over the headers of every model file; [] for a dense model or unreadable files (named above)."""
+    from isotrain.models.expert_keys import expert_format, key_problems, num_experts
+
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    fmt = expert_format(config)
+    if fmt is None or num_experts(config) is None:
+        return []
+    counts: Counter = Counter()
+    for path in sorted(directory.glob("model*.safetensors")):
+        try:
+            counts.update(key for key in read_safetensors_header(path) if key != "__metadata__")
+        except (OSError, ValueError):
+            continue
+    return [f"{directory}: {problem}" for problem in key_problems(counts, num_experts(config), fmt)]

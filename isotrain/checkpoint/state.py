@@ -16,13 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from isotrain.models.unwrap import is_lora, unwrap
+from isotrain.models.expert_keys import Part, expert_format, is_fused, num_experts, saved_parts
+from isotrain.models.unwrap import hf_model, is_lora, unwrap
 from isotrain.models.weights import sync_named_tensors
 
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -50,7 +52,7 @@ class ShardSpec:
     def row_blocks(self) -> bool:
         """Whether the boxes differ only along dim 0 and span every trailing dim: then each is one run of
         the file's bytes, written in place and read with one pread."""
-        return all(box[1:] == tuple((0, n) for n in self.shape[1:]) for box in self.boxes)
+        return all(is_empty(box) or box[1:] == tuple((0, n) for n in self.shape[1:]) for box in self.boxes)
 
     def box(self, rank: int) -> Box:
         return self.boxes[self.box_of_rank[rank]]
@@ -187,47 +189,142 @@ def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def model_parts(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, list[Part]]:
+    """The saved tensors of each in-memory tensor: itself under its name, or, for the fused experts of a MoE
+    family, one tensor per expert and projection under the keys `save_pretrained` writes (expert_keys.py)."""
+    config = getattr(hf_model(model), "config", None)
+    fmt = expert_format(config)
+    tensors = model_tensors(model) if tensors is None else tensors
+    if fmt is not None and num_experts(config) is not None:
+        for name, t in tensors.items():
+            if is_fused(name, tuple(t.shape)) and t.shape[0] != num_experts(config):
+                # Expert ids are global dim-0 indices: a rank's local slice would be numbered from 0 again.
+                from isotrain.checkpoint.save import CheckpointError
+
+                raise CheckpointError(f"{name} holds {t.shape[0]} experts but the model has {num_experts(config)}; "
+                                      "experts split over ranks must be DTensors (Shard(0) over their global ids) so "
+                                      "that checkpoints store every expert under its global id")
+    return {name: saved_parts(name, tuple(t.shape), fmt) for name, t in tensors.items()}
+
+
+def is_whole(parts: list[Part], shape: tuple[int, ...]) -> bool:
+    """Whether a tensor is saved as it is in memory (one part, the full box)."""
+    return len(parts) == 1 and not parts[0].drop_first and parts[0].box == full_box(tuple(shape))
+
+
+def within(box: Box, part: Part) -> Box:
+    """The block of `part`'s saved tensor that lies inside `box` (a block of the in-memory tensor), in the
+    saved tensor's own coordinates; all dims empty when the two do not meet."""
+    meet = tuple((max(a, c) - c, min(b, d) - c) for (a, b), (c, d) in zip(box, part.box))
+    if is_empty(meet):
+        return tuple((0, 0) for _ in part.shape)
+    return meet[1:] if part.drop_first else meet
+
+
+def part_view(local: torch.Tensor, own: Box, part: Part) -> torch.Tensor:
+    """The block of `part` that this rank holds, as a view of its local tensor `local` (block `own` of the
+    in-memory tensor); an empty tensor when it holds none of it."""
+    meet = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(own, part.box)]
+    if any(stop <= start for start, stop in meet):
+        return local.new_empty([0] * len(part.shape))
+    view = local[tuple(slice(start - first, stop - first) for (start, stop), (first, _) in zip(meet, own))]
+    return view[0] if part.drop_first else view
+
+
+def part_spec(spec: ShardSpec | None, part: Part) -> ShardSpec | None:
+    """Each rank's block of the saved tensor `part` of a tensor laid out as `spec`.
+
+    Generic over placements: an expert's tensor is held by the ranks whose box of the fused tensor contains
+    its rows, whether dim 0 is split by FSDP2 or by expert parallelism (`Shard(0)` over the experts), and
+    split further if another mesh axis cuts its other dims (TP).
+    """
+    return None if spec is None else _part_spec(spec, part.box, part.drop_first)
+
+
+@functools.cache
+def _part_spec(spec: ShardSpec, box: Box, drop_first: bool) -> ShardSpec | None:
+    """Cached by the part's block, not its name: every layer's expert e shares one (a large MoE model has
+    tens of thousands of expert tensors, and this runs for each of them inside an async save's blocking part)."""
+    part = Part("", box, drop_first)
+    rank_boxes = [within(spec.boxes[i], part) for i in spec.box_of_rank]
+    if all(box == full_box(part.shape) for box in rank_boxes):
+        return None  # every rank holds the whole part
+    boxes = tuple(sorted(set(rank_boxes)))
+    index = {box: i for i, box in enumerate(boxes)}
+    box_of_rank = tuple(index[box] for box in rank_boxes)
+    holders = tuple(box_of_rank.index(i) for i in range(len(boxes)))
+    return ShardSpec(part.shape, boxes, box_of_rank, holders)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def part_items(prefix: str, kind: str, tensor: torch.Tensor, parts: list[Part], dtype: torch.dtype) -> list[Item]:
+    """One item per saved part of `tensor` (a plain tensor or DTensor), named `prefix + part.key`: a view of
+    this rank's block of it and every rank's block (`part_spec`), so that it is saved like any tensor."""
+    spec, local = shard_spec(tensor), local_part(tensor).detach()
+    if is_whole(parts, tuple(tensor.shape)):
+        return [Item(prefix + parts[0].key, kind, tuple(tensor.shape), dtype, local, spec)]
+    own = spec.box(_rank()) if spec is not None else full_box(tuple(tensor.shape))
+    return [Item(prefix + part.key, kind, part.shape, dtype, part_view(local, own, part), part_spec(spec, part))
+            for part in parts]
+
+
 def _lora_items(model: nn.Module, params: dict[str, torch.Tensor], save_dtype: torch.dtype) -> list[Item]:
     """A LoRA model's files hold the merged weights W + scale·B@A under Hugging Face names, so the
     directory loads in transformers as the trained policy (invariant 6); the adapters themselves,
     which resume needs, go to train_state as `adapter.<peft name>` beside their optimizer state."""
-    items = [Item(name, "model", tuple(t.shape), save_dtype if t.is_floating_point() else t.dtype, t, None)
-             for name, t in sync_named_tensors(model)]
+    fmt = expert_format(getattr(hf_model(model), "config", None))
+    items = [item for name, t in sync_named_tensors(model)
+             for item in part_items("", "model", t, saved_parts(name, tuple(t.shape), fmt),
+                                    save_dtype if t.is_floating_point() else t.dtype)]
     items += [Item(f"adapter.{name}", "optimizer", tuple(t.shape), t.dtype, local_part(t).detach(), shard_spec(t))
               for name, t in params.items() if t.requires_grad]
     return items
 
 
 def collect_items(model: nn.Module, optimizer: torch.optim.Optimizer, save_dtype: torch.dtype) -> list[Item]:
-    """Every tensor of model and optimizer state, in a fixed order that every rank shares."""
+    """Every tensor of model and optimizer state, in a fixed order that every rank shares.
+
+    Model tensors and their optimizer state are named by the saved keys (`model_parts`): a MoE model's
+    experts are saved one tensor per expert under its global id, their moments under the same names."""
     params = model_tensors(model)
     lora = is_lora(model)
     if lora:
         items = _lora_items(model, params, save_dtype)
+        parts = None
     else:
-        items = [Item(name, "model", tuple(t.shape), save_dtype if t.is_floating_point() else t.dtype,
-                      local_part(t).detach(), shard_spec(t)) for name, t in params.items()]
+        parts = model_parts(model, params)
+        items = [item for name, t in params.items()
+                 for item in part_items("", "model", t, parts[name], save_dtype if t.is_floating_point() else t.dtype)]
     # LoRA adapters are trained and stored in fp32 already: they need no master copies.
-    items += _optimizer_items(optimizer, params, "", master=save_dtype != torch.float32 and not lora)
+    items += _optimizer_items(optimizer, params, "", master=save_dtype != torch.float32 and not lora, parts=parts)
     return items
 
 
-def _optimizer_items(optimizer, params: dict[str, torch.Tensor], prefix: str, master: bool) -> list[Item]:
-    """AdamW state per parameter as `<key>.<prefix><name>` (and fp32 masters `master.<prefix><name>`)."""
+def _optimizer_items(optimizer, params: dict[str, torch.Tensor], prefix: str, master: bool,
+                     parts: dict[str, list[Part]] | None = None) -> list[Item]:
+    """AdamW state per saved tensor as `<key>.<prefix><saved key>` (and fp32 masters `master.<prefix><saved key>`);
+    without `parts`, every parameter is saved whole under its name. An expert's `step` is stored once per part."""
     items = []
     names = {id(p): n for n, p in params.items()}
     for group in optimizer.param_groups:
         for param in group["params"]:
-            name = prefix + names[id(param)]
+            name = names[id(param)]
+            its = parts[name] if parts is not None else [Part(name, full_box(tuple(param.shape)))]
             state = optimizer.state.get(param, {})
             if master and param.is_floating_point():
-                items.append(Item(f"master.{name}", "optimizer", tuple(param.shape), param.dtype,
-                                  local_part(param).detach(), shard_spec(param)))
+                items += part_items(f"master.{prefix}", "optimizer", param, its, param.dtype)
             for key in OPTIMIZER_STATE_KEYS:
-                if key in state:
-                    value = state[key]
-                    items.append(Item(f"{key}.{name}", "optimizer", tuple(value.shape), value.dtype,
-                                      local_part(value).detach(), shard_spec(value)))
+                if key not in state:
+                    continue
+                value = state[key]
+                if key == "step":
+                    items += [Item(f"step.{prefix}{part.key}", "optimizer", tuple(value.shape), value.dtype,
+                                   local_part(value).detach(), shard_spec(value)) for part in its]
+                else:
+                    items += part_items(f"{key}.{prefix}", "optimizer", value, its, value.dtype)
     return items
 
 
@@ -240,15 +337,29 @@ def component_items(prefix: str, model: nn.Module, optimizer: torch.optim.Optimi
     return items + _optimizer_items(optimizer, params, f"{prefix}.", master=False)
 
 
+def _holders(item: Item, world_size: int) -> list[int]:
+    """The ranks that hold all of `item`: those of its one non-empty box (an expert, a block held by a
+    single shard), else every rank (the tensor travels to whichever owns it)."""
+    if item.shard is None:
+        return list(range(world_size))
+    filled = [i for i, box in enumerate(item.shard.boxes) if not is_empty(box)]
+    if len(filled) != 1:
+        return list(range(world_size))
+    return [rank for rank, index in enumerate(item.shard.box_of_rank) if index == filled[0]]
+
+
 def assign_owners(items: list[Item], world_size: int) -> None:
-    """Balance the bytes each rank writes: largest tensors first, each to the least-loaded rank.
+    """Balance the bytes each rank writes: largest tensors first, each to the least-loaded rank, among the
+    ranks that hold it all when some do (each rank writes the experts it holds: no transfer).
 
     Model and optimizer tensors are balanced separately, so every rank writes a share of both.
     """
     for kind in ("model", "optimizer"):
-        for rank, share in enumerate(balance([i for i in items if i.kind == kind], world_size)):
-            for item in share:
-                item.owner = rank
+        loads = [0] * world_size
+        for item in sorted((i for i in items if i.kind == kind), key=lambda i: (-i.num_bytes, i.key)):
+            owner = min(_holders(item, world_size), key=lambda rank: (loads[rank], rank))
+            item.owner = owner
+            loads[owner] += item.num_bytes
 
 
 def balance(items: list[Item], bins: int) -> list[list[Item]]:

@@ -84,6 +84,30 @@ class Inspection:
     files: dict[str, int]  # name -> bytes
     model: list[TensorInfo] = field(default_factory=list)
     optimizer: list[TensorInfo] = field(default_factory=list)
+    experts: str | None = None  # how a MoE model's experts are stored; None for a dense model
+
+
+def describe_experts(directory: Path, keys: list[str]) -> str | None:
+    """One line on a MoE model's experts: how many layers and experts, and whether they are stored per expert
+    under global ids (the keys `save_pretrained` writes) or fused (older isotrain checkpoints)."""
+    from isotrain.models.expert_keys import expert_format, layers_with_experts, num_experts
+
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    fmt = expert_format(config)
+    if fmt is None:
+        return None
+    per_expert, fused = layers_with_experts(keys, fmt)
+    total = num_experts(config)
+    if fused:
+        return (f"{len(fused) // 2} MoE layer(s) stored fused (an older isotrain checkpoint; it loads, and "
+                f"`isotrain ckpt export` writes its experts one tensor each)")
+    ids = sorted(set().union(*per_expert.values())) if per_expert else []
+    span = f"global ids {ids[0]}-{ids[-1]}" if ids else "none found"
+    return (f"{len(per_expert)} MoE layer(s) x {total} experts ({config['model_type']}), stored one tensor per "
+            f"expert and projection ({span})")
 
 
 def _tensors(directory: Path, names: list[str]) -> list[TensorInfo]:
@@ -119,4 +143,5 @@ def inspect_checkpoint(directory: Path) -> Inspection:
     model = _tensors(directory, [n for n in tensor_files if not n.startswith("train_state/")])
     optimizer = _tensors(directory, [n for n in tensor_files if n.startswith("train_state/")])
     info = {k: v for k, v in manifest.items() if k != "files"}
-    return Inspection(directory, info, state, files, model, optimizer)
+    experts = describe_experts(directory, [t.name for t in model])
+    return Inspection(directory, info, state, files, model, optimizer, experts)

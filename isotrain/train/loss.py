@@ -38,21 +38,22 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return flat.view(labels.shape)
 
 
-def loss_weights(labels: torch.Tensor, segment_ids: torch.Tensor, reduction: str) -> tuple[torch.Tensor, int]:
-    """Per-token weights and this micro-batch's contribution to the global denominator.
+def loss_weights(labels: torch.Tensor, segment_ids: torch.Tensor, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token weights and this micro-batch's contribution to the global denominator (an int64 scalar on
+    the labels' device: reading it is the caller's choice, so the training forward never waits on the device).
 
     token:    weight 1 per trained token; denominator = #trained tokens.
     sequence: weight 1/n_s per trained token of sequence s; denominator = #sequences with n_s > 0.
     """
     trained = labels != IGNORE_INDEX
     if reduction == "token":
-        return trained.float(), int(trained.sum())
+        return trained.float(), trained.sum()
     # Give every (row, segment) pair one id, count its trained tokens, and spread 1/n_s back.
-    num_segments = int(segment_ids.max()) + 1 if segment_ids.numel() else 1
+    num_segments = max(labels.shape[-1], 1)  # a row holds at most one segment per position; no device read
     row_offset = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1) * num_segments
     keys = torch.where(trained, segment_ids + row_offset, 0).reshape(-1)
     counts = torch.zeros(labels.shape[0] * num_segments, device=labels.device)
     counts.scatter_add_(0, keys, trained.reshape(-1).float())
     per_token = counts[keys].view(labels.shape)
     weights = torch.where(trained, 1.0 / per_token.clamp_min(1.0), 0.0)
-    return weights, int((counts > 0).sum())
+    return weights, (counts > 0).sum()

@@ -77,10 +77,10 @@ def _global_counts(micro_batches: list[dict], reduction: str, device: torch.devi
     left on the device (the step fetches it with its other values)."""
     local = [0, 0, 0, 0]
     for mb in micro_batches:
-        _, denominator = loss_weights(mb["labels"], mb["segment_ids"], reduction)
+        _, denominator = loss_weights(mb["labels"], mb["segment_ids"], reduction)  # host tensors: no device wait
         local[0] += mb["num_input_tokens"]
         local[1] += mb["num_trained_tokens"]
-        local[2] += denominator
+        local[2] += int(denominator)
         local[3] += mb["input_ids"].shape[0]
     return all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device), group)
 

@@ -115,7 +115,7 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
                           train=SimpleNamespace(loss_reduction=reduction, grad_clip=1.0))
     options = step_options(cfg, parallel)
     params = [p for p in model.parameters()]
-    losses, first_grads, counts = [], None, []
+    losses, first_grads, counts, norms = [], None, [], []
     for step in range(NUM_STEPS):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
@@ -127,11 +127,14 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
             first_grads = {n: full(p.grad) for n, p in unwrap(model).named_parameters()}
         losses.append(loss)
         counts.append(step_counts)
-        optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0, loss=loss)
+        norms.append(optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0, loss=loss))
         if step == 0:
             check_replicated(model, parallel.tp_group)
     weights = {n: full(p) for n, p in unwrap(model).named_parameters()}
-    return {"losses": losses, "grads": first_grads, "weights": weights, "counts": counts}
+    # Expert parallelism: how many experts this rank holds of each expert tensor (E / ep, not E).
+    local_rows = {n: p.to_local().shape[0] for n, p in unwrap(model).named_parameters()
+                  if ".experts." in n and isinstance(p, DTensor)}
+    return {"local_expert_rows": local_rows, "losses": losses, "grads": first_grads, "weights": weights, "counts": counts, "norms": norms}
 
 
 def run(out: str, micro_batch: int, naive: bool = False, checkpointing: bool = False, family: str = "llama") -> None:

@@ -78,9 +78,7 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
 
 def check_ep(dims: ParallelDims) -> None:
     """The expert-parallel groups are `ep` consecutive DP ranks, so `ep` must divide the DP size."""
-    if dims.ep < 1:
-        raise ConfigError(f"parallel.ep={dims.ep} is invalid; use a positive degree (1 turns expert parallelism off)")
-    if dims.ep == 1:
+    if dims.ep == 1:  # (the config refuses ep < 1)
         return
     if dims.dp_size % dims.ep:
         raise ConfigError(

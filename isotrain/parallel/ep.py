@@ -81,8 +81,11 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return expert_parallel_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj.to_local(),
-                                       self.down_proj.to_local(), self.act_fn, self.group, self.num_experts)
+        # Under FSDP2 with a compute dtype the hidden states arrive in it, but FSDP2 leaves the experts out:
+        # cast them as it casts the parameters it manages (the gradient returns in the parameters' dtype).
+        gate_up, down = (getattr(self, key).to_local().to(hidden_states.dtype) for key in EXPERT_PARAMS)
+        return expert_parallel_forward(hidden_states, top_k_index, top_k_weights, gate_up, down, self.act_fn,
+                                       self.group, self.num_experts)
 
 
 def _local_experts_forward(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,

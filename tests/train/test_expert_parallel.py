@@ -153,3 +153,19 @@ def test_the_builder_refuses_ep_on_a_dense_model():
     with pytest.raises(ConfigError, match="does not divide the model's 6 experts"):
         check_model_fits(ParallelDims(4, 1, 1, ep=4), mixtral)
     check_model_fits(ParallelDims(2, 1, 1, ep=2), mixtral)
+
+
+@pytest.mark.slow
+def test_bf16_under_fsdp2_casts_the_experts_too(tmp_path):
+    """FSDP2 casts the parameters it manages to bf16 and leaves the experts out: the expert-parallel forward
+    casts them itself (without that, the first matmul fails on mixed dtypes). Same losses as FSDP2 alone, to
+    bf16 rounding."""
+    train = ["-m", "isotrain", "train", *TINY_MOE_RUN, "model.dtype=bfloat16", "train.max_steps=2",
+             "parallel.dp_shard=2", "parallel.dp_replicate=1"]
+    runs = {}
+    for name, extra in (("fsdp2", []), ("fsdp2_ep2", ["parallel.ep=2"])):
+        proc = torchrun(2, [*train, *extra, f"output_dir={tmp_path / name}"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = _metrics(tmp_path / name)
+    for row, ref in zip(runs["fsdp2_ep2"], runs["fsdp2"], strict=True):
+        assert math.isclose(row["loss"], ref["loss"], rel_tol=1e-3), (row, ref)

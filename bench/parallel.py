@@ -53,6 +53,9 @@ load 7 and 1200 at load 3 on the same machine, minutes apart).
                              [--layouts single ddp2 fsdp2 tp2 fsdp2xtp2 moe_single moe_ep2 moe_ep2xfsdp2 moe_hf]
                              [--experts 8] [--json results.json]
     python bench/parallel.py --hidden 64 --layers 2 --steps 2 --warmup 1   # quick check, a minute or two
+
+Run from a checkout with PYTHONPATH=. (the workers import the isotrain that this script imports; the script's
+folder, not the current one, comes first on sys.path, so an installed isotrain would be measured otherwise).
 """
 
 from __future__ import annotations
@@ -213,6 +216,11 @@ def run_worker(args) -> None:
     if args.worker == "moe_hf":
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=cfg.train.weight_decay)
     startup_s = time.perf_counter() - start
+    if dims.ep > 1:  # an isotrain without expert parallelism (e.g. another install on the path) would run plain DP
+        from isotrain.parallel.ep import expert_parameters
+
+        if not expert_parameters(model):
+            raise SystemExit(f"layout {args.worker}: the model's experts are not expert-parallel")
     startup_peak = rss_bytes("VmHWM") - base_rss
     own_bytes, model_bytes, largest_bytes = parameter_bytes(model)
 

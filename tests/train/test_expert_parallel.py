@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,18 @@ def test_bf16_under_fsdp2_casts_the_experts_too(tmp_path):
         runs[name] = _metrics(tmp_path / name)
     for row, ref in zip(runs["fsdp2_ep2"], runs["fsdp2"], strict=True):
         assert math.isclose(row["loss"], ref["loss"], rel_tol=1e-3), (row, ref)
+
+
+@pytest.mark.slow
+def test_dispatch_matches_transformers_experts_under_skewed_routing(tmp_path):
+    """One MoE layer on 2 ranks (two experts each) against transformers' experts forward on all tokens, in fp64:
+    random routing, every token routed to experts 0 and 1 (rank 0 receives every row, rank 1 none: its
+    experts get zero gradients), and ranks with different token counts. Outputs, input and routing-weight
+    gradients, expert gradients."""
+    out = tmp_path / "dispatch.json"
+    proc = torchrun(2, [str(Path(__file__).with_name("ep_dispatch_worker.py")), str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in json.loads(out.read_text()):
+        for scenario in ("random", "skewed", "uneven"):
+            assert rank[scenario] <= 1e-12, (scenario, rank)
+            assert rank[f"{scenario}_local_experts"] == 2

@@ -1,7 +1,13 @@
 """Parallel layouts side by side: throughput, start-up time and memory per rank, one model, one global batch.
 
 Layouts (dp_replicate × dp_shard × tp): 1 process (1×1×1), DDP 2 (2×1×1), FSDP2 2 (1×2×1), TP 2 (1×1×2) and
-FSDP2 × TP 2 × 2 (1×2×2, 4 processes). Each layout is a fresh `torchrun --standalone` launch of this script
+FSDP2 × TP 2 × 2 (1×2×2, 4 processes).
+
+MoE rows (a Qwen3-MoE of the same sizes, --experts experts (default 8), top-2, every layer sparse, expert
+width = hidden): 1 process, EP 2 (parallel.ep=2 over 2 DP ranks: each holds half the experts, tokens travel
+by all-to-all), EP 2 × FSDP2 2 (dp_shard 2 on 2 processes: dense parameters sharded, experts EP-sharded over
+the same ranks), and "HF step": the same model and weights trained in one process by transformers' own
+code path (its loss from `labels`, torch's AdamW and clip_grad_norm_, no isotrain step), for reference. Each layout is a fresh `torchrun --standalone` launch of this script
 (`--worker LAYOUT`) on gloo; its ranks build a fresh Llama with the trainer's own `prepare_model`
 (`isotrain.models.build.build`: built on the meta device, parallelised, each rank materialises and
 initialises only its shards; then isotrain's AdamW), seed 0: vocab 8192, hidden --hidden (default 512),
@@ -44,8 +50,12 @@ one process ran 1.8 × slower on 2 threads than on 1; one process on 2 threads m
 load 7 and 1200 at load 3 on the same machine, minutes apart).
 
     python bench/parallel.py [--steps 10] [--warmup 2] [--hidden 512] [--layers 4] [--global-batch 8]
-                             [--layouts single ddp2 fsdp2 tp2 fsdp2xtp2] [--json results.json]
+                             [--layouts single ddp2 fsdp2 tp2 fsdp2xtp2 moe_single moe_ep2 moe_ep2xfsdp2 moe_hf]
+                             [--experts 8] [--json results.json]
     python bench/parallel.py --hidden 64 --layers 2 --steps 2 --warmup 1   # quick check, a minute or two
+
+Run from a checkout with PYTHONPATH=. (the workers import the isotrain that this script imports; the script's
+folder, not the current one, comes first on sys.path, so an installed isotrain would be measured otherwise).
 """
 
 from __future__ import annotations
@@ -77,7 +87,20 @@ LAYOUTS = {  # key: (label, (dp_replicate, dp_shard, tp))
     "fsdp2": ("FSDP2 2", (1, 2, 1)),
     "tp2": ("TP 2", (1, 1, 2)),
     "fsdp2xtp2": ("FSDP2 × TP 2 × 2", (1, 2, 2)),
+    # MoE: (dp_replicate, dp_shard, tp, ep)
+    "moe_single": ("MoE 1 process", (1, 1, 1, 1)),
+    "moe_ep2": ("MoE EP 2", (2, 1, 1, 2)),
+    "moe_ep2xfsdp2": ("MoE EP 2 × FSDP2 2", (1, 2, 1, 2)),
+    "moe_hf": ("MoE HF step, 1 process", (1, 1, 1, 1)),
 }
+
+
+def is_moe(key: str) -> bool:
+    return key.startswith("moe_")
+
+
+def num_processes(key: str) -> int:
+    return math.prod(LAYOUTS[key][1][:3])  # ep takes no ranks of its own
 
 
 # ----- memory -------------------------------------------------------------------------------
@@ -103,11 +126,22 @@ def llama(hidden: int, layers: int) -> dict:
     }
 
 
-def bench_config(hidden: int, layers: int, global_batch: int, micro_batch: int):
+def qwen3_moe(hidden: int, layers: int, experts: int) -> dict:
+    heads = max(hidden // 64, 4)
+    return {
+        "model_type": "qwen3_moe", "vocab_size": VOCAB, "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": hidden // heads,
+        "intermediate_size": 16 * math.ceil(8 * hidden / 3 / 16), "moe_intermediate_size": hidden,
+        "num_experts": experts, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": SEQ_LEN, "tie_word_embeddings": False,
+    }
+
+
+def bench_config(hidden: int, layers: int, global_batch: int, micro_batch: int, experts: int = 0):
     from isotrain.config import build_config
 
     return build_config({
-        "model": {"config": llama(hidden, layers)},
+        "model": {"config": qwen3_moe(hidden, layers, experts) if experts else llama(hidden, layers)},
         "train": {"global_batch_size": global_batch, "micro_batch_size": micro_batch, "seed": SEED, "lr": LR,
                   "schedule": "constant", "grad_clip": 1.0},
     })
@@ -158,17 +192,18 @@ def run_worker(args) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     info = init_distributed()
     dims = ParallelDims(*LAYOUTS[args.worker][1])
+    experts = args.experts if is_moe(args.worker) else 0
     if dims.world_size != info.world_size:
         raise SystemExit(f"layout {args.worker} needs {dims.world_size} processes, got {info.world_size}")
     parallel = build_parallel(dims, info.device, info.rank)
     micro_batch = args.global_batch // dims.dp_size  # GA 1
-    cfg = bench_config(args.hidden, args.layers, args.global_batch, micro_batch)
+    cfg = bench_config(args.hidden, args.layers, args.global_batch, micro_batch, experts)
     tokenizer = train_tokenizer(["abcdefghijklmnopqrstuvwxyz"], "char", 0)
     samples = make_samples(args.global_batch * (args.warmup + args.steps), first_id=len(tokenizer))
 
     # Untimed: the same path on a tiny model, so lazy imports and first-call caches are not start-up cost.
-    warm_model, warm_optimizer = prepare_model(bench_config(64, 1, args.global_batch, micro_batch), info, tokenizer,
-                                               parallel)
+    warm_model, warm_optimizer = prepare_model(bench_config(64, 1, args.global_batch, micro_batch, experts and 4),
+                                               info, tokenizer, parallel)
     del warm_model, warm_optimizer
     gc.collect()
     release_free_heap()
@@ -178,7 +213,14 @@ def run_worker(args) -> None:
     reset_peak_rss()
     start = time.perf_counter()
     model, optimizer = prepare_model(cfg, info, tokenizer, parallel)
+    if args.worker == "moe_hf":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=cfg.train.weight_decay)
     startup_s = time.perf_counter() - start
+    if dims.ep > 1:  # an isotrain without expert parallelism (e.g. another install on the path) would run plain DP
+        from isotrain.parallel.ep import expert_parameters
+
+        if not expert_parameters(model):
+            raise SystemExit(f"layout {args.worker}: the model's experts are not expert-parallel")
     startup_peak = rss_bytes("VmHWM") - base_rss
     own_bytes, model_bytes, largest_bytes = parameter_bytes(model)
 
@@ -192,10 +234,14 @@ def run_worker(args) -> None:
         micro_batches = [collate([samples[i] for i in index], tokenizer.pad_token_id) for index in indices]
         barrier()
         start = time.perf_counter()
-        result = train_step(model, optimizer, micro_batches, LR, options, info.device)
+        if args.worker == "moe_hf":
+            loss, num_tokens = hf_step(model, optimizer, micro_batches[0])
+        else:
+            result = train_step(model, optimizer, micro_batches, LR, options, info.device)
+            loss, num_tokens = result.loss, result.num_input_tokens  # global: summed over the DP group
         step_s.append(time.perf_counter() - start)
-        tokens.append(result.num_input_tokens)  # global: summed over the DP group
-        losses.append(result.loss)
+        tokens.append(num_tokens)
+        losses.append(loss)
         if step == 0:  # as the trainer does: TP replicas that drifted apart would make the numbers meaningless
             check_replicated(model, parallel.tp_group)
     rank = {"rank": info.rank, "startup_s": startup_s, "base_rss_bytes": base_rss, "startup_peak_bytes": startup_peak,
@@ -214,12 +260,27 @@ def run_worker(args) -> None:
     shutdown_distributed()
 
 
+def hf_step(model, optimizer, batch: dict) -> tuple[float, int]:
+    """One step the way a plain transformers script takes it (1 process, 1 micro-batch): the model's own
+    loss from `labels` (the batch's labels are pre-shifted, so they are shifted back by one position for
+    transformers to shift them again), backward, clip_grad_norm_(1.0), AdamW."""
+    import torch
+
+    labels = torch.cat([torch.full_like(batch["labels"][:, :1], -100), batch["labels"][:, :-1]], dim=1)
+    loss = model(input_ids=batch["input_ids"], labels=labels, use_cache=False).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss), int(batch["num_input_tokens"])
+
+
 # ----- the parent: one torchrun launch per layout, then the table -----------------------------
 def launch(key: str, args, out: Path, log: Path) -> dict:
     """Run one layout under torchrun; its rank 0's JSON result, or {"error": ...}."""
     import isotrain
 
-    nproc = math.prod(LAYOUTS[key][1])
+    nproc = num_processes(key)
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(max(CORES // nproc, 1))
     # The workers import the same isotrain as this process, whatever is installed.
@@ -228,7 +289,7 @@ def launch(key: str, args, out: Path, log: Path) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                __file__, "--worker", key, "--out", str(out), "--steps", str(args.steps), "--warmup",
                str(args.warmup), "--hidden", str(args.hidden), "--layers", str(args.layers), "--global-batch",
-               str(args.global_batch)]
+               str(args.global_batch), "--experts", str(args.experts)]
     load_before, start = os.getloadavg()[0], time.perf_counter()
     with log.open("w") as f:
         done = subprocess.run(command, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -262,17 +323,19 @@ def summarise(result: dict) -> dict:
     }
 
 
-def loss_check(results: list[dict]) -> str:
-    """Every layout trained on the same global batches: its per-step losses must equal the 1-process run's."""
-    reference = next((r for r in results if r.get("layout") == "single" and "error" not in r), None)
+def loss_check(results: list[dict], moe: bool = False) -> str:
+    """Every layout trained on the same global batches: its per-step losses must equal the 1-process run's
+    (of the same model: Llama or MoE)."""
+    single = "moe_single" if moe else "single"
+    reference = next((r for r in results if r.get("layout") == single and "error" not in r), None)
     if reference is None:
-        return "losses not compared: the 1-process layout was not run"
+        return f"losses not compared: the {LAYOUTS[single][0]} layout was not run"
     worst = 0.0
     for result in results:
-        if "error" not in result:
+        if "error" not in result and is_moe(result["layout"]) == moe:
             worst = max([worst, *(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))])
     verdict = "[green]same[/]" if worst <= LOSS_RTOL else "[red]DIFFERENT[/]"
-    return (f"losses of every step vs 1 process: {verdict} (max relative difference {worst:.1e}, "
+    return (f"losses of every step vs {LAYOUTS[single][0]}: {verdict} (max relative difference {worst:.1e}, "
             f"tolerance {LOSS_RTOL:g})")
 
 
@@ -283,7 +346,8 @@ def print_table(console, results: list[dict], args) -> None:
     done = [r for r in results if "error" not in r]
     loads = [x for r in done for x in (r["load_before"], r["load_after"])]
     model_mb = done[0]["model_bytes"] / 2**20 if done else 0.0
-    table = Table(title=f"parallel layouts: Llama vocab {VOCAB}, hidden {args.hidden}, {args.layers} layers "
+    moe = f" (MoE rows: Qwen3-MoE, {args.experts} experts, top-2)" if any(is_moe(r["layout"]) for r in results) else ""
+    table = Table(title=f"parallel layouts: Llama{moe} vocab {VOCAB}, hidden {args.hidden}, {args.layers} layers "
                         f"({model_mb:.0f} MB fp32), seq {SEQ_LEN}, global batch {args.global_batch}, fp32, AdamW; "
                         f"{args.warmup} warm-up + {args.steps} timed steps; {CORES} cores, load average "
                         f"{min(loads or [0]):.1f}-{max(loads or [0]):.1f} during the runs; MB = 2^20 bytes, worst rank")
@@ -291,8 +355,9 @@ def print_table(console, results: list[dict], args) -> None:
                    "start-up s", "start-up peak MB / rank", "own + largest MB", "train peak MB / rank", "base MB",
                    "model MB"):
         table.add_column(column, justify="left" if column == "layout" else "right")
-    single = next((summarise(r)["tokens_per_s"] for r in done if r["layout"] == "single"), None)
+    singles = {is_moe(r["layout"]): summarise(r)["tokens_per_s"] for r in done if r["layout"] in ("single", "moe_single")}
     for result in results:
+        single = singles.get(is_moe(result["layout"]))
         label = LAYOUTS[result["layout"]][0]
         if "error" in result:
             table.add_row(label, "", "", "", f"[red]failed: {escape(result['error'])}[/]", *[""] * 7)
@@ -308,7 +373,8 @@ def print_table(console, results: list[dict], args) -> None:
                       f"{s['bound_mb']:.0f}", f"{s['train_peak_mb']:.0f}", f"{s['base_mb']:.0f}",
                       f"{s['model_mb']:.0f}")
     console.print(table)
-    console.print(loss_check(results))
+    for moe in sorted({is_moe(r["layout"]) for r in results}):
+        console.print(loss_check(results, moe))
     for result in results:
         if "error" in result:
             console.print(f"{LAYOUTS[result['layout']][0]} failed:")
@@ -325,6 +391,7 @@ def parse_args():
                         help="Llama hidden size, a multiple of 4 (heads = max(hidden / 64, 4)).")
     parser.add_argument("--layers", type=int, default=4, help="Decoder layers.")
     parser.add_argument("--global-batch", type=int, default=8, help="Sequences per optimizer step (divisible by 2).")
+    parser.add_argument("--experts", type=int, default=8, help="Experts of the MoE rows' model (top-2).")
     parser.add_argument("--json", type=Path, default=None, help="Also write the raw per-rank numbers here.")
     parser.add_argument("--worker", choices=list(LAYOUTS), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

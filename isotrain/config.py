@@ -210,6 +210,13 @@ class ParallelConfig(Section):
         description="Tensor-parallel degree: attention heads, MLP width and vocabulary split over this many ranks "
         "(docs/parallelism.md).",
     )
+    ep: int = Field(
+        1,
+        gt=0,
+        description="Expert-parallel degree (mixture-of-experts models): the experts split over this many "
+        "data-parallel ranks, which exchange tokens with all-to-all; must divide dp_replicate × dp_shard and the "
+        "number of experts.",
+    )
 
 
 class MoeConfig(Section):

@@ -76,8 +76,9 @@ def checked_config(cfg: Config):
 
 def check_layout_fits(cfg: ModelConfig, dims) -> None:
     """Before any work: the model's heads, KV heads and MLP width split over `parallel.tp`, and the family has
-    a tensor-parallel plan. (The vocabulary, known once the tokenizer exists, is checked when building.)"""
-    if dims.tp == 1:
+    a tensor-parallel plan; under expert parallelism, the model has experts and `parallel.ep` divides their number.
+    (The vocabulary, known once the tokenizer exists, is checked when building.)"""
+    if dims.tp == 1 and dims.ep == 1:
         return
     from isotrain.parallel.dims import check_model_fits
     from isotrain.parallel.tp import layer_plan
@@ -85,7 +86,8 @@ def check_layout_fits(cfg: ModelConfig, dims) -> None:
     config = _mapping_config(cfg) if cfg.name_or_path is None else _directory_config(cfg.name_or_path)
     # A fresh model's vocabulary is not known before the tokenizer exists; the builder checks it.
     check_model_fits(dims, config, check_vocab=cfg.name_or_path is not None)
-    layer_plan(config)
+    if dims.tp > 1:
+        layer_plan(config)
 
 
 def model_config(cfg: ModelConfig, tokenizer):

@@ -1,6 +1,6 @@
 """Apply parallelism to a built model, in one fixed order:
 
-    tensor parallel -> activation checkpointing -> torch.compile -> FSDP2 (or HSDP) | DDP
+    tensor parallel | expert parallel -> activation checkpointing -> torch.compile -> FSDP2 (or HSDP) | DDP
 
 TP first, because it changes what a parameter is (a DTensor shard on the "tp" axis); checkpointing and
 compile then wrap the already-split computation; FSDP2 last, sharding over the data-parallel axes what
@@ -10,6 +10,10 @@ parallelised before its weights exist and each rank materialises only its own sh
 Data-parallel gradients are SUMMED, never averaged: every micro-batch already divides by the *global*
 number of trained tokens (or sequences), so the sum over DP ranks is exactly the gradient of the
 global-batch mean (invariant 1).
+
+Expert parallelism (parallel/ep.py) makes the experts DTensors on the "ep" axis; FSDP2 and DDP leave them
+out (FSDP2's ignored parameters, DDP's ignore list) and `sync_expert_grads` sums their gradients over the
+ranks that hold the same experts instead.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from isotrain.parallel.dist import all_reduce_flat
+from isotrain.parallel.ep import apply_ep, expert_parameters, sync_expert_grads
 from isotrain.parallel.mesh import ParallelState
 
 
@@ -57,9 +62,10 @@ def apply_fsdp(model: nn.Module, parallel: ParallelState, compute_dtype: torch.d
     else:
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     dp_mesh = parallel.dp_mesh()
+    experts = set(expert_parameters(model)) or None  # sharded over "ep" already, reduced by sync_expert_grads
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
@@ -70,6 +76,10 @@ def apply_fsdp(model: nn.Module, parallel: ParallelState, compute_dtype: torch.d
 
 def apply_ddp(model: nn.Module, parallel: ParallelState) -> nn.Module:
     group = parallel.mesh["dp_replicate"].get_group()
+    experts = {id(p) for p in expert_parameters(model)}
+    if experts:  # EP DTensors: not DDP's to broadcast or reduce (sync_expert_grads sums them)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [name for name, p in model.named_parameters() if id(p) in experts])
     ddp = DistributedDataParallel(model, process_group=group, broadcast_buffers=False)
     ddp.register_comm_hook(group, _sum_allreduce_hook)
     return ddp
@@ -96,6 +106,8 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
         from isotrain.parallel.tp import apply_tp
 
         apply_tp(model, parallel.tp_mesh, loss_parallel)
+    if parallel.ep_mesh is not None:
+        apply_ep(model, parallel.ep_mesh)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
@@ -120,7 +132,9 @@ def sync_replica_grads(model: nn.Module, parallel: ParallelState) -> None:
     """TP × DDP: sum every gradient over the dp_replicate axis (what DDP's SUM hook does for plain tensors).
 
     Gradients are DTensors on the tp mesh; their local parts are what each replica computed for the
-    same shard, so a plain all-reduce of the local parts over dp_replicate is the data-parallel sum."""
+    same shard, so a plain all-reduce of the local parts over dp_replicate is the data-parallel sum.
+    Expert-parallel gradients are summed over their replicas here too (`sync_expert_grads`)."""
+    sync_expert_grads(model, parallel.ep_mesh)
     if parallel.mesh is None or parallel.dims.tp == 1 or parallel.dims.dp_shard > 1 or parallel.dims.dp_replicate == 1:
         return
     group = parallel.mesh["dp_replicate"].get_group()

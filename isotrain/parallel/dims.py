@@ -2,7 +2,9 @@
 
     world size = dp_replicate × dp_shard × tp          DP size = dp_replicate × dp_shard
 
-`ep` and `cp` have their place here but only 1 is accepted until expert and context parallelism land.
+`ep` (expert parallel) takes no ranks of its own: its groups are carved out of the DP ranks, so it must
+divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every MoE layer's experts
+(parallel/ep.py). `cp` has its place here but only 1 is accepted until context parallelism lands.
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -33,7 +35,8 @@ class ParallelDims:
         return self.dp_size * self.tp * self.cp
 
     def as_rows(self) -> list[tuple[str, int]]:
-        return [(name, getattr(self, name)) for name in DEGREE_NAMES]
+        rows = [(name, getattr(self, name)) for name in DEGREE_NAMES]
+        return rows + [("ep", self.ep)] if self.ep > 1 else rows
 
 
 def resolve_dims(cfg, world_size: int) -> ParallelDims:
@@ -60,7 +63,7 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
                 f"{fixed} (torchrun --nproc-per-node {fixed}) or lower {'that degree' if len(named) == 1 else 'those degrees'}"
             )
         degrees[auto[0]] = world_size // fixed
-    dims = ParallelDims(**degrees)
+    dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1))
     if dims.world_size != world_size:
         product = " × ".join(str(getattr(dims, n)) for n in DEGREE_NAMES)
         launch = (f"launch {dims.world_size} processes (torchrun --nproc-per-node {dims.world_size})"
@@ -69,7 +72,52 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
         raise ConfigError(
             f"parallel.dp_replicate × dp_shard × tp = {product} = {dims.world_size} but {launched} launched; {launch}"
         )
+    check_ep(dims)
     return dims
+
+
+def check_ep(dims: ParallelDims) -> None:
+    """The expert-parallel groups are `ep` consecutive DP ranks, so `ep` must divide the DP size."""
+    if dims.ep == 1:  # (the config refuses ep < 1)
+        return
+    if dims.dp_size % dims.ep:
+        raise ConfigError(
+            f"parallel.ep={dims.ep} does not divide the data-parallel size dp_replicate × dp_shard = "
+            f"{dims.dp_replicate} × {dims.dp_shard} = {dims.dp_size}, out of which the expert-parallel groups are "
+            f"carved; use a parallel.ep that divides {dims.dp_size}, or launch a multiple of {dims.ep} data-parallel ranks"
+        )
+    if dims.tp > 1:
+        raise ConfigError(
+            f"parallel.ep={dims.ep} with parallel.tp={dims.tp} is not supported yet (experts are not split by tensor "
+            "parallelism); set parallel.tp=1 or parallel.ep=1"
+        )
+
+
+def num_experts(config) -> int | None:
+    """The number of routed experts of a mixture-of-experts model config; None for a dense model
+    (Qwen-MoE families call it `num_experts`, Mixtral `num_local_experts`)."""
+    for field in ("num_experts", "num_local_experts"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _check_experts_fit(ep: int, config) -> None:
+    if ep == 1:
+        return
+    experts = num_experts(config)
+    model_type = getattr(config, "model_type", "?")
+    if experts is None:
+        raise ConfigError(
+            f"parallel.ep={ep} splits a mixture-of-experts model's experts, but model type {model_type!r} is dense "
+            "(its config has no num_experts or num_local_experts); set parallel.ep=1"
+        )
+    if experts % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide the model's {experts} experts; use a parallel.ep that divides "
+            f"{experts} (and the data-parallel size)"
+        )
 
 
 def _multiple_hint(value: int, tp: int) -> str:
@@ -78,7 +126,9 @@ def _multiple_hint(value: int, tp: int) -> str:
 
 def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> None:
     """Tensor parallelism splits attention heads, KV heads, the MLP width and the vocabulary into `tp` equal
-    parts; refuse a model whose numbers do not divide, naming them (config: a transformers PretrainedConfig)."""
+    parts, and expert parallelism splits the experts into `ep` parts; refuse a model whose numbers do not divide,
+    naming them (config: a transformers PretrainedConfig)."""
+    _check_experts_fit(dims.ep, config)
     if dims.tp == 1:
         return
     tp = dims.tp

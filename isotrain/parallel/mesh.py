@@ -1,6 +1,11 @@
 """One DeviceMesh for the run, with named axes, and the groups every reduction uses.
 
     mesh axes: ("dp_replicate", "dp_shard", "tp")       flattened: "dp" = dp_replicate × dp_shard
+    expert parallel: "dp" unflattened into ("ep_replicate", "ep") = (DP size / ep, ep)
+
+The EP groups are runs of `ep` consecutive DP ranks (inside a dp_shard group when ep divides dp_shard, as
+torchtitan carves its EP axis out of the FSDP axis): the ranks of one group hold different experts, the
+ranks with the same "ep" coordinate hold the same experts and sum their gradients over "ep_replicate".
 
 Ranks that differ only in their "tp" coordinate hold the same data. So the sampler, the token and loss
 counts, the RL rollout split and every data metric use the DP rank and the DP group, never the world:
@@ -30,6 +35,7 @@ class ParallelState:
     # process group at all" and must never stand for the world.
     dp_group: object = None
     tp_group: object = None
+    ep_mesh: DeviceMesh | None = None  # ("ep_replicate", "ep"), only when dims.ep > 1
 
     @property
     def world_size(self) -> int:
@@ -60,6 +66,7 @@ def build_parallel(dims: ParallelDims, device: torch.device, rank: int) -> Paral
         return single_process(dims)
     mesh = init_device_mesh(device.type, tuple(getattr(dims, n) for n in DEGREE_NAMES), mesh_dim_names=DEGREE_NAMES)
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    ep_mesh = dp._unflatten(0, (dims.dp_size // dims.ep, dims.ep), ("ep_replicate", "ep")) if dims.ep > 1 else None
     return ParallelState(
         dims=dims,
         mesh=mesh,
@@ -68,4 +75,5 @@ def build_parallel(dims: ParallelDims, device: torch.device, rank: int) -> Paral
         tp_rank=mesh["tp"].get_local_rank(),
         dp_group=dp.get_group(),
         tp_group=mesh["tp"].get_group(),
+        ep_mesh=ep_mesh,
     )

@@ -2,7 +2,8 @@
 
 Launched by test_equivalence.py with torchrun (real processes, gloo) or in-process for 1 rank:
     equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive|ac]
-LAYOUTS: e.g. 2x1x1,1x2x1,1x1x2 = DDP, FSDP2, TP (dp_replicate x dp_shard x tp); `ac` checkpoints every
+LAYOUTS: e.g. 2x1x1,1x2x1,1x1x2 = DDP, FSDP2, TP (dp_replicate x dp_shard x tp), with an optional 4th degree
+for expert parallelism (1x2x1x2 = FSDP2 2 with EP 2, for the MoE families); `ac` checkpoints every
 decoder layer's activations. One launch covers every given layout (a mesh and a model each), both loss
 reductions, in fp32 and in fp64: results[(dp_replicate, dp_shard, tp)][(reduction, dtype)]; run() is one
 layout in this process.
@@ -64,6 +65,10 @@ FAMILIES = {
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 8},
     "mistral": {"model_type": "mistral", "sliding_window": None},
+    # Mixture-of-experts: 4 experts, top-2, every layer sparse (expert parallelism splits the experts).
+    "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
 }
 
 
@@ -77,7 +82,9 @@ def tiny_model(dtype: torch.dtype, family: str = "llama"):
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=64, **extra)
     config.use_cache = False
-    return AutoModelForCausalLM.from_config(config).to(dtype)
+    # MoE: transformers' per-expert loop, the reference math (its default grouped_mm kernel has no fp64 on CPU).
+    kwargs = {"experts_implementation": "eager"} if model_type in ("qwen3_moe", "mixtral") else {}
+    return AutoModelForCausalLM.from_config(config, **kwargs).to(dtype)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -108,7 +115,7 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
                           train=SimpleNamespace(loss_reduction=reduction, grad_clip=1.0))
     options = step_options(cfg, parallel)
     params = [p for p in model.parameters()]
-    losses, first_grads, counts = [], None, []
+    losses, first_grads, counts, norms = [], None, [], []
     for step in range(NUM_STEPS):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
@@ -120,11 +127,14 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
             first_grads = {n: full(p.grad) for n, p in unwrap(model).named_parameters()}
         losses.append(loss)
         counts.append(step_counts)
-        optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0, loss=loss)
+        norms.append(optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0, loss=loss))
         if step == 0:
             check_replicated(model, parallel.tp_group)
     weights = {n: full(p) for n, p in unwrap(model).named_parameters()}
-    return {"losses": losses, "grads": first_grads, "weights": weights, "counts": counts}
+    # Expert parallelism: how many experts this rank holds of each expert tensor (E / ep, not E).
+    local_rows = {n: p.to_local().shape[0] for n, p in unwrap(model).named_parameters()
+                  if ".experts." in n and isinstance(p, DTensor)}
+    return {"local_expert_rows": local_rows, "losses": losses, "grads": first_grads, "weights": weights, "counts": counts, "norms": norms}
 
 
 def run(out: str, micro_batch: int, naive: bool = False, checkpointing: bool = False, family: str = "llama") -> None:
@@ -158,7 +168,7 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
 
 if __name__ == "__main__":
     # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive] [ac] [families=qwen3,...] [unreduced]
-    # LAYOUTS: RxSxT[,...], e.g. 2x1x1,1x1x2; `unreduced` removes the TP gradient sum of Qwen3's q/k norms
+    # LAYOUTS: RxSxT[xE][,...], e.g. 2x1x1,1x1x2,2x1x1x2; `unreduced` removes the TP gradient sum of Qwen3's q/k norms
     # on purpose, to show that the replicated-parameter check catches a missing reduction.
     out, layouts, micro, *rest = sys.argv[1:]
     families = next((flag.split("=", 1)[1].split(",") for flag in rest if flag.startswith("families=")), ["llama"])

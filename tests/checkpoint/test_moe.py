@@ -2,8 +2,9 @@
 
 Tiny Qwen3-MoE and Mixtral models (4 experts, top-2, hidden 32, 2 layers): the model directory equals
 transformers' own `save_pretrained` of the trained model and loads in plain transformers with the same
-logits; the optimizer state uses the same names; a save on 1 process resumes on 2 FSDP2 ranks and back
-with equal losses; a SIGKILL leaves a checkpoint that resumes byte-identically; a missing or duplicated
+logits; the optimizer state uses the same names; a save on any of 1 process, EP 2 and EP 2 × FSDP2 2 (and
+FSDP2 2) resumes on the others with equal losses; a SIGKILL under EP 2 leaves a checkpoint that resumes
+byte-identically; a missing or duplicated
 expert is refused naming the key; an older checkpoint with fused expert keys still loads and exports.
 """
 
@@ -89,15 +90,19 @@ def test_the_model_directory_is_what_save_pretrained_writes_and_loads_in_transfo
 
 @pytest.fixture(scope="module")
 def saved_on(tmp_path_factory):
-    """saved_on(layout): a 6-step qwen3_moe run on 1 process or 2 FSDP2 ranks, checkpoints at 3 and 6."""
-    runs = {layout: tmp_path_factory.mktemp(layout) / "run" for layout in ("single", "fsdp2")}
+    """saved_on(layout): a 6-step qwen3_moe run on 1 process, 2 FSDP2 ranks, EP 2 or EP 2 × FSDP2 2,
+    checkpoints at 3 and 6."""
+    runs = {layout: tmp_path_factory.mktemp(layout) / "run" for layout in ("single", "fsdp2", "ep2", "ep2fsdp2")}
     run_concurrently({layout: (lambda layout=layout: run(layout, runs[layout], *moe("qwen3_moe"), *SHORT))
                       for layout in runs})
     return runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source,target", [("single", "fsdp2"), ("fsdp2", "single")])
+@pytest.mark.parametrize("source,target", [
+    ("single", "ep2"), ("single", "ep2fsdp2"), ("ep2", "single"), ("ep2", "ep2fsdp2"), ("ep2fsdp2", "single"),
+    ("ep2fsdp2", "ep2"), ("single", "fsdp2"), ("fsdp2", "ep2"),
+])
 def test_a_save_on_one_layout_resumes_on_the_other_with_equal_losses(tmp_path, saved_on, source, target):
     reference = saved_on[source]
     run_dir = tmp_path / "run"
@@ -119,10 +124,19 @@ def test_a_save_on_one_layout_resumes_on_the_other_with_equal_losses(tmp_path, s
 
 
 @pytest.mark.slow
-def test_fsdp2_ranks_each_write_the_experts_they_hold(saved_on):
-    """2 ranks, 4 experts: dim 0 of each fused tensor is split 2 + 2, so experts 0-1 go to one file and 2-3
-    to the other, with their moments (no expert travels to another rank)."""
-    checkpoint = saved_on["fsdp2"] / "checkpoints" / "step-00000006"
+@pytest.mark.parametrize("layout", ["fsdp2", "ep2", "ep2fsdp2"])
+def test_ranks_each_write_the_experts_they_hold(saved_on, layout):
+    """2 ranks, 4 experts: dim 0 of each fused tensor is split 2 + 2 (by FSDP2 or by EP), so experts 0-1 go
+    to one file and 2-3 to the other, with their moments (no expert travels to another rank); the directory
+    loads in plain transformers, every key used, with the logits of the 1-process run's checkpoint."""
+    checkpoint = saved_on[layout] / "checkpoints" / "step-00000006"
+    loaded, info = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    single = AutoModelForCausalLM.from_pretrained(saved_on["single"] / "checkpoints" / "step-00000006",
+                                                  dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 7, 3, 9, 2, 4, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, single(ids).logits, rtol=1e-5, atol=1e-5)
     for index in ("model.safetensors.index.json", "train_state/optimizer.safetensors.index.json"):
         weight_map = json.loads((checkpoint / index).read_text())["weight_map"]
         files = defaultdict(set)
@@ -134,10 +148,10 @@ def test_fsdp2_ranks_each_write_the_experts_they_hold(saved_on):
 
 
 @pytest.mark.slow
-def test_a_sigkill_after_a_checkpoint_resumes_byte_identically(tmp_path, saved_on):
-    straight, resumed = saved_on["fsdp2"], tmp_path / "resumed"
-    kill_after_commit(command("fsdp2", resumed, *moe("qwen3_moe"), *SHORT), resumed, 3)
-    proc = run("fsdp2", resumed, *moe("qwen3_moe"), *SHORT)
+def test_a_sigkill_under_expert_parallel_resumes_byte_identically(tmp_path, saved_on):
+    straight, resumed = saved_on["ep2"], tmp_path / "resumed"
+    kill_after_commit(command("ep2", resumed, *moe("qwen3_moe"), *SHORT), resumed, 3)
+    proc = run("ep2", resumed, *moe("qwen3_moe"), *SHORT)
     assert "resumed from" in proc.stdout and "step-00000003" in proc.stdout
     final_a, final_b = straight / "checkpoints" / "step-00000006", resumed / "checkpoints" / "step-00000006"
     assert verify_checkpoint(final_b) == []

@@ -58,10 +58,12 @@ def _dense_refusal(model_type: str, key: str = "aux_loss_coef", value: str = "0.
 
 @pytest.mark.slow
 def test_moe_rl_run_logs_router_metrics(tmp_path):
-    proc = isotrain_cli(["rl", *RL_MOE[1:], "moe.z_loss_coef=0.001", f"output_dir={tmp_path}"])
+    # Two optimizer steps per rollout, each of two micro-batches: the routing pre-pass runs in every update.
+    proc = isotrain_cli(["rl", *RL_MOE[1:], "moe.z_loss_coef=0.001", "rl.mini_batch_prompts=2",
+                         "train.micro_batch_size=4", f"output_dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == [1, 2]
+    assert [(row["step"], row["optimizer_steps"]) for row in rows] == [(1, 2), (2, 4)]
     for row in rows:
         assert row["aux_loss"] > 0 and row["z_loss"] > 0 and row["load_ratio"] >= 1
         assert len(row["expert_share"]) == 2 and all(len(layer) == 4 for layer in row["expert_share"])

@@ -220,3 +220,16 @@ def test_moe_parallel_layout_matches_single_process(two_ranks, moe_single, layou
     """Two processes (the launch of `two_ranks`): with one micro-batch per rank the counts are all-reduced after
     the forward, with two the routing pre-pass runs first; both give the one-process update."""
     assert_moe_equivalent(two_ranks["moe"][layout]["global"], moe_single[(1, 1, 16)]["global"], grad_accum_steps)
+
+
+def test_rl_metrics_average_the_router_values_of_a_rollouts_updates():
+    from isotrain.moe.objective import RouterValues
+    from isotrain.rl.update import UpdateTotals
+
+    totals = UpdateTotals()
+    assert totals.router_means() is None  # a dense policy logs no router fields
+    for aux, z, counts in ((2.0, 1.0, [[3, 1], [2, 2]]), (4.0, 3.0, [[1, 3], [0, 4]])):
+        totals.add_router(RouterValues(aux, z, counts))
+        totals.num_updates += 1
+    means = totals.router_means()
+    assert (means.aux_loss, means.z_loss, means.counts) == (3.0, 2.0, [[4, 4], [2, 6]])

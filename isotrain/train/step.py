@@ -18,6 +18,7 @@ them together, once, before the update: one host sync per step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -232,11 +233,9 @@ def forward_backward(
     """Accumulate gradients of the global-batch loss; return (global loss, global counts). The loss is the whole
     objective (an MoE model's router terms included)."""
     counts = global_counts(micro_batches, options.loss_reduction, device, options.dp_group)
-    denominator = max(counts[2], 1)
-    loss_sum, values, router = _sft_backpropagate(model, micro_batches, denominator, options, device)
-    loss = float(loss_sum) / denominator
-    result = _router_result(values.tolist(), router) if router is not None else None
-    return (loss if result is None else loss + result.objective(router.settings)), counts
+    loss, _ = accumulate_objective(model, micro_batches, functools.partial(_sft_loss_sum, model, options, device),
+                                   lambda mb: _sft_forward(model, mb, options, device), counts[2], options, device)
+    return loss, counts
 
 
 def _reduce_partial_grads(parameters: list[nn.Parameter]) -> None:

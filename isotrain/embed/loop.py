@@ -31,6 +31,8 @@ from isotrain.embed.gradcache import embed_forward_backward
 from isotrain.embed.loss import LossSettings
 from isotrain.embed.model import build_embedder, embed_tokenizer
 from isotrain.errors import ConfigError
+from isotrain.models.loading import declared_config
+from isotrain.moe.settings import check_moe_section
 from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import DistInfo, init_distributed, shutdown_distributed
 from isotrain.sizes import plan_batches
@@ -114,6 +116,7 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     degrees = resolve_dims(cfg.parallel, info.world_size)
     check_layout(degrees)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
+    check_moe_section(cfg.moe, declared_config(cfg.model))  # moe.* on a dense model would do nothing
     rows = read_pairs(cfg.data.path, cfg.embed.hard_negatives)
     report = skipped_report(rows)
     held_out = None  # read now: a wrong eval.path is reported before any work

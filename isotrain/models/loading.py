@@ -74,6 +74,11 @@ def checked_config(cfg: Config):
     return config
 
 
+def declared_config(cfg: ModelConfig):
+    """The transformers config of `model.config` or of the directory's config.json, unchecked (any family)."""
+    return _mapping_config(cfg) if cfg.name_or_path is None else _directory_config(cfg.name_or_path)
+
+
 def check_layout_fits(cfg: ModelConfig, dims) -> None:
     """Before any work: the model's heads, KV heads and MLP width split over `parallel.tp`, and the family has
     a tensor-parallel plan; under expert parallelism, the model has experts and `parallel.ep` divides their number.
@@ -83,7 +88,7 @@ def check_layout_fits(cfg: ModelConfig, dims) -> None:
     from isotrain.parallel.dims import check_model_fits
     from isotrain.parallel.tp import layer_plan
 
-    config = _mapping_config(cfg) if cfg.name_or_path is None else _directory_config(cfg.name_or_path)
+    config = declared_config(cfg)
     # A fresh model's vocabulary is not known before the tokenizer exists; the builder checks it.
     check_model_fits(dims, config, check_vocab=cfg.name_or_path is not None)
     if dims.tp > 1:

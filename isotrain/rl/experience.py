@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from isotrain.models.packing_check import lm_logits
+from isotrain.models.packing_check import lm_forward, lm_logits
 from isotrain.rl.algos import token_logprobs
 
 
@@ -115,7 +115,8 @@ def _response_index(prompt_lens: list[int], response_lens: list[int],
 def make_micro_batch(batch: RolloutBatch, pad_id: int, mask_truncated: bool,
                      per_token: dict[str, list[list[float]] | None], layout: RowLayout = PADDED) -> dict:
     """Tensors [rows, L] of some samples, laid out by `layout`: input_ids, position_ids, targets, mask,
-    sequence_ids (the sample of each token, for per-sequence loss weights), the per-token arrays, and
+    sequence_ids (the sample of each token, for per-sequence loss weights), segment_ids (the same, -1 on padding:
+    the real prompt + response tokens an MoE router term counts), the per-token arrays, and
     response_index (where each response token is scored) to read per-token outputs back per sample.
 
     No attention mask when padded: causal attention keeps real tokens from seeing the padding after them,
@@ -131,12 +132,14 @@ def make_micro_batch(batch: RolloutBatch, pad_id: int, mask_truncated: bool,
     targets = np.zeros((num_rows, length), dtype=np.int64)
     mask = np.zeros((num_rows, length), dtype=np.float32)
     sequence_ids = np.zeros((num_rows, length), dtype=np.int64)
+    segment_ids = np.full((num_rows, length), -1, dtype=np.int64)  # -1: padding (moe/routing.input_token_mask)
     last = [0] * num_rows  # offset of each row's last sequence
     for i, (seq, p, (row, offset)) in enumerate(zip(sequences, prompt_lens, slots)):
         end = offset + len(seq)
         input_ids[row, offset:end] = seq
         targets[row, offset : end - 1] = seq[1:]
         sequence_ids[row, offset:end] = i
+        segment_ids[row, offset:end] = i
         if not (mask_truncated and batch.truncated[i]):
             mask[row, offset + p - 1 : end - 1] = 1.0
         last[row] = max(last[row], offset)
@@ -151,6 +154,7 @@ def make_micro_batch(batch: RolloutBatch, pad_id: int, mask_truncated: bool,
         "targets": torch.from_numpy(targets),
         "mask": torch.from_numpy(mask),
         "sequence_ids": torch.from_numpy(sequence_ids),
+        "segment_ids": torch.from_numpy(segment_ids),
         "response_index": (rows, cols),
         "response_lens": response_lens,
         "document_mask": layout.packed and layout.document_mask,
@@ -180,6 +184,12 @@ def per_sample(mb: dict, values: torch.Tensor) -> list[list[float]]:
 def forward_logits(model, mb: dict, device: torch.device) -> torch.Tensor:
     """The model's logits [rows, L, ·] of a micro-batch, with isotrain's document mask when its layout needs it."""
     return lm_logits(model, mb["input_ids"].to(device), mb["position_ids"].to(device), mb["document_mask"])
+
+
+def forward_output(model, mb: dict, device: torch.device, router_logits: bool):
+    """`forward_logits`' forward, returning the model output; `router_logits`: with the MoE routers' logits."""
+    return lm_forward(model, mb["input_ids"].to(device), mb["position_ids"].to(device), mb["document_mask"],
+                      router_logits=router_logits)
 
 
 @torch.no_grad()

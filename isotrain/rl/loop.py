@@ -32,6 +32,9 @@ from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.build import build
 from isotrain.models.loading import check_layout_fits, checked_config, count_parameters, model_config
+from isotrain.models.unwrap import hf_model
+from isotrain.moe.metrics import router_metrics
+from isotrain.moe.settings import check_moe_section, router_settings
 from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
@@ -149,7 +152,7 @@ def _rl(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> RLRe
     if cfg.data.packing:
         raise ConfigError("data.packing=true does not apply to RL, whose rows are one prompt and its sampled "
                           "response each; remove data.packing from the RL config")
-    checked_config(cfg)
+    check_moe_section(cfg.moe, checked_config(cfg))  # a dense policy with moe.* set: refused before any work
     check_layout_fits(cfg.model, degrees)
     reward_fn = _reward_fn(cfg)
     prompts = read_prompts(cfg.data.path)
@@ -183,7 +186,9 @@ def _rl(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> RLRe
         engine.update_weights(sync_named_tensors(model))  # resumed weights (a fresh run sends the same ones)
         before = _evaluate(cfg, info, engine, tokenizer, held_out, reward_fn, log, "before RL")
         ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=parallel.dp_rank, device=info.device, parallel=parallel,
-                              options=step_options(cfg, parallel, loss_parallel=False), pad_id=tokenizer.pad_token_id,
+                              options=step_options(cfg, parallel, loss_parallel=False,
+                                                   router=router_settings(cfg.moe, hf_model(model).config)),
+                              pad_id=tokenizer.pad_token_id,
                               layout=layout,
                               before_update=checkpoints.before_update, reward_fn=reward_fn, tokenizer=tokenizer,
                               prompts=prompts, stream=stream, reference=reference, engine=engine, info=info,
@@ -349,6 +354,7 @@ def _metrics_row(counters: dict, batch, rounds, totals: UpdateTotals, with_criti
         **({"critic_loss": totals.critic_loss_sum / totals.num_updates, "value_loss": totals.stat("value_loss"),
             "value_clip_frac": totals.stat("value_clipped"), "value_mean": totals.stat("value_mean")}
            if with_critic else {}),
+        **(router_metrics(totals.router_means()) if totals.router is not None else {}),
         "filtered_groups": rounds.filtered_groups,
         "filler_groups": rounds.filler_groups,
         "generation_rounds": rounds.rounds,

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from isotrain.config import RLConfig
+from isotrain.moe.objective import RouterStep
+from isotrain.moe.routing import input_token_mask
 from isotrain.rl.algos import (
     aggregation_weights,
     entropy_from_logits,
@@ -26,7 +28,7 @@ from isotrain.rl.algos import (
     token_logprobs,
     truncated_is_weights,
 )
-from isotrain.rl.experience import forward_logits
+from isotrain.rl.experience import forward_output
 
 # Token sums all-reduced with every mini-batch; divided by "tokens" when logged.
 STAT_NAMES = ("tokens", "pg_loss", "clipped", "kl", "entropy", "logprob_diff")
@@ -54,14 +56,17 @@ class RLObjective:
     def denominator(self, mb: dict) -> float:
         return self.weights(mb)[1]
 
-    def loss_sum(self, model, mb: dict, autocast, device: torch.device, stats: torch.Tensor) -> torch.Tensor:
-        """Σ_t a_t ℓ_t of one micro-batch; adds its token statistics into `stats` (float64, STAT_NAMES order)."""
+    def loss_sum(self, model, mb: dict, autocast, device: torch.device, stats: torch.Tensor,
+                 router: RouterStep | None = None, index: int | None = None):
+        """Σ_t a_t ℓ_t of one micro-batch; adds its token statistics into `stats` (float64, STAT_NAMES order).
+        With `router` (an MoE policy): (that sum, the router term of micro-batch `index`, whose pool is every real
+        prompt + response token), as train/step.py's `_backpropagate` takes them."""
         rl = self.rl
         mask = mb["mask"].to(device)
         weights, _ = self.weights(mb, device)
         with autocast:
-            logits = forward_logits(model, mb, device)
-        logits = logits.float() / rl.temperature
+            output = forward_output(model, mb, device, router_logits=router is not None)
+        logits = output.logits.float() / rl.temperature
         logp = token_logprobs(logits, mb["targets"].to(device))
         # On-policy (one optimizer step per rollout): the old policy is the current one, ratio = 1.
         old = mb["old_logprobs"].to(device) if mb.get("old_logprobs") is not None else logp.detach()
@@ -90,4 +95,7 @@ class RLObjective:
                 torch.where(on, entropy, 0.0).double().sum(),
                 torch.where(on, (old - engine).abs(), 0.0).double().sum(),
             ])
-        return torch.where(on, loss * weights, 0.0).sum()
+        weighted_sum = torch.where(on, loss * weights, 0.0).sum()
+        if router is None:
+            return weighted_sum
+        return weighted_sum, router.term(output.router_logits, input_token_mask(mb["segment_ids"].to(device)), index)

@@ -8,17 +8,22 @@ identically everywhere and depend only on (seed, step, epoch) and the rollout:
     rank r: the contiguous slice [r·M·n/DP, (r+1)·M·n/DP), cut into micro-batches
 
 Only the last line depends on the layout, and the loss is normalised globally (objective.py),
-so the update of a mini-batch is the same for any DP size and micro-batch size.
+so the update of a mini-batch is the same for any DP size and micro-batch size. An MoE policy adds the
+router terms of the SFT step (train/step.py, isotrain/moe/), pooled over every real prompt + response token
+of the mini-batch (`global` scope) or of each micro-batch (`micro_batch`); the critic and the frozen
+reference get none.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from isotrain.config import RLConfig
+from isotrain.moe.objective import RouterStep, RouterValues
 from isotrain.parallel.dist import all_reduce_sum
 from isotrain.rl.algos import (
     gae_advantages,
@@ -28,9 +33,9 @@ from isotrain.rl.algos import (
     reinforce_pp_advantages,
 )
 from isotrain.rl.critic import CRITIC_STATS, critic_step
-from isotrain.rl.experience import RolloutBatch, make_micro_batch
+from isotrain.rl.experience import RolloutBatch, forward_output, make_micro_batch
 from isotrain.rl.objective import STAT_NAMES, RLObjective
-from isotrain.train.step import accumulate_gradients, optimizer_step
+from isotrain.train.step import accumulate_objective, optimizer_step
 
 
 def pad_rows(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +102,26 @@ class UpdateTotals:
     stats: torch.Tensor = field(default_factory=lambda: torch.zeros(len(STAT_NAMES), dtype=torch.float64))
     critic_loss_sum: float = 0.0
     critic_stats: torch.Tensor = field(default_factory=lambda: torch.zeros(len(CRITIC_STATS), dtype=torch.float64))
+    router: RouterValues | None = None  # MoE policy: aux and z summed over the steps, counts summed (global)
+
+    def add_router(self, values: RouterValues | None) -> None:
+        if values is None:
+            return
+        if self.router is None:
+            self.router = RouterValues(values.aux_loss, values.z_loss, [list(row) for row in values.counts])
+            return
+        self.router.aux_loss += values.aux_loss
+        self.router.z_loss += values.z_loss
+        self.router.counts = [[a + b for a, b in zip(mine, theirs)]
+                              for mine, theirs in zip(self.router.counts, values.counts)]
+
+    def router_means(self) -> RouterValues | None:
+        """The metrics row's router values: aux and z averaged over the optimizer steps of the rollout, the
+        routing counts of all of them summed (the load of the whole rollout's updates)."""
+        if self.router is None:
+            return None
+        n = max(self.num_updates, 1)
+        return RouterValues(self.router.aux_loss / n, self.router.z_loss / n, self.router.counts)
 
     def stat(self, name: str) -> float:
         """A token mean over every optimizer step of the rollout."""
@@ -109,6 +134,17 @@ def mini_batch_samples(step: int, epoch: int, seed: int, num_groups: int, mini_g
     order = np.random.default_rng([seed % 2**64, step, epoch]).permutation(num_groups)
     return [[int(g) * n + k for g in order[j : j + mini_groups] for k in range(n)]
             for j in range(0, num_groups, mini_groups)]
+
+
+def _policy_loss_sum(objective: RLObjective, model, device: torch.device, stats: torch.Tensor,
+                     router: RouterStep | None):
+    """The policy's loss_sum for train/step.py: (mb, autocast) -> Σ_t a_t ℓ_t, or with an MoE policy's router
+    terms (mb, autocast, index) -> (that sum, the micro-batch's router term)."""
+
+    def loss_sum(mb: dict, autocast, index: int | None = None):
+        return objective.loss_sum(model, mb, autocast, device, stats, router, index)
+
+    return loss_sum
 
 
 def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, step: int, lr_of) -> UpdateTotals:
@@ -136,10 +172,12 @@ def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, ste
             denominator, input_tokens, num_samples = all_reduce_sum(torch.tensor(local, dtype=torch.float64),
                                                                     ctx.options.dp_group).tolist()
             stats = torch.zeros(len(STAT_NAMES), dtype=torch.float64, device=ctx.device)
-            loss = accumulate_gradients(
-                model, mbs, lambda mb, autocast: objective.loss_sum(model, mb, autocast, ctx.device, stats),
+            loss, router = accumulate_objective(
+                model, mbs, functools.partial(_policy_loss_sum, objective, model, ctx.device, stats),
+                lambda mb: forward_output(model, mb, ctx.device, router_logits=True),
                 denominator, ctx.options, ctx.device)
             totals.stats += all_reduce_sum(stats, ctx.options.dp_group).cpu()
+            totals.add_router(router)
             ctx.before_update()
             totals.lr = lr_of(totals.num_updates)
             totals.grad_norm_sum += optimizer_step(optimizer, parameters, totals.lr, cfg.train.grad_clip, loss)

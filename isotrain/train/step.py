@@ -18,6 +18,7 @@ them together, once, before the update: one host sync per step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -125,6 +126,24 @@ def accumulate_gradients(model: nn.Module, micro_batches: list, loss_sum, denomi
     return float(global_sum) / max(denominator, 1)
 
 
+def accumulate_objective(model: nn.Module, micro_batches: list, make_loss_sum, forward, denominator: float,
+                         options: StepOptions, device: torch.device) -> tuple[float, RouterValues | None]:
+    """accumulate_gradients of a model that may be an MoE model: (global objective, router values or None).
+
+    With `options.router` the step gets the router terms of the SFT step (a RouterStep, after the routing pre-pass
+    when the scope needs one): `make_loss_sum(router)` gives the `loss_sum(mb, autocast, index)` -> (weighted sum,
+    router term) of `_backpropagate`, and `forward(mb)` runs the model as that loss_sum does, returning its output
+    with router logits (for the pre-pass). A dense model: `make_loss_sum(None)` is accumulate_gradients' loss_sum.
+    The returned objective includes the router terms; a gradient pass that routed differently from its pre-pass
+    is refused (TrainingError) before any update."""
+    router = _router_step(micro_batches, forward, options, device)
+    global_sum, values = _backpropagate(model, micro_batches, make_loss_sum(router), max(denominator, 1), options,
+                                        device, router)
+    loss = float(global_sum) / max(denominator, 1)
+    result = _router_result(values.tolist(), router) if router is not None else None
+    return (loss if result is None else loss + result.objective(router.settings)), result
+
+
 def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator, options: StepOptions,
                    device: torch.device, router: RouterStep | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """accumulate_gradients without a host sync: `denominator` (>= 1) may be a device tensor, and the
@@ -176,15 +195,16 @@ def _sft_loss_sum(model: nn.Module, options: StepOptions, device: torch.device, 
     return loss_sum
 
 
-def _router_step(model: nn.Module, micro_batches: list[dict], options: StepOptions,
+def _router_step(micro_batches: list[dict], forward, options: StepOptions,
                  device: torch.device) -> RouterStep | None:
-    """The step's router terms (None for a dense model), after the routing pre-pass when the scope needs one."""
+    """The step's router terms (None for a dense model), after the routing pre-pass when the scope needs one.
+    `forward(mb)`: the model output of a micro-batch with its router logits, as the gradient pass runs it."""
     if options.router is None:
         return None
 
     def router_forward(mb: dict):
         with _autocast(options, device):  # routed exactly as the gradient pass will route it
-            return _sft_forward(model, mb, options, device).router_logits
+            return forward(mb).router_logits
 
     return begin_router_step(options.router, micro_batches, router_forward, options.dp_group, device)
 
@@ -192,7 +212,7 @@ def _router_step(model: nn.Module, micro_batches: list[dict], options: StepOptio
 def _sft_backpropagate(model: nn.Module, micro_batches: list[dict], denominator, options: StepOptions,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, RouterStep | None]:
     """The SFT backward passes: (global loss sum, global router values or None, the step's RouterStep or None)."""
-    router = _router_step(model, micro_batches, options, device)
+    router = _router_step(micro_batches, lambda mb: _sft_forward(model, mb, options, device), options, device)
     loss_sum, values = _backpropagate(model, micro_batches, _sft_loss_sum(model, options, device, router),
                                       denominator, options, device, router)
     return loss_sum, values, router
@@ -213,11 +233,9 @@ def forward_backward(
     """Accumulate gradients of the global-batch loss; return (global loss, global counts). The loss is the whole
     objective (an MoE model's router terms included)."""
     counts = global_counts(micro_batches, options.loss_reduction, device, options.dp_group)
-    denominator = max(counts[2], 1)
-    loss_sum, values, router = _sft_backpropagate(model, micro_batches, denominator, options, device)
-    loss = float(loss_sum) / denominator
-    result = _router_result(values.tolist(), router) if router is not None else None
-    return (loss if result is None else loss + result.objective(router.settings)), counts
+    loss, _ = accumulate_objective(model, micro_batches, functools.partial(_sft_loss_sum, model, options, device),
+                                   lambda mb: _sft_forward(model, mb, options, device), counts[2], options, device)
+    return loss, counts
 
 
 def _reduce_partial_grads(parameters: list[nn.Parameter]) -> None:

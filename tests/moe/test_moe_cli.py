@@ -1,5 +1,5 @@
-"""`isotrain train` on an MoE model: metrics.jsonl and TensorBoard carry the router values; `moe.*` on a dense
-model is refused in one sentence before any work."""
+"""`isotrain train` and `isotrain rl` on an MoE model: metrics.jsonl and TensorBoard carry the router values;
+`moe.*` on a dense model is refused in one sentence before any work (train, rl, embed)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 import pytest
 
 from helpers import isotrain_cli, run_concurrently
+from test_cli_errors import TINY_RL, assert_error_sentence
+from test_early_checks import cli
 
 TINY_MOE = ["model.config.model_type=qwen3_moe", "model.config.hidden_size=32", "model.config.intermediate_size=64",
             "model.config.num_hidden_layers=2", "model.config.num_experts=4", "model.config.num_experts_per_tok=2",
@@ -43,3 +45,44 @@ def test_moe_run_logs_router_metrics_and_dense_run_refuses_moe_keys(tmp_path):
     assert ("error: moe.aux_loss_coef=0.01 is set but the model (llama) has no mixture-of-experts layers; remove "
             "moe.aux_loss_coef or train an MoE model") in " ".join(dense.stderr.split())
     assert not (dense_run / "metrics.jsonl").exists()
+
+
+RL_MOE = [*TINY_RL, "model.config.model_type=qwen3_moe", "model.config.head_dim=8", "model.config.num_experts=4",
+          "model.config.num_experts_per_tok=2", "model.config.moe_intermediate_size=32"]
+
+
+def _dense_refusal(model_type: str, key: str = "aux_loss_coef", value: str = "0.01") -> str:
+    return (f"moe.{key}={value} is set but the model ({model_type}) has no mixture-of-experts layers; remove "
+            f"moe.{key} or train an MoE model")
+
+
+@pytest.mark.slow
+def test_moe_rl_run_logs_router_metrics(tmp_path):
+    # Two optimizer steps per rollout, each of two micro-batches: the routing pre-pass runs in every update.
+    proc = isotrain_cli(["rl", *RL_MOE[1:], "moe.z_loss_coef=0.001", "rl.mini_batch_prompts=2",
+                         "train.micro_batch_size=4", f"output_dir={tmp_path}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["optimizer_steps"]) for row in rows] == [(1, 2), (2, 4)]
+    for row in rows:
+        assert row["aux_loss"] > 0 and row["z_loss"] > 0 and row["load_ratio"] >= 1
+        assert len(row["expert_share"]) == 2 and all(len(layer) == 4 for layer in row["expert_share"])
+        assert all(abs(sum(layer) - 1) < 1e-3 for layer in row["expert_share"])
+        # The logged loss is the whole objective: the router terms are in it (rewards may all be equal: pg 0).
+        assert row["loss"] != row["pg_loss"]
+
+
+def test_dense_rl_policy_refuses_moe_keys(capsys, tmp_path):
+    run = tmp_path / "run"
+    assert_error_sentence(cli(capsys, [*TINY_RL, "moe.aux_loss_scope=micro_batch", f"output_dir={run}"]),
+                          _dense_refusal("llama", "aux_loss_scope", "'micro_batch'"))
+    assert not run.exists()  # refused before any work
+
+
+def test_dense_embedder_refuses_moe_keys(capsys, tmp_path):
+    bert = ["model.config.model_type=bert", "model.config.hidden_size=32", "model.config.num_hidden_layers=2",
+            "model.config.num_attention_heads=2", "model.config.intermediate_size=64", "eval.path=null"]
+    proc = cli(capsys, ["embed", *bert, "moe.z_loss_coef=0.01", f"data.path={tmp_path / 'pairs.jsonl'}",
+                        f"output_dir={tmp_path / 'run'}"])
+    assert_error_sentence(proc, _dense_refusal("bert", "z_loss_coef"))
+    assert not (tmp_path / "run").exists()  # refused before any work

@@ -6,6 +6,9 @@ One launch covers every given layout (a mesh each) and every rl.loss_agg mode, e
 rl.mask_truncated off and on (the model is rebuilt for each):
 results[(dp_replicate, dp_shard)][(loss_agg, mask_truncated)] = {loss, grads, stats, grad_norm, ...};
 run() is one layout in this process.
+An optional 4th argument MOE_LAYOUTS (e.g. 2x1x8,2x1x4: dp_replicate × dp_shard × micro-batch size) adds a
+tiny Qwen3-MoE policy (4 experts, top-2) trained with its router terms (aux and z-loss) in both scopes:
+results["moe"][(dp_replicate, dp_shard, micro_batch)][scope], in the same launch.
 
 The rollout is fixed and the same in every process: P=4 prompts × n=4 samples with variable prompt
 and response lengths, one empty response and one truncated one; per-token old log-probs are the
@@ -23,10 +26,11 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from isotrain.config import build_config
 from isotrain.models.unwrap import unwrap
+from isotrain.moe.settings import router_settings
 from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.dims import ParallelDims
@@ -47,18 +51,26 @@ LAYOUT = RowLayout(packed=True)
 MODEL_CONFIG = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                 "max_position_embeddings": 64}
+# The MoE policy: every layer sparse, 4 experts, top-2. Coefficients far above the default 0.001, so the router
+# terms move the gradients by much more than the tolerance (checked by test_rl_equivalence.py).
+MOE_CONFIG = {**MODEL_CONFIG, "model_type": "qwen3_moe", "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []}
+MOE_SECTION = {"aux_loss_coef": 0.1, "z_loss_coef": 0.01}
+MOE_LOSS_AGG = "seq-mean-token-mean"
 
 
-def tiny_model() -> LlamaForCausalLM:
+def tiny_model(model_config: dict = MODEL_CONFIG):
     torch.manual_seed(0)  # identical weights on every rank and in every layout
-    config = LlamaConfig(**{k: v for k, v in MODEL_CONFIG.items() if k != "model_type"})
+    config = AutoConfig.for_model(**model_config)
     config.use_cache = False
-    return LlamaForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config)
 
 
-def make_config(loss_agg: str, mask_truncated: bool, micro_batch: int, dp_replicate: int, dp_shard: int, tp: int = 1):
+def make_config(loss_agg: str, mask_truncated: bool, micro_batch: int, dp_replicate: int, dp_shard: int, tp: int = 1,
+                moe: dict | None = None):
     return build_config({
-        "model": {"config": MODEL_CONFIG},
+        "model": {"config": MODEL_CONFIG if moe is None else MOE_CONFIG},
+        **({} if moe is None else {"moe": moe}),
         "train": {"micro_batch_size": micro_batch, "seed": 0, "grad_clip": 1.0},
         "parallel": {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp},
         "rl": {"algorithm": "grpo", "prompts_per_step": PROMPTS, "group_size": GROUP, "mini_batch_prompts": PROMPTS,
@@ -91,7 +103,7 @@ def make_rollout() -> RolloutBatch:
 
 def per_token_arrays(batch: RolloutBatch, cfg) -> dict:
     """old = the model's own log-probs + fixed offsets; ref and engine = other fixed values; advantages."""
-    own = response_logprobs(tiny_model(), batch, pad_id=0, micro_batch_size=len(batch), temperature=1.0,
+    own = response_logprobs(tiny_model(cfg.model.config), batch, pad_id=0, micro_batch_size=len(batch), temperature=1.0,
                             device=torch.device("cpu"))
     rng = np.random.default_rng(7)
     offsets = np.array([-0.3, -0.05, 0.05, 0.3])
@@ -106,25 +118,29 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def run_mode(info, parallel, loss_agg: str, mask_truncated: bool, micro_batch: int) -> dict:
+def run_mode(info, parallel, loss_agg: str, mask_truncated: bool, micro_batch: int, moe: dict | None = None) -> dict:
+    """`moe`: the run's moe section, with the MoE policy (MOE_CONFIG) instead of the dense one."""
     degrees = parallel.dims
-    cfg = make_config(loss_agg, mask_truncated, micro_batch, degrees.dp_replicate, degrees.dp_shard, degrees.tp)
+    cfg = make_config(loss_agg, mask_truncated, micro_batch, degrees.dp_replicate, degrees.dp_shard, degrees.tp, moe)
     plan = plan_rl_batches(cfg, degrees)
     batch = make_rollout()
     per_token = per_token_arrays(batch, cfg)
-    model = wrap_replicas(parallelize(tiny_model(), parallel), parallel)
+    model = wrap_replicas(parallelize(tiny_model(cfg.model.config), parallel), parallel)
     optimizer = build_optimizer(model, cfg.train)
     captured = {}
 
     def before_update():  # after every backward, before clipping and the optimizer step
         captured["grads"] = {n: full(p.grad) for n, p in unwrap(model).named_parameters()}
 
+    router = router_settings(cfg.moe, unwrap(model).config)
     ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=parallel.dp_rank, device=info.device, pad_id=0, layout=LAYOUT,
-                          options=step_options(cfg, parallel, loss_parallel=False), before_update=before_update)
+                          options=step_options(cfg, parallel, loss_parallel=False, router=router),
+                          before_update=before_update)
     totals = run_updates(model, optimizer, batch, per_token, ctx, step=0, lr_of=lambda k: LR)
     return {"loss": totals.loss_sum, "grads": captured["grads"], "stats": totals.stats.clone(),
             "grad_norm": totals.grad_norm_sum, "input_tokens": totals.input_tokens, "samples": totals.samples,
-            "num_updates": totals.num_updates, "grad_accum_steps": plan.grad_accum_steps}
+            "num_updates": totals.num_updates, "grad_accum_steps": plan.grad_accum_steps,
+            "router": totals.router_means()}
 
 
 def naive_mode(loss_agg: str, micro_batch: int) -> dict:
@@ -150,14 +166,37 @@ def naive_mode(loss_agg: str, micro_batch: int) -> dict:
     return {"loss": loss, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
 
 
+def hf_aux_loss() -> float:
+    """transformers' own load_balancing_loss_func over the whole rollout at the initial MoE weights: one padded
+    row per sample, the attention mask built from the prompt + response lengths (padding excluded)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    batch = make_rollout()
+    model = tiny_model(MOE_CONFIG)
+    mb = make_micro_batch(batch, 0, False, {})
+    lengths = torch.tensor([len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)])
+    attention_mask = (torch.arange(mb["input_ids"].shape[1]) < lengths[:, None]).long()
+    with torch.no_grad():
+        out = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"], output_router_logits=True)
+    return float(load_balancing_loss_func(out.router_logits, MOE_CONFIG["num_experts"],
+                                          MOE_CONFIG["num_experts_per_tok"], attention_mask))
+
+
 def run(out: str, dp_replicate: int, dp_shard: int, micro_batch: int) -> None:
-    """One layout in this process: results[(loss_agg, mask_truncated)]."""
+    """One dense layout in this process: results[(loss_agg, mask_truncated)]."""
     torch.save(run_layouts([(dp_replicate, dp_shard)], micro_batch)[(dp_replicate, dp_shard)], out)
 
 
-def run_layouts(layouts: list[tuple[int, ...]], micro_batch: int) -> dict | None:
+MOE_SECTIONS = {"global": {**MOE_SECTION, "aux_loss_scope": "global"},
+                "micro_batch": {**MOE_SECTION, "aux_loss_scope": "micro_batch"}}
+
+
+def run_layouts(layouts: list[tuple[int, ...]], micro_batch: int, moe_layouts: list[tuple[int, int, int]] = (),
+                moe_sections: dict[str, dict] = MOE_SECTIONS) -> dict | None:
     """Every (dp_replicate, dp_shard[, tp]) layout in turn, each with its own mesh and models, in one launch
-    (the processes start once): results[layout][(loss_agg, mask_truncated)] on rank 0."""
+    (the processes start once): results[layout][(loss_agg, mask_truncated)] on rank 0. Then the MoE policy
+    (MOE_LOSS_AGG, mask_truncated on) in every (dp_replicate, dp_shard, micro_batch) of `moe_layouts`, with each
+    named moe section: results["moe"][layout][name]."""
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
     results = {}
@@ -165,14 +204,25 @@ def run_layouts(layouts: list[tuple[int, ...]], micro_batch: int) -> dict | None
         parallel = build_parallel(ParallelDims(*layout, *(1,) * (3 - len(layout))), info.device, info.rank)
         results[layout] = {(mode, masked): run_mode(info, parallel, mode, masked, micro_batch)
                            for mode in LOSS_AGG_MODES for masked in (False, True)}
+    results["moe"] = {}
+    for dp_replicate, dp_shard, moe_micro_batch in moe_layouts:
+        parallel = build_parallel(ParallelDims(dp_replicate, dp_shard, 1), info.device, info.rank)
+        results["moe"][(dp_replicate, dp_shard, moe_micro_batch)] = {
+            name: run_mode(info, parallel, MOE_LOSS_AGG, True, moe_micro_batch, moe)
+            for name, moe in moe_sections.items()}
     if info.is_distributed:
         shutdown_distributed()
     return results if info.is_main else None
 
 
+def _layouts(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(x) for x in layout.split("x")) for layout in text.split(",") if layout]
+
+
 if __name__ == "__main__":
-    # rl_equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH; LAYOUTS: DP_REPLICATExDP_SHARD[xTP][,...], e.g. 2x1,1x1x2
-    out, layouts, micro = sys.argv[1:]
-    results = run_layouts([tuple(int(x) for x in layout.split("x")) for layout in layouts.split(",")], int(micro))
+    # rl_equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [MOE_LAYOUTS]
+    # LAYOUTS: DP_REPLICATExDP_SHARD[xTP][,...], e.g. 2x1,1x1x2; MOE_LAYOUTS: DP_REPLICATExDP_SHARDxMICRO_BATCH[,...]
+    out, layouts, micro, *moe_layouts = sys.argv[1:]
+    results = run_layouts(_layouts(layouts), int(micro), _layouts(moe_layouts[0]) if moe_layouts else [])
     if results is not None:
         torch.save(results, out)

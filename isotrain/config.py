@@ -227,7 +227,8 @@ class MoeConfig(Section):
     )
     aux_loss_scope: Literal["global", "micro_batch"] = Field(
         "global",
-        description="Tokens the load-balancing loss pools: `global`, the whole global batch (the same loss and "
+        description="Tokens the load-balancing loss pools: `global`, the whole global batch (RL: the update's "
+        "mini-batch; the same loss and "
         "gradient for any split into ranks and micro-batches; costs a no-grad routing forward with gradient "
         "accumulation), or `micro_batch`, each micro-batch on its own and averaged (what other frameworks do).",
     )

@@ -32,7 +32,7 @@ from isotrain.embed.loss import LossSettings
 from isotrain.embed.model import build_embedder, embed_tokenizer
 from isotrain.errors import ConfigError
 from isotrain.models.loading import declared_config
-from isotrain.moe.settings import check_moe_section
+from isotrain.moe.settings import check_moe_section, num_experts
 from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import DistInfo, init_distributed, shutdown_distributed
 from isotrain.sizes import plan_batches
@@ -77,6 +77,14 @@ def check_layout(degrees) -> None:
                           f"dp_shard={degrees.dp_shard}, ep={degrees.ep}); set parallel.dp_replicate=-1 and the others to 1")
 
 
+def _refuse_router_terms(moe_cfg) -> None:
+    """The contrastive loss has no router terms: a `moe.*` setting would change nothing, so it is refused."""
+    for key, value in moe_cfg.model_dump().items():
+        if value != type(moe_cfg).model_fields[key].default:
+            raise ConfigError(f"moe.{key}={value!r} has no effect in isotrain embed, whose contrastive loss has no "
+                              f"router terms; remove moe.{key}")
+
+
 def embed_step(run: EmbedRun, state: RunState) -> dict:
     """Step `state.step`: this rank's micro-batches of global batch `state.step` -> one optimizer step."""
     cfg = run.cfg
@@ -117,6 +125,7 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     check_layout(degrees)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
     check_moe_section(cfg.moe, declared_config(cfg.model))  # moe.* on a dense model would do nothing
+    _refuse_router_terms(cfg.moe)
     rows = read_pairs(cfg.data.path, cfg.embed.hard_negatives)
     report = skipped_report(rows)
     held_out = None  # read now: a wrong eval.path is reported before any work
@@ -129,6 +138,8 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     tokenizer = embed_tokenizer(cfg, texts, info, output_dir, log)
     samples = tokenize_rows(rows.rows, tokenizer, cfg.data.max_seq_len, cfg.embed.hard_negatives, cfg.embed.query_prefix)
     model = build_embedder(cfg, tokenizer, info.device)
+    if num_experts(model.config) is not None:
+        log("note: the model's routers train without a load-balancing loss (isotrain embed has no router terms)")
     optimizer = build_optimizer(model, cfg.train)
     sampler = GlobalBatchSampler(len(samples), plan.global_batch_size, cfg.train.seed)
     fingerprint = text_id("\n".join(texts) + f"\n{cfg.embed.query_prefix}")

@@ -41,7 +41,8 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     return storage_bytes(t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
 
 
-def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_parallel: bool) -> dict[str, int]:
+def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_parallel: bool,
+                     router=None) -> dict[str, int]:
     """What a real forward of `micro_batch` keeps for backward, by kind, plus the logits (memory/saved.py)."""
     from isotrain.train.loss import loss_weights
 
@@ -55,7 +56,7 @@ def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_p
     with parallel_loss:
         with count_saved(model, decoder_layers(model)) as saved:
             loss = forward_loss(model, micro_batch["input_ids"], micro_batch["position_ids"], labels, weights,
-                                autocast_dtype)
+                                autocast_dtype, router=router, saved=saved)
         loss.backward()  # frees what was counted (FSDP2 also expects the backward of every forward)
     result = dict(saved.by_kind)
     result["logits"] = saved.logits_bytes

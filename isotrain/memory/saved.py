@@ -59,10 +59,12 @@ def _param_origin(t: torch.Tensor) -> str | None:
 
 @dataclass
 class SavedBytes:
-    """Bytes by kind; `storages` remembers what was counted so a storage is never counted twice."""
+    """Bytes by kind; `storages` remembers what was counted so a storage is never counted twice. It holds the
+    storages themselves: a storage freed while counting (a graph dropped at once, e.g. one that only yields
+    integer counts) would otherwise let a new storage take its address and go uncounted."""
 
     by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
-    storages: set = field(default_factory=set)
+    storages: dict = field(default_factory=dict)
     in_head: bool = False
     in_router: bool = False
     logits_bytes: int = 0  # the logits tensor itself (alive until the loss is formed, then freed)
@@ -79,7 +81,7 @@ class SavedBytes:
         key = storage._cdata
         if key in self.storages:
             return
-        self.storages.add(key)
+        self.storages[key] = storage
         if kind is None:
             kind = ("compute_copies" if origin == "copy" else "router" if self.in_router
                     else "logits_loss" if self.in_head else "activations")

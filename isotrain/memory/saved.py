@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor
 
 KINDS = ("activations", "compute_copies", "logits_loss", "router")
 # Backward nodes that only view or cast their input: a chain of them from a leaf is still "that parameter".
-# Expert parallelism indexes one expert of a DTensor's local part (SelectBackward0 of ToLocalBackward).
+# Expert parallelism indexes one expert of a DTensor's local part (SelectBackward0 of DTensor.to_local).
 _VIEW_NODES = {"TBackward0", "ViewBackward0", "TransposeBackward0", "AliasBackward0", "PermuteBackward0",
                "ExpandBackward0", "UnsafeViewBackward0", "ToCopyBackward0", "_ToCopyBackward0", "SelectBackward0",
-               "ToLocalBackward"}
+               "_ToTorchTensorBackward"}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

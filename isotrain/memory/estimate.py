@@ -230,8 +230,10 @@ def memory_table(estimate: MemoryEstimate):
     from rich.table import Table
 
     s = estimate.settings
+    ep = f", ep {s['ep']}" if "ep" in s else ""
     title = (f"per-rank memory (rank 0 of {s['world_size']}: dp_replicate {s['dp_replicate']}, dp_shard "
-             f"{s['dp_shard']}, tp {s['tp']}{', ep ' + str(s['ep']) if 'ep' in s else ''}; {s['dtype']}; micro-batch {s['micro_batch_size']} × {s['max_seq_len']})")
+             f"{s['dp_shard']}, tp {s['tp']}{ep}; {s['dtype']}; "
+             f"micro-batch {s['micro_batch_size']} × {s['max_seq_len']})")
     table = Table(title=title)
     table.add_column("term")
     table.add_column("MiB", justify="right")

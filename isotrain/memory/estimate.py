@@ -16,6 +16,11 @@ FSDP2 (dp_shard > 1) adds its unsharded copies, in the dtype it computes in: the
 (embeddings, final norm, head: not resharded after forward) and two decoder layers (the one in use and the
 one prefetched in backward), plus one layer's unsharded gradients (and their fp32 copy for the reduce-scatter
 when computing in bf16).
+
+Mixture-of-experts models: under expert parallelism (`parallel.ep`) each rank holds E/ep whole experts of every
+fused expert weight, outside FSDP2 (not sharded, not padded, not in its buffers); the fake forward routes the
+experts as if every expert got the same share of the tokens (memory/fake_experts.py), and the router terms of
+the objective count on their own (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -153,7 +158,7 @@ def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str) -> 
     terms = [Term("activations", saved.by_kind["activations"], f"saved for backward, {tokens}"
                   + (", layer inputs only (checkpointing)" if checkpointing else "") + routing),
              Term("compute copies", saved.by_kind["compute_copies"], "autocast's low-precision weight copies"
-                  + ("; EP: the local experts cast to the compute dtype" if degrees.ep > 1 else "")),
+                  + ("; EP: the local experts cast to the compute dtype" if degrees.ep > 1 and lowp else "")),
              Term("logits and loss", saved.by_kind["logits_loss"] + saved.logits_bytes + upcast,
                   "head/loss saved tensors + logits" + (" + their fp32 upcast" if upcast else ""))]
     if router is not None:

@@ -7,12 +7,13 @@ optimizer moments from the start), then VmHWM − VmRSS-before = the measured pe
 scratch of matmul/attention kernels are outside the estimate; MALLOC_MMAP_THRESHOLD_ is fixed so large frees
 return to the system.
 
-    MALLOC_MMAP_THRESHOLD_=1048576 OMP_NUM_THREADS=2 python bench/memory.py
+    MALLOC_MMAP_THRESHOLD_=1048576 OMP_NUM_THREADS=2 python bench/memory.py [dense] [moe]
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 
 import torch
 from rich.console import Console
@@ -22,16 +23,19 @@ from isotrain.config import build_config
 from isotrain.memory.estimate import estimate_memory
 from isotrain.models.build import build_plain
 from isotrain.models.tokenizer import train_tokenizer
+from isotrain.models.unwrap import hf_model
+from isotrain.moe.settings import router_settings
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.mesh import single_process
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import step_options, train_step
 
-CASES = [  # (hidden, layers, vocab, micro, seq, dtype, checkpointing)
-    (256, 4, 8192, 8, 256, "float32", "none"),
-    (256, 4, 8192, 8, 256, "float32", "full"),
-    (256, 4, 8192, 8, 256, "bfloat16", "none"),
-    (512, 4, 8192, 4, 256, "float32", "none"),
+CASES = [  # (hidden, layers, vocab, micro, seq, dtype, checkpointing, experts: 0 = dense Llama, else qwen3_moe top-2)
+    (256, 4, 8192, 8, 256, "float32", "none", 0),
+    (256, 4, 8192, 8, 256, "float32", "full", 0),
+    (256, 4, 8192, 8, 256, "bfloat16", "none", 0),
+    (512, 4, 8192, 4, 256, "float32", "none", 0),
+    (256, 4, 8192, 8, 256, "float32", "none", 8),
 ]
 
 
@@ -42,10 +46,13 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def case_config(hidden, layers, vocab, micro, seq, dtype, checkpointing):
+def case_config(hidden, layers, vocab, micro, seq, dtype, checkpointing, experts):
     model = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": hidden * 8 // 3 // 16 * 16 + 16,
              "num_hidden_layers": layers, "num_attention_heads": max(hidden // 64, 4),
              "num_key_value_heads": max(hidden // 64, 4), "max_position_embeddings": seq, "vocab_size": vocab}
+    if experts:
+        model.update(model_type="qwen3_moe", num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=hidden,
+                     decoder_sparse_step=1, mlp_only_layers=[])
     return build_config({"model": {"config": model, "dtype": dtype}, "data": {"max_seq_len": seq},
                          "train": {"micro_batch_size": micro, "global_batch_size": micro,
                                    "activation_checkpointing": checkpointing}})
@@ -63,7 +70,8 @@ def measure(cfg, tokenizer) -> int:
         f.write("5")
     model = build_plain(cfg.model, tokenizer, 0, activation_checkpointing=cfg.train.activation_checkpointing == "full")
     optimizer = build_optimizer(model, cfg.train)
-    options = step_options(cfg, single_process(ParallelDims(1, 1, 1)))
+    options = step_options(cfg, single_process(ParallelDims(1, 1, 1)),
+                           router=router_settings(cfg.moe, hf_model(model).config))
     for _ in range(2):
         train_step(model, optimizer, [batch], 1e-4, options, torch.device("cpu"))
     peak = _status("VmHWM") - before
@@ -77,12 +85,16 @@ def main() -> None:
     table = Table(title="estimate vs measured peak RSS increase, 1 process (MB = 1e6 bytes)")
     for column in ("model", "dtype", "checkpointing", "micro × seq", "estimate MB", "measured MB", "measured / estimate"):
         table.add_column(column, justify="right")
+    only = set(sys.argv[1:])  # e.g. `moe`: only the MoE rows
     for case in CASES:
+        if only and ("moe" if case[-1] else "dense") not in only:
+            continue
         cfg = case_config(*case)
         estimate = estimate_memory(cfg, 1, vocab_size=case[2]).total_bytes
         measured = measure(cfg, tokenizer)
-        hidden, layers, vocab, micro, seq, dtype, checkpointing = case
-        table.add_row(f"h{hidden} L{layers} V{vocab}", dtype, checkpointing, f"{micro} × {seq}",
+        hidden, layers, vocab, micro, seq, dtype, checkpointing, experts = case
+        name = f"h{hidden} L{layers} V{vocab}" + (f" MoE {experts}×top-2" if experts else "")
+        table.add_row(name, dtype, checkpointing, f"{micro} × {seq}",
                       f"{estimate / 1e6:.1f}", f"{measured / 1e6:.1f}", f"{measured / estimate:.2f}")
     Console().print(table)
 

@@ -16,6 +16,11 @@ FSDP2 (dp_shard > 1) adds its unsharded copies, in the dtype it computes in: the
 (embeddings, final norm, head: not resharded after forward) and two decoder layers (the one in use and the
 one prefetched in backward), plus one layer's unsharded gradients (and their fp32 copy for the reduce-scatter
 when computing in bf16).
+
+Mixture-of-experts models: under expert parallelism (`parallel.ep`) each rank holds E/ep whole experts of every
+fused expert weight, outside FSDP2 (not sharded, not padded, not in its buffers); the fake forward routes the
+experts as if every expert got the same share of the tokens (memory/fake_experts.py), and the router terms of
+the objective count on their own (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from isotrain.config import Config
 from isotrain.errors import ConfigError
-from isotrain.memory.shards import local_numel, tp_split_dims
+from isotrain.memory.shards import expert_parameter_names, local_numel, tp_split_dims
 from isotrain.parallel.dims import ParallelDims
 
 # The estimator's dtype choices: (parameter storage, compute) dtypes. float8 is the estimator's own option
@@ -72,12 +77,14 @@ def model_state_terms(model, config, degrees: ParallelDims, dtype: str, tp_rank:
     # Measured: under TP the vocabulary-parallel embedding's gradient arrives whole on every TP rank (all
     # vocabulary rows, as a partial sum) and is split only by the update's redistribution.
     embedding = model.get_input_embeddings().weight
+    experts = expert_parameter_names(model)
     padded = unpadded = tensors = grads = 0
     for name, param in model.named_parameters():
-        padded += local_numel(tuple(param.shape), split.get(name), degrees, tp_rank, shard_rank, padded=True)
-        unpadded += local_numel(tuple(param.shape), split.get(name), degrees, tp_rank, shard_rank, padded=False)
+        shape, expert = tuple(param.shape), name in experts
+        padded += local_numel(shape, split.get(name), degrees, tp_rank, shard_rank, padded=True, expert=expert)
+        unpadded += local_numel(shape, split.get(name), degrees, tp_rank, shard_rank, padded=False, expert=expert)
         grad_split = None if param is embedding and degrees.dp_shard == 1 else split.get(name)
-        grads += local_numel(tuple(param.shape), grad_split, degrees, tp_rank, shard_rank, padded=True)
+        grads += local_numel(shape, grad_split, degrees, tp_rank, shard_rank, padded=True, expert=expert)
         tensors += 1
     low = storage.itemsize < FP32_BYTES
     terms = [Term("parameters", padded * storage.itemsize + (tensors * FP32_BYTES if low else 0),
@@ -92,15 +99,18 @@ def model_state_terms(model, config, degrees: ParallelDims, dtype: str, tp_rank:
 
 
 def _unsharded_groups(model, config, degrees: ParallelDims) -> tuple[int, int]:
-    """(root elements, largest decoder layer's elements) of this TP rank, before FSDP2 splits them."""
+    """(root elements, largest decoder layer's elements) of this TP rank, before FSDP2 splits them; under
+    expert parallelism without the experts, which FSDP2 leaves alone."""
     from isotrain.parallel.apply import decoder_layers
 
     split = tp_split_dims(model, config) if degrees.tp > 1 else {}
     no_dp = ParallelDims(1, 1, degrees.tp)
     names = {id(p): n for n, p in model.named_parameters()}
+    ignored = expert_parameter_names(model) if degrees.ep > 1 else set()
 
     def numel(params) -> int:
-        return sum(local_numel(tuple(p.shape), split.get(names[id(p)]), no_dp) for p in params)
+        return sum(local_numel(tuple(p.shape), split.get(names[id(p)]), no_dp) for p in params
+                   if names[id(p)] not in ignored)
 
     layers = decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
@@ -116,13 +126,15 @@ def fsdp_terms(model, config, degrees: ParallelDims, dtype: str) -> list[Term]:
     gathered = (root + 2 * layer) * storage.itemsize if storage.itemsize < FP32_BYTES else 0
     gathered += (root + 2 * layer) * compute.itemsize
     grads = layer * compute.itemsize + (layer * FP32_BYTES if compute.itemsize < FP32_BYTES else 0)
-    return [Term("FSDP2 all-gather buffers", gathered, "unsharded root + 2 decoder layers, compute dtype"),
+    experts = " (experts excluded: expert parallel)" if degrees.ep > 1 else ""
+    return [Term("FSDP2 all-gather buffers", gathered, "unsharded root + 2 decoder layers, compute dtype" + experts),
             Term("FSDP2 reduce-scatter buffers", grads, "one layer's unsharded gradients (+ fp32 copy)")]
 
 
 def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str) -> list[Term]:
     from isotrain.memory.fake_forward import fake_forward
     from isotrain.models.checks import attention_kernel
+    from isotrain.moe.settings import router_settings
     from transformers import AutoModelForCausalLM
 
     _, compute = DTYPES[dtype]
@@ -132,15 +144,26 @@ def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str) -> 
     kwargs = dict(micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len, tp=degrees.tp,
                   param_dtype=compute if fsdp else torch.float32,
                   autocast_dtype=compute if lowp and not fsdp else None, packed=cfg.data.packing)
+    router = router_settings(cfg.moe, config)
+    kwargs.update(ep=degrees.ep, router=router)
     kernel = attention_kernel(cfg.model, config, AutoModelForCausalLM)
     saved = fake_forward(config, kernel, activation_checkpointing=checkpointing, **kwargs)
     upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype != torch.float32 else 0
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
+    routing = ""
+    if router is not None:
+        routing = (f"; MoE: top-{router.top_k} of {router.num_experts} experts, "
+                   + ("balanced routing (each rank receives as many rows as it sends)" if degrees.ep > 1
+                      else "every (token, expert) pair one row, whatever the routing"))
     terms = [Term("activations", saved.by_kind["activations"], f"saved for backward, {tokens}"
-                  + (", layer inputs only (checkpointing)" if checkpointing else "")),
-             Term("compute copies", saved.by_kind["compute_copies"], "autocast's low-precision weight copies"),
+                  + (", layer inputs only (checkpointing)" if checkpointing else "") + routing),
+             Term("compute copies", saved.by_kind["compute_copies"], "autocast's low-precision weight copies"
+                  + ("; EP: the local experts cast to the compute dtype" if degrees.ep > 1 and lowp else "")),
              Term("logits and loss", saved.by_kind["logits_loss"] + saved.logits_bytes + upcast,
                   "head/loss saved tensors + logits" + (" + their fp32 upcast" if upcast else ""))]
+    if router is not None:
+        terms.append(Term("router logits and terms", saved.by_kind["router"],
+                          "router logits kept for the aux / z-loss, their fp32 probabilities"))
     if checkpointing:
         full = fake_forward(config, kernel, activation_checkpointing=False, **kwargs)
         body = lambda s: s.by_kind["activations"] + s.by_kind["compute_copies"]  # noqa: E731
@@ -212,8 +235,10 @@ def memory_table(estimate: MemoryEstimate):
     from rich.table import Table
 
     s = estimate.settings
+    ep = f", ep {s['ep']}" if "ep" in s else ""
     title = (f"per-rank memory (rank 0 of {s['world_size']}: dp_replicate {s['dp_replicate']}, dp_shard "
-             f"{s['dp_shard']}, tp {s['tp']}; {s['dtype']}; micro-batch {s['micro_batch_size']} × {s['max_seq_len']})")
+             f"{s['dp_shard']}, tp {s['tp']}{ep}; {s['dtype']}; "
+             f"micro-batch {s['micro_batch_size']} × {s['max_seq_len']})")
     table = Table(title=title)
     table.add_column("term")
     table.add_column("MiB", justify="right")

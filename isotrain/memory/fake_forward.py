@@ -16,6 +16,10 @@ tensors (no expanded KV heads, no mask): `_sdpa_as_real` asks the real dispatche
 which kernel it would take and calls that one. Likewise transformers cannot read fake position ids to see that
 a row holds one document and builds a mask it would skip for real rows; unpacked rows (`packed=False`) are
 one document each, so the fake forward tells it so (`_one_document_per_row`).
+
+Mixture-of-experts layers run transformers' own experts code, except where fake tensors cannot follow it
+(memory/fake_experts.py): torch's grouped_mm has no fp32 fake kernel, and expert parallelism's all-to-alls
+are sized by the routing, which the fake forward replaces by balanced routing.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from isotrain.memory.fake_experts import balance_expert_parallel, grouped_mm_as_saved
 from isotrain.memory.saved import SavedBytes, count_saved, forward_loss
 from isotrain.parallel.apply import decoder_layers
 
@@ -100,14 +105,18 @@ def _one_document_per_row(enabled: bool):
 
 def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq_len: int, tp: int,
                  param_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-                 activation_checkpointing: bool, packed: bool = False) -> SavedBytes:
-    """What one rank's forward of a full micro-batch (every position a trained token) keeps for backward."""
+                 activation_checkpointing: bool, packed: bool = False, ep: int = 1, router=None) -> SavedBytes:
+    """What one rank's forward of a full micro-batch (every position a trained token) keeps for backward.
+    `ep`: the expert-parallel degree; `router`: an MoE model's RouterSettings (its router terms join the loss)."""
     from transformers import AutoModelForCausalLM
 
     config = tp_rank_config(config, tp)
-    with FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(), _one_document_per_row(not packed):
+    with (FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(), _one_document_per_row(not packed),
+          grouped_mm_as_saved()):
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_implementation)
         model.config.use_cache = False
+        if ep > 1:
+            balance_expert_parallel(model, ep)
         if activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -117,5 +126,5 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
         labels = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
         weights = torch.ones(micro_batch_size, seq_len)
         with count_saved(model, decoder_layers(model)) as saved:
-            forward_loss(model, input_ids, position_ids, labels, weights, autocast_dtype)
+            forward_loss(model, input_ids, position_ids, labels, weights, autocast_dtype, router=router, saved=saved)
     return saved

@@ -41,8 +41,10 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     return storage_bytes(t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
 
 
-def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_parallel: bool) -> dict[str, int]:
+def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_parallel: bool,
+                     router=None) -> dict[str, int]:
     """What a real forward of `micro_batch` keeps for backward, by kind, plus the logits (memory/saved.py)."""
+    from isotrain.models.unwrap import hf_model
     from isotrain.train.loss import loss_weights
 
     labels = micro_batch["labels"]
@@ -53,9 +55,10 @@ def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_p
 
         parallel_loss = parallel_loss_context()
     with parallel_loss:
-        with count_saved(model, decoder_layers(model)) as saved:
+        inner = hf_model(model)  # the Hugging Face model inside a DDP wrapper
+        with count_saved(inner, decoder_layers(inner)) as saved:
             loss = forward_loss(model, micro_batch["input_ids"], micro_batch["position_ids"], labels, weights,
-                                autocast_dtype)
+                                autocast_dtype, router=router, saved=saved)
         loss.backward()  # frees what was counted (FSDP2 also expects the backward of every forward)
     result = dict(saved.by_kind)
     result["logits"] = saved.logits_bytes

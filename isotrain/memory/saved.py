@@ -10,6 +10,8 @@ Kinds:
 - `compute_copies`: lower-precision copies of parameters made by autocast (`ToCopyBackward` of a leaf), kept
   by the matmuls that use them until backward;
 - `logits_loss`: what the LM head and the loss save, from the head's input on (the loss's fp32 log-softmax);
+- `router`: what an MoE model's router terms save (isotrain/moe/: the router logits the objective asks the
+  model for, their fp32 probabilities, the z-loss's logsumexp);
 - parameters themselves (or views of them) are not counted: they are model state, not activations.
 """
 
@@ -22,10 +24,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-KINDS = ("activations", "compute_copies", "logits_loss")
+KINDS = ("activations", "compute_copies", "logits_loss", "router")
 # Backward nodes that only view or cast their input: a chain of them from a leaf is still "that parameter".
+# Expert parallelism indexes one expert of a DTensor's local part (SelectBackward0 of DTensor.to_local).
 _VIEW_NODES = {"TBackward0", "ViewBackward0", "TransposeBackward0", "AliasBackward0", "PermuteBackward0",
-               "ExpandBackward0", "UnsafeViewBackward0", "ToCopyBackward0", "_ToCopyBackward0"}
+               "ExpandBackward0", "UnsafeViewBackward0", "ToCopyBackward0", "_ToCopyBackward0", "SelectBackward0",
+               "_ToTorchTensorBackward"}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -55,11 +59,14 @@ def _param_origin(t: torch.Tensor) -> str | None:
 
 @dataclass
 class SavedBytes:
-    """Bytes by kind; `storages` remembers what was counted so a storage is never counted twice."""
+    """Bytes by kind; `storages` remembers what was counted so a storage is never counted twice. It holds the
+    storages themselves: a storage freed while counting (a graph dropped at once, e.g. one that only yields
+    integer counts) would otherwise let a new storage take its address and go uncounted."""
 
     by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
-    storages: set = field(default_factory=set)
+    storages: dict = field(default_factory=dict)
     in_head: bool = False
+    in_router: bool = False
     logits_bytes: int = 0  # the logits tensor itself (alive until the loss is formed, then freed)
     logits_dtype: torch.dtype | None = None
     logits_numel: int = 0
@@ -74,9 +81,10 @@ class SavedBytes:
         key = storage._cdata
         if key in self.storages:
             return
-        self.storages.add(key)
+        self.storages[key] = storage
         if kind is None:
-            kind = "compute_copies" if origin == "copy" else "logits_loss" if self.in_head else "activations"
+            kind = ("compute_copies" if origin == "copy" else "router" if self.in_router
+                    else "logits_loss" if self.in_head else "activations")
         self.by_kind[kind] += storage.nbytes()
 
 
@@ -125,14 +133,31 @@ def _note_logits(saved: SavedBytes, out: torch.Tensor) -> None:
     saved.logits_dtype, saved.logits_numel = local.dtype, local.numel()
 
 
-def forward_loss(model: nn.Module, input_ids, position_ids, labels, weights, autocast_dtype, with_mask=False):
-    """The SFT step's forward of one micro-batch (train/step.py `forward_backward`): the logits under autocast
-    when the step uses it, then Σ weighted token losses in fp32."""
-    from isotrain.models.packing_check import lm_logits
+def forward_loss(model: nn.Module, input_ids, position_ids, labels, weights, autocast_dtype, with_mask=False,
+                 router=None, saved: SavedBytes | None = None):
+    """The SFT step's forward of one micro-batch (train/step.py `_sft_loss_sum`): the logits under autocast
+    when the step uses it, then Σ weighted token losses in fp32. `router` (an MoE model's RouterSettings): the
+    model also returns its router logits and the micro-batch's router term joins the loss, as in the step
+    (`micro_batch` scope, which needs no collective and saves the same tensors as `global`); what it saves
+    is counted as `router` in `saved`."""
+    from dataclasses import replace
+
+    from isotrain.models.packing_check import lm_forward
+    from isotrain.moe.objective import RouterStep
+    from isotrain.moe.routing import input_token_mask
     from isotrain.train.loss import token_losses
 
     autocast = (torch.autocast(input_ids.device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
     with autocast:
-        logits = lm_logits(model, input_ids, position_ids, with_mask)
-    return (token_losses(logits, labels) * weights).sum()
+        output = lm_forward(model, input_ids, position_ids, with_mask, router_logits=router is not None)
+    loss = (token_losses(output.logits, labels) * weights).sum()
+    if router is None:
+        return loss
+    if saved is not None:
+        saved.in_router = True
+    step = RouterStep(replace(router, aux_loss_scope="micro_batch"), 1)
+    term = step.term(output.router_logits, input_token_mask(torch.zeros_like(labels)), 0)
+    if saved is not None:
+        saved.in_router = False
+    return loss + term

@@ -9,6 +9,9 @@ last ranks get what is left.
 FSDP2 then splits dim 0 of what TP left over `dp_shard` (HSDP replicates over `dp_replicate`). Its
 sharded storage is padded to ceil(n / k) rows on every rank (the all-gather needs equal parts), while
 AdamW's moments are `zeros_like` the unpadded local view: `padded=True` counts the former.
+
+Expert parallelism (parallel/ep.py) splits each fused expert weight [E, ...] on dim 0 over `ep` (E/ep whole
+experts per rank, `ep` divides E) and leaves it out of FSDP2 and DDP: it is never split over dp_shard.
 """
 
 from __future__ import annotations
@@ -60,10 +63,21 @@ def tp_split_dims(model, config) -> dict[str, int | None]:
     return dims
 
 
+def expert_parameter_names(model) -> set[str]:
+    """Names of the fused expert weights that expert parallelism splits (parallel/ep.py)."""
+    from isotrain.parallel.ep import EXPERT_PARAMS, expert_modules
+
+    return {f"{name}.{key}" for name in expert_modules(model) for key in EXPERT_PARAMS}
+
+
 def local_numel(shape: tuple[int, ...], tp_dim: int | None, degrees: ParallelDims, tp_rank: int = 0,
-                shard_rank: int = 0, padded: bool = True) -> int:
-    """Elements of one parameter on the rank at (`tp_rank`, `shard_rank`); rank 0 holds the most."""
+                shard_rank: int = 0, padded: bool = True, expert: bool = False) -> int:
+    """Elements of one parameter on the rank at (`tp_rank`, `shard_rank`); rank 0 holds the most.
+    `expert`: a fused expert weight, which `degrees.ep` > 1 splits instead of FSDP2."""
     local = list(shape)
+    if expert and degrees.ep > 1:
+        local[0] //= degrees.ep
+        return math.prod(local)
     if degrees.tp > 1 and tp_dim is not None:
         local[tp_dim] = chunk_size(local[tp_dim], degrees.tp, tp_rank)
     if degrees.dp_shard > 1 and local:

@@ -31,7 +31,13 @@ def routing_counts(logits: list[torch.Tensor], top_k: int, mask: torch.Tensor) -
     """int64 [num_layers, E]: C_le = number of input tokens layer l sends to expert e (Σ_e C_le = k · #tokens).
 
     A one-hot sum rather than scatter_add/bincount: integer, exact and deterministic on every device; built by
-    comparison, not F.one_hot, whose index check syncs with the host on CUDA."""
+    comparison, not F.one_hot, whose index check syncs with the host on CUDA. Without gradient: the counts
+    have none, so the probabilities need not be saved for a backward."""
+    with torch.no_grad():
+        return _routing_counts(logits, top_k, mask)
+
+
+def _routing_counts(logits: list[torch.Tensor], top_k: int, mask: torch.Tensor) -> torch.Tensor:
     rows = []
     for layer in logits:
         chosen = torch.topk(router_probs(layer), top_k, dim=-1).indices  # [T, k]

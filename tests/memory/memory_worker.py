@@ -1,10 +1,17 @@
 """Measure every memory term on this rank of a real run and estimate the same run from its config.
 
-    memory_worker.py OUT.json LAYOUT      LAYOUT: RxSxT (dp_replicate x dp_shard x tp)
+    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-]RxSxT[-epN]
+                                                       (dp_replicate x dp_shard x tp, expert parallel N)
 
-For each of fp32 / bf16 × activation checkpointing none / full: build the tiny model with isotrain's builder,
-run one real `train_step` (gradients are measured between backward and update, optimizer state after it),
-then count what one more forward keeps for backward. Rank 0 writes [{variant, rank, measured, estimated}].
+For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
+Llama, or with `moe-` a qwen3_moe of 4 experts, top-2) with isotrain's builder, run one real `train_step`
+(gradients are measured between backward and update, optimizer state after it), then count what one more
+forward keeps for backward. Rank 0 writes [{variant, rank, measured, estimated}].
+
+Under expert parallelism the estimate assumes balanced routing, so the measured run is routed that way:
+every router's choice is replaced by token t -> experts (t·k + j) mod E, j < k (`balanced_routing`), which
+gives each expert the same number of (token, slot) pairs on every rank (the router still runs, so what it
+saves is real).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from isotrain.memory.estimate import estimate_memory
 from isotrain.memory.measure import activation_bytes, gradient_bytes, optimizer_bytes, parameter_bytes
 from isotrain.models.build import build
 from isotrain.models.tokenizer import train_tokenizer
+from isotrain.models.unwrap import hf_model
+from isotrain.moe.settings import router_settings
 from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
@@ -28,6 +37,8 @@ from isotrain.train.step import step_options, train_step
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 64}
+TINY_MOE = {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
 MICRO, SEQ = 2, 16
 
 
@@ -39,13 +50,37 @@ def micro_batch(seed: int) -> dict:
             "num_trained_tokens": MICRO * SEQ}
 
 
+def parse_layout(layout: str) -> tuple[bool, int, int, int, int]:
+    """(moe, dp_replicate, dp_shard, tp, ep) of e.g. `moe-1x2x1-ep2`."""
+    parts = layout.split("-")
+    moe = parts[0] == "moe"
+    dims = parts[1] if moe else parts[0]
+    ep = int(parts[-1][2:]) if parts[-1].startswith("ep") else 1
+    replicate, shard, tp = (int(x) for x in dims.split("x"))
+    return moe, replicate, shard, tp, ep
+
+
 def run_config(layout: str, dtype: str, checkpointing: str):
-    replicate, shard, tp = (int(x) for x in layout.split("x"))
-    return build_config({"model": {"config": TINY, "dtype": dtype},
+    moe, replicate, shard, tp, ep = parse_layout(layout)
+    return build_config({"model": {"config": TINY_MOE if moe else TINY, "dtype": dtype},
                          "data": {"max_seq_len": SEQ},
                          "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard,
                                    "activation_checkpointing": checkpointing},
-                         "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp}})
+                         "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "ep": ep}})
+
+
+def balanced_routing(model) -> None:
+    """Route token t of every MoE layer to experts (t·k + j) mod E, j < k, after the router ran."""
+
+    def route(module, args, output):
+        logits, scores, indices = output
+        tokens, top_k = indices.shape
+        slots = torch.arange(tokens * top_k, device=indices.device).view(tokens, top_k)
+        return logits, scores, slots % module.num_experts
+
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.register_forward_hook(route)
 
 
 def measure(cfg, info, tokenizer) -> dict:
@@ -54,39 +89,45 @@ def measure(cfg, info, tokenizer) -> dict:
     model = build(cfg.model, tokenizer, 0, parallel, info.device, compute_dtype=torch.bfloat16
                   if cfg.model.dtype == "bfloat16" else None,
                   activation_checkpointing=cfg.train.activation_checkpointing == "full", loss_parallel=True)
+    if cfg.parallel.ep > 1:
+        balanced_routing(model)
     optimizer = build_optimizer(model, cfg.train)
-    options = step_options(cfg, parallel)
+    options = step_options(cfg, parallel, router=router_settings(cfg.moe, hf_model(model).config))
     measured = {"parameters": parameter_bytes(model)}
     train_step(model, optimizer, [micro_batch(parallel.dp_rank)], 1e-3, options, info.device,
                before_update=lambda: measured.update(gradients=gradient_bytes(model)))
     measured["optimizer moments"] = optimizer_bytes(optimizer)
-    saved = activation_bytes(model, micro_batch(10 + parallel.dp_rank), options.autocast_dtype, options.loss_parallel)
+    saved = activation_bytes(model, micro_batch(10 + parallel.dp_rank), options.autocast_dtype, options.loss_parallel,
+                             options.router)
     measured["activations"] = saved["activations"]
     measured["compute copies"] = saved["compute_copies"]
     upcast = 0 if saved["logits_fp32"] else saved["logits_numel"] * 4
     measured["logits and loss"] = saved["logits_loss"] + saved["logits"] + upcast
+    if options.router is not None:
+        measured["router logits and terms"] = saved["router"]
     return measured
 
 
 def main() -> None:
-    out, layout = sys.argv[1:]
+    out, *layouts = sys.argv[1:]
     info = init_distributed()
     tokenizer = train_tokenizer(["0123456789 abcdefghij+="] * 4, "char", 64)
     rows = []
-    for dtype in ("float32", "bfloat16"):
-        for checkpointing in ("none", "full"):
-            cfg = run_config(layout, dtype, checkpointing)
-            measured = measure(cfg, info, tokenizer)
-            estimate = estimate_memory(cfg, info.world_size, vocab_size=64)
-            estimated = {t.name: t.bytes for t in estimate.terms}
-            gathered = [None] * info.world_size
-            row = {"variant": f"{layout} {dtype} ac={checkpointing}", "rank": info.rank, "measured": measured,
-                   "estimated": estimated}
-            if info.is_distributed:
-                torch.distributed.all_gather_object(gathered, row)
-            else:
-                gathered = [row]
-            rows.extend(gathered)
+    variants = [(layout, dtype, checkpointing) for layout in layouts for dtype in ("float32", "bfloat16")
+                for checkpointing in ("none", "full")]
+    for layout, dtype, checkpointing in variants:
+        cfg = run_config(layout, dtype, checkpointing)
+        measured = measure(cfg, info, tokenizer)
+        estimate = estimate_memory(cfg, info.world_size, vocab_size=64)
+        estimated = {t.name: t.bytes for t in estimate.terms}
+        gathered = [None] * info.world_size
+        row = {"variant": f"{layout} {dtype} ac={checkpointing}", "rank": info.rank, "measured": measured,
+               "estimated": estimated}
+        if info.is_distributed:
+            torch.distributed.all_gather_object(gathered, row)
+        else:
+            gathered = [row]
+        rows.extend(gathered)
     if info.is_main:
         with open(out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -16,14 +16,47 @@ from helpers import isotrain_cli, run_concurrently, torchrun
 
 WORKER = str(Path(__file__).with_name("memory_worker.py"))
 EXACT = ("parameters", "gradients", "optimizer moments")
-CLOSE = ("activations", "compute copies", "logits and loss")
+# Every other measured term (activations, compute copies, logits and loss, MoE router terms): within 5 %.
 
 
-def _measure(tmp_path, nproc: int, layout: str) -> list[dict]:
-    out = tmp_path / f"{layout}.json"
-    proc = torchrun(nproc, [WORKER, str(out), layout])
+def _measure(tmp_path, nproc: int, *layouts: str) -> list[dict]:
+    out = tmp_path / f"{'_'.join(layouts)}.json"
+    proc = torchrun(nproc, [WORKER, str(out), *layouts])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def _check_terms(rows: list[dict]) -> None:
+    for row in rows:
+        measured, estimated = row["measured"], row["estimated"]
+        where = (row["variant"], row["rank"])
+        assert set(measured) <= set(estimated), (where, set(measured) - set(estimated))
+        for term in EXACT:
+            assert estimated[term] == measured[term], (where, term, estimated[term], measured[term])
+        for term in set(measured) - set(EXACT):
+            assert abs(estimated[term] - measured[term]) <= 0.05 * max(measured[term], 1), \
+                (where, term, estimated[term], measured[term])
+
+
+@pytest.mark.slow
+def test_estimate_matches_measurement_on_moe_layouts(tmp_path):
+    """qwen3_moe, 4 experts, top-2: 1 process, EP 2 (DDP), EP 2 × FSDP2 2 and FSDP2 2 without EP (one
+    2-process launch for the three). Under EP the measured run routes every expert the same number of
+    (token, slot) pairs (memory_worker.balanced_routing), the routing the estimate assumes."""
+    layouts = ("moe-2x1x1-ep2", "moe-1x2x1-ep2", "moe-1x2x1")
+    results = run_concurrently({"2": lambda: _measure(tmp_path, 2, *layouts),
+                                "1": lambda: _measure(tmp_path, 1, "moe-1x1x1")}, workers=2)
+    rows = results["1"] + results["2"]
+    assert len(rows) == 4 * (1 + 2 * len(layouts))
+    _check_terms(rows)
+    by = {(row["variant"], row["rank"]): row["measured"] for row in rows}
+    # The router terms are counted, and the layouts really differ: EP halves the experts' states per rank,
+    # FSDP2 shards the rest, and EP's dispatch keeps more activations than transformers' grouped_mm path.
+    assert by[("moe-1x1x1 float32 ac=none", 0)]["router logits and terms"] > 0
+    single = by[("moe-1x1x1 float32 ac=none", 0)]
+    ep, ep_fsdp, fsdp = (by[(f"{layout} float32 ac=none", 1)] for layout in layouts)
+    assert single["parameters"] > ep["parameters"] > ep_fsdp["parameters"]
+    assert ep["activations"] > single["activations"] and ep_fsdp["activations"] > fsdp["activations"]
 
 
 @pytest.mark.slow
@@ -32,14 +65,7 @@ def test_estimate_matches_measurement_on_every_layout(tmp_path):
                                 for layout, n in (("1x2x1", 2), ("1x1x2", 2), ("1x1x1", 1))}, workers=2)
     rows = [row for layout_rows in results.values() for row in layout_rows]
     assert len(rows) == 4 * (2 + 2 + 1)
-    for row in rows:
-        measured, estimated = row["measured"], row["estimated"]
-        where = (row["variant"], row["rank"])
-        for term in EXACT:
-            assert estimated[term] == measured[term], (where, term, estimated[term], measured[term])
-        for term in CLOSE:
-            assert abs(estimated[term] - measured[term]) <= 0.05 * max(measured[term], 1), \
-                (where, term, estimated[term], measured[term])
+    _check_terms(rows)
     # The layouts really differ, so agreement is not one number compared with itself.
     single = {row["variant"].split(" ", 1)[1]: row["measured"] for row in results["1x1x1"]}
     for layout in ("1x2x1", "1x1x2"):
@@ -98,3 +124,30 @@ def test_train_dry_run_does_no_work(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "optimizer moments" in proc.stdout and "total" in proc.stdout
     assert not out.exists()
+
+
+MOE_ARGS = ["model.config.model_type=qwen3_moe", "model.config.hidden_size=64", "model.config.intermediate_size=128",
+            "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4",
+            "model.config.num_key_value_heads=2", "model.config.num_experts=4", "model.config.num_experts_per_tok=2",
+            "model.config.moe_intermediate_size=32", "data.max_seq_len=32", "train.micro_batch_size=2"]
+
+
+def test_estimate_memory_command_on_moe_models():
+    """The CLI estimates an MoE model (transformers' grouped_mm experts on fake fp32 tensors) on 1 process and
+    under expert parallelism, where each rank holds half of the experts and FSDP2 leaves them alone."""
+    single = isotrain_cli(["estimate-memory", *MOE_ARGS, "--json"])
+    assert single.returncode == 0 and "Traceback" not in single.stderr, single.stderr[-3000:]
+    sharded = isotrain_cli(["estimate-memory", *MOE_ARGS, "parallel.dp_shard=2", "parallel.dp_replicate=1",
+                            "parallel.ep=2", "train.global_batch_size=4", "--world-size", "2", "--json"])
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    one, two = (json.loads(proc.stdout) for proc in (single, sharded))
+    terms = {report["settings"]["world_size"]: {t["name"]: t["bytes"] for t in report["terms"]}
+             for report in (one, two)}
+    assert two["settings"]["ep"] == 2 and terms[1]["router logits and terms"] > 0
+    assert "balanced routing" in next(t["note"] for t in two["terms"] if t["name"] == "activations")
+    # Expert weights: 2 layers × (gate_up [4, 64, 64] + down [4, 64, 32]); EP 2 keeps half of them whole, FSDP2
+    # halves the rest (every dense tensor here has an even first dim).
+    experts = 2 * 4 * (64 * 64 + 64 * 32) * 4
+    assert terms[2]["parameters"] == experts // 2 + (terms[1]["parameters"] - experts) // 2
+    dry = isotrain_cli(["train", "--dry-run", "data.path=/nonexistent.jsonl", *MOE_ARGS])
+    assert dry.returncode == 0 and "router logits" in dry.stdout, dry.stderr[-3000:]

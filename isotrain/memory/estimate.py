@@ -12,10 +12,10 @@ Activations, compute copies and the logits/loss tensors come from one fake-tenso
 micro-batch (train.micro_batch_size × data.max_seq_len, memory/fake_forward.py). The logits (compute dtype)
 and, when they are not fp32, their fp32 upcast by the loss exist at once at the end of the forward.
 
-FSDP2 (dp_shard > 1) adds its unsharded copies, in the dtype it computes in: the root's parameters
-(embeddings, final norm, head: not resharded after forward) and two decoder layers (the one in use and the
-one prefetched in backward), plus one layer's unsharded gradients (and their fp32 copy for the reduce-scatter
-when computing in bf16).
+FSDP2 (dp_shard > 1) adds its buffers, in the dtype it computes in (`fsdp_terms`): the root's unsharded
+parameters (embeddings, final norm, head: not resharded after forward) beside one group's flat all-gather
+output and one group's unsharded parameters; one layer's unsharded gradients with their fp32 reduce-scatter
+input, beside the head's gradients, which wait for the root's reduce at the end of backward.
 
 Mixture-of-experts models: under expert parallelism (`parallel.ep`) each rank holds E/ep whole experts of every
 fused expert weight, outside FSDP2 (not sharded, not padded, not in its buffers); the fake forward routes the
@@ -98,8 +98,16 @@ def model_state_terms(model, config, degrees: ParallelDims, dtype: str, tp_rank:
     return terms
 
 
-def _unsharded_groups(model, config, degrees: ParallelDims) -> tuple[int, int]:
-    """(root elements, largest decoder layer's elements) of this TP rank, before FSDP2 splits them; under
+@dataclass(frozen=True)
+class _Unsharded:
+    """Elements of one FSDP2 group on this TP rank: as its parameters (`numel`) and as FSDP2's buffers, whose
+    every tensor is padded to dp_shard equal row chunks (`padded`)."""
+    numel: int = 0
+    padded: int = 0
+
+
+def _unsharded_groups(model, config, degrees: ParallelDims) -> tuple[_Unsharded, _Unsharded, _Unsharded]:
+    """(root, the root's parameters used after the decoder layers, largest decoder layer) of this TP rank; under
     expert parallelism without the experts, which FSDP2 leaves alone."""
     from isotrain.parallel.apply import decoder_layers
 
@@ -108,27 +116,55 @@ def _unsharded_groups(model, config, degrees: ParallelDims) -> tuple[int, int]:
     names = {id(p): n for n, p in model.named_parameters()}
     ignored = expert_parameter_names(model) if degrees.ep > 1 else set()
 
-    def numel(params) -> int:
-        return sum(local_numel(tuple(p.shape), split.get(names[id(p)]), no_dp) for p in params
-                   if names[id(p)] not in ignored)
+    def group(params) -> _Unsharded:
+        params = [p for p in params if names[id(p)] not in ignored]
+        return _Unsharded(
+            sum(local_numel(tuple(p.shape), split.get(names[id(p)]), no_dp) for p in params),
+            sum(local_numel(tuple(p.shape), split.get(names[id(p)]), degrees) * degrees.dp_shard for p in params))
 
     layers = decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    root = numel(p for p in model.parameters() if id(p) not in in_layers)
-    return root, max((numel(layer.parameters()) for layer in layers), default=0)
+    root = [p for p in model.parameters() if id(p) not in in_layers]
+    # The input embedding's gradient comes last in backward; the final norm and the head's (the embedding's too
+    # when tied to the head) come first.
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding
+    after = [p for p in root if p is not embedding or tied]
+    return group(root), group(after), max((group(layer.parameters()) for layer in layers),
+                                          key=lambda g: g.padded, default=_Unsharded())
 
 
 def fsdp_terms(model, config, degrees: ParallelDims, dtype: str) -> list[Term]:
+    """FSDP2's buffers at their peak (torch 2.14 `fully_shard`, one group per decoder layer and one root, the
+    root not resharded after forward; docs/memory.md).
+
+    All-gather: a group's all-gather fills one flat buffer, then copies it out into the unsharded parameters (both
+    padded). In forward FSDP2 keeps the flat buffer until the next group's copy-out; in backward the group in use
+    prefetches the next one's all-gather. Either way one group's flat buffer and another's (or the same group's)
+    parameters exist beside the gathered root: root + layer + max(root, layer).
+
+    Reduce-scatter: a layer's post-backward copies its unsharded gradients (compute dtype) into a padded fp32
+    reduce-scatter input, which FSDP2 holds until the next group's reduce. The root reduces only at the end of
+    backward (its forward inputs, token ids, need no gradient), so the head's and final norm's gradients wait all
+    through the layers' backward; at the end the root's gradients meet the last layer's held input, then their own.
+    """
     if degrees.dp_shard == 1:
         return []
     storage, compute = DTYPES[dtype]
-    root, layer = _unsharded_groups(model, config, degrees)
-    gathered = (root + 2 * layer) * storage.itemsize if storage.itemsize < FP32_BYTES else 0
-    gathered += (root + 2 * layer) * compute.itemsize
-    grads = layer * compute.itemsize + (layer * FP32_BYTES if compute.itemsize < FP32_BYTES else 0)
+    root, after, layer = _unsharded_groups(model, config, degrees)
+    gathered_numel = root.padded + layer.padded + max(root.padded, layer.padded)
+    gathered = gathered_numel * compute.itemsize
+    if storage.itemsize < FP32_BYTES:
+        gathered += gathered_numel * storage.itemsize
+    during_layers = (layer.numel + after.numel) * compute.itemsize + layer.padded * FP32_BYTES
+    at_root = root.numel * compute.itemsize + max(layer.padded, root.padded) * FP32_BYTES
     experts = " (experts excluded: expert parallel)" if degrees.ep > 1 else ""
-    return [Term("FSDP2 all-gather buffers", gathered, "unsharded root + 2 decoder layers, compute dtype" + experts),
-            Term("FSDP2 reduce-scatter buffers", grads, "one layer's unsharded gradients (+ fp32 copy)")]
+    return [Term("FSDP2 all-gather buffers", gathered,
+                 "root + layer + max(root, layer) unsharded, padded, compute dtype" + experts),
+            Term("FSDP2 reduce-scatter buffers", max(during_layers, at_root),
+                 "a layer's gradients (compute dtype) + its fp32 reduce-scatter input + the head's gradients; "
+                 "or the root's at the end")]
 
 
 def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str) -> list[Term]:

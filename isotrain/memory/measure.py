@@ -2,12 +2,14 @@
 
 Model states are read from the tensors themselves (a DTensor's local shard, FSDP2's padded shard storage);
 activations with the same saved-tensor counter the estimate uses (memory/saved.py), around a real forward
-of the SFT step's loss.
+of the SFT step's loss; FSDP2's unsharded buffers by sampling its parameter groups during a real forward and
+backward (`fsdp_buffers`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -65,3 +67,89 @@ def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_p
     result["logits_numel"] = saved.logits_numel
     result["logits_fp32"] = saved.logits_dtype == torch.float32
     return result
+
+
+def _fsdp_groups(model: nn.Module) -> list:
+    """FSDP2's parameter groups of every fully_shard-ed module of `model` (private FSDP2 state, read only)."""
+    return [group for module in model.modules() if hasattr(module, "_get_fsdp_state")
+            for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
+def _gathered_bytes(groups, extra=()) -> int:
+    """Bytes of FSDP2's all-gather buffers alive now: each group's flat all-gather output (issued, or kept by
+    FSDP2 until the next group's copy-out in forward) and the unsharded parameters copied out of it, whose
+    storages FSDP2 shrinks to 0 on reshard; `extra`: buffers the caller knows were alive at the moment sampled."""
+    comm = groups[0].comm_ctx
+    flat = [group._all_gather_result.all_gather_output for group in groups if group._all_gather_result]
+    if comm.all_gather_state is not None:
+        flat.append(comm.all_gather_state.all_gather_result.all_gather_output)
+    return storage_bytes([*flat, *extra, *(t for group in groups for param in group.fsdp_params
+                                           for t in [*param.all_gather_outputs,
+                                                     getattr(param, "_unsharded_param", None)])])
+
+
+def _unsharded_grad_bytes(groups) -> int:
+    """Unsharded gradients waiting for their group's post-backward reduce-scatter."""
+    return storage_bytes(t for group in groups for param in group.fsdp_params if hasattr(param, "_unsharded_param")
+                         for t in (param._unsharded_param.grad, param.unsharded_accumulated_grad))
+
+
+def _reduce_input_bytes(groups) -> int:
+    """Reduce-scatter input buffers FSDP2 still holds (it keeps the last one until the next group's reduce)."""
+    return storage_bytes(s.reduce_scatter_input for s in groups[0].comm_ctx.reduce_scatter_states)
+
+
+@contextlib.contextmanager
+def fsdp_buffers(model: nn.Module) -> Iterator[dict]:
+    """Peak bytes of FSDP2's all-gather buffers ("gathered") and of unsharded gradients plus reduce-scatter
+    inputs ("reduce") on this rank during the forward and backward run inside the context.
+
+    Sampled after each group's all-gather is issued (`unshard`, also a backward prefetch), at each copy-out
+    (`wait_for_unshard`) and around each post-backward. A copy-out writes the unsharded parameters while the flat
+    all-gather output still exists; a post-backward copies the gradients into a new reduce-scatter input, after
+    freeing the previous one, before it drops them. So those moments hold what is alive on return plus the flat
+    output / the gradients seen on entry."""
+    groups = _fsdp_groups(model)
+    peak = {"gathered": 0, "reduce": 0}
+    if not groups:
+        yield peak
+        return
+
+    def sample(extra=(), grads: int = 0) -> None:
+        peak["gathered"] = max(peak["gathered"], _gathered_bytes(groups, extra))
+        grads = max(grads, _unsharded_grad_bytes(groups))
+        peak["reduce"] = max(peak["reduce"], grads + _reduce_input_bytes(groups))
+
+    def sampled_after(original):
+        def run(*args, **kwargs):
+            result = original(*args, **kwargs)
+            sample()
+            return result
+        return run
+
+    def wait_for_unshard(group, original):
+        def run(*args, **kwargs):
+            flat = group._all_gather_result  # this reference only delays its release past the sample
+            result = original(*args, **kwargs)
+            sample(extra=[flat.all_gather_output] if flat else ())
+            return result
+        return run
+
+    def post_backward(original):
+        def run(*args, **kwargs):
+            sample()
+            grads = _unsharded_grad_bytes(groups)
+            result = original(*args, **kwargs)
+            sample(grads=grads)
+            return result
+        return run
+
+    for group in groups:
+        group.unshard, group.pre_backward = sampled_after(group.unshard), sampled_after(group.pre_backward)
+        group.wait_for_unshard = wait_for_unshard(group, group.wait_for_unshard)
+        group.post_backward = post_backward(group.post_backward)
+    try:
+        yield peak
+    finally:
+        for group in groups:  # back to the class's methods
+            del group.unshard, group.pre_backward, group.wait_for_unshard, group.post_backward

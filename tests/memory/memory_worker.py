@@ -1,12 +1,14 @@
 """Measure every memory term on this rank of a real run and estimate the same run from its config.
 
-    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-]RxSxT[-epN]
-                                                       (dp_replicate x dp_shard x tp, expert parallel N)
+    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-]RxSxT[-epN][-vN]
+                                                       (dp_replicate x dp_shard x tp, expert parallel N,
+                                                       vocabulary N instead of 64)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
 Llama, or with `moe-` a qwen3_moe of 4 experts, top-2) with isotrain's builder, run one real `train_step`
 (gradients are measured between backward and update, optimizer state after it), then count what one more
-forward keeps for backward. Rank 0 writes [{variant, rank, measured, estimated}].
+forward keeps for backward, and FSDP2's buffers at their peak during that forward and backward. Rank 0
+writes [{variant, rank, measured, estimated}].
 
 Under expert parallelism the estimate assumes balanced routing, so the measured run is routed that way:
 every router's choice is replaced by token t -> experts (t·k + j) mod E, j < k (`balanced_routing`), which
@@ -24,7 +26,7 @@ import torch
 
 from isotrain.config import build_config
 from isotrain.memory.estimate import estimate_memory
-from isotrain.memory.measure import activation_bytes, gradient_bytes, optimizer_bytes, parameter_bytes
+from isotrain.memory.measure import activation_bytes, fsdp_buffers, gradient_bytes, optimizer_bytes, parameter_bytes
 from isotrain.models.build import build
 from isotrain.models.tokenizer import train_tokenizer
 from isotrain.models.unwrap import hf_model
@@ -50,19 +52,20 @@ def micro_batch(seed: int) -> dict:
             "num_trained_tokens": MICRO * SEQ}
 
 
-def parse_layout(layout: str) -> tuple[bool, int, int, int, int]:
-    """(moe, dp_replicate, dp_shard, tp, ep) of e.g. `moe-1x2x1-ep2`."""
+def parse_layout(layout: str) -> tuple[bool, int, int, int, int, int]:
+    """(moe, dp_replicate, dp_shard, tp, ep, vocabulary) of e.g. `moe-1x2x1-ep2` or `1x2x1-v512`."""
     parts = layout.split("-")
     moe = parts[0] == "moe"
     dims = parts[1] if moe else parts[0]
-    ep = int(parts[-1][2:]) if parts[-1].startswith("ep") else 1
+    ep = next((int(part[2:]) for part in parts if part.startswith("ep")), 1)
+    vocab = next((int(part[1:]) for part in parts if part.startswith("v")), TINY["vocab_size"])
     replicate, shard, tp = (int(x) for x in dims.split("x"))
-    return moe, replicate, shard, tp, ep
+    return moe, replicate, shard, tp, ep, vocab
 
 
 def run_config(layout: str, dtype: str, checkpointing: str):
-    moe, replicate, shard, tp, ep = parse_layout(layout)
-    return build_config({"model": {"config": TINY_MOE if moe else TINY, "dtype": dtype},
+    moe, replicate, shard, tp, ep, vocab = parse_layout(layout)
+    return build_config({"model": {"config": {**(TINY_MOE if moe else TINY), "vocab_size": vocab}, "dtype": dtype},
                          "data": {"max_seq_len": SEQ},
                          "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard,
                                    "activation_checkpointing": checkpointing},
@@ -97,8 +100,12 @@ def measure(cfg, info, tokenizer) -> dict:
     train_step(model, optimizer, [micro_batch(parallel.dp_rank)], 1e-3, options, info.device,
                before_update=lambda: measured.update(gradients=gradient_bytes(model)))
     measured["optimizer moments"] = optimizer_bytes(optimizer)
-    saved = activation_bytes(model, micro_batch(10 + parallel.dp_rank), options.autocast_dtype, options.loss_parallel,
-                             options.router)
+    with fsdp_buffers(model) as buffers:
+        saved = activation_bytes(model, micro_batch(10 + parallel.dp_rank), options.autocast_dtype,
+                                 options.loss_parallel, options.router)
+    if degrees.dp_shard > 1:
+        measured["FSDP2 all-gather buffers"] = buffers["gathered"]
+        measured["FSDP2 reduce-scatter buffers"] = buffers["reduce"]
     measured["activations"] = saved["activations"]
     measured["compute copies"] = saved["compute_copies"]
     upcast = 0 if saved["logits_fp32"] else saved["logits_numel"] * 4
@@ -118,7 +125,7 @@ def main() -> None:
     for layout, dtype, checkpointing in variants:
         cfg = run_config(layout, dtype, checkpointing)
         measured = measure(cfg, info, tokenizer)
-        estimate = estimate_memory(cfg, info.world_size, vocab_size=64)
+        estimate = estimate_memory(cfg, info.world_size, vocab_size=parse_layout(layout)[-1])
         estimated = {t.name: t.bytes for t in estimate.terms}
         gathered = [None] * info.world_size
         row = {"variant": f"{layout} {dtype} ac={checkpointing}", "rank": info.rank, "measured": measured,

@@ -99,6 +99,19 @@ def saved_on(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2", "ep2", "ep2fsdp2"])
+def test_every_layout_trains_the_single_process_losses(saved_on, layout):
+    """`isotrain train` on FSDP2 2, EP 2 and EP 2 × FSDP2 2 logs the 1-process run's counts, losses and aux loss."""
+    reference, got = metrics(saved_on["single"]), metrics(saved_on[layout])
+    for key in ("step", "tokens_seen", "trained_tokens", "samples_seen", "lr"):
+        assert [r[key] for r in got] == [r[key] for r in reference], key
+    assert got[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-6)
+    for a, b in zip(reference, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("source,target", [
     ("single", "ep2"), ("single", "ep2fsdp2"), ("ep2", "single"), ("ep2", "ep2fsdp2"), ("ep2fsdp2", "single"),
     ("ep2fsdp2", "ep2"), ("single", "fsdp2"), ("fsdp2", "ep2"),

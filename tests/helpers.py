@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,20 @@ def torchrun(nproc: int, args: list[str], timeout: float = 300, **kwargs) -> sub
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     env = kwargs.pop("env", None) or subprocess_env()
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+_ERROR_LINE = re.compile(r"terminate called|what\(\):|[Aa]bort|Fatal|SIG[A-Z]+|Error|error:|exitcode")
+
+
+def failure(proc: subprocess.CompletedProcess, tail: int = 3000) -> str:
+    """A failed launch's stderr for an assertion message: its last `tail` characters, preceded by every earlier
+    line that names an error. With several ranks the first one to fail is often far from the end, behind the
+    tracebacks of the ranks it left waiting."""
+    head, end = proc.stderr[:-tail], proc.stderr[-tail:]
+    lines = [line for line in head.splitlines() if _ERROR_LINE.search(line)]
+    if not lines:
+        return end
+    return "\n".join(["[earlier error lines]", *lines[-60:], "[last lines]", end])
 
 
 def isotrain_cli(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import torchrun
+from helpers import failure, torchrun
 from test_equivalence import FP32, FP64, RTOL, SCALE_FLOOR, max_rel_diff
 
 WORKER = str(Path(__file__).with_name("moe_worker.py"))
@@ -90,7 +90,7 @@ def test_parallel_layouts_keep_the_global_aux_loss(tmp_path, single):
     out = tmp_path / "moe-parallel.pt"
     runs = ",".join(f"{'x'.join(map(str, layout))}:{micro}" for layout, micro in PARALLEL_RUNS)
     proc = torchrun(2, [WORKER, str(out), runs, "scopes=global"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     results = torch.load(out)
     for layout, micro in PARALLEL_RUNS:
         assert_equivalent(results, layout, micro, single)

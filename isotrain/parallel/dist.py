@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +43,19 @@ def init_distributed() -> DistInfo:
 
 
 def shutdown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group (called from `finally` blocks).
+
+    On a normal exit every rank first waits for the others: a rank that closes its connections while a peer is
+    still finishing the last collective resets that peer's connection. While an error unwinds there is no such
+    wait (the other ranks may never arrive). Objects that hold process groups (wrapped models, meshes) are then
+    collected while the interpreter is fully alive: gloo's threads torn down during interpreter finalisation
+    abort the process."""
+    if not dist.is_initialized():
+        return
+    if sys.exc_info()[0] is None:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:

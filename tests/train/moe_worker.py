@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from equivalence_worker import GLOBAL_BATCH, VOCAB, full, make_samples
 from isotrain.config import MoeConfig, TrainConfig
@@ -26,6 +27,7 @@ from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
+from isotrain.parallel.tp import check_replicated
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import StepOptions, train_step
 
@@ -81,7 +83,7 @@ def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.
     options = StepOptions(grad_clip=1.0, dp_group=parallel.dp_group, parallel=parallel, router=settings)
     samples = packed_samples() if packed else make_samples()
     sampler = GlobalBatchSampler(len(samples), GLOBAL_BATCH, seed=0)
-    out = {"losses": [], "aux": [], "z": [], "counts": []}
+    out = {"losses": [], "aux": [], "z": [], "counts": [], "norms": []}
     for step in range(NUM_STEPS):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
@@ -97,7 +99,13 @@ def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.
         out["aux"].append(result.router.aux_loss)
         out["z"].append(result.router.z_loss)
         out["counts"].append(result.router.counts)
+        out["norms"].append(result.grad_norm)
+        if step == 0:  # a replicated parameter (router, experts under TP) whose TP ranks drifted apart fails here
+            check_replicated(model, parallel.tp_group)
     out["weights"] = {n: full(p) for n, p in unwrap(model).named_parameters()}
+    # How the experts are laid out on this rank: placements and local shape (E / ep experts under EP).
+    out["experts"] = {n: (tuple(p.placements), tuple(p.to_local().shape)) for n, p in unwrap(model).named_parameters()
+                      if n.endswith("experts.gate_up_proj") and isinstance(p, DTensor)}
     return out
 
 

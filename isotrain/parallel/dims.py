@@ -116,7 +116,7 @@ def _check_experts_fit(ep: int, config) -> None:
         )
 
 
-def _has_dense_mlp(config) -> bool:
+def has_dense_mlp(config) -> bool:
     """Whether some decoder layer has a dense MLP, which TP splits (a MoE model's experts are not split by TP:
     Qwen-MoE families make the layers in `mlp_only_layers`, or off the `decoder_sparse_step`, dense)."""
     if num_experts(config) is None:
@@ -143,7 +143,7 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
         ("num_attention_heads", heads, "attention heads"),
         ("num_key_value_heads", kv_heads, "key/value heads"),
     ]
-    if _has_dense_mlp(config):
+    if has_dense_mlp(config):
         checks.append(("intermediate_size", getattr(config, "intermediate_size", None), "MLP width"))
     for field, value, what in checks:
         if value is not None and value % tp:

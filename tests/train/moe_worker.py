@@ -39,6 +39,9 @@ FAMILIES = {
     # Shared expert and its gate next to the routed ones; checked on demand (families=qwen2_moe), not in the suite.
     "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                   "decoder_sparse_step": 1, "mlp_only_layers": []},
+    # Layer 1 dense (its MLP split by TP's plan), layer 0 sparse; checked on demand (families=qwen3_moe_dense).
+    "qwen3_moe_dense": {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
+                        "decoder_sparse_step": 1, "mlp_only_layers": [1], "head_dim": 8},
 }
 SUITE_FAMILIES = ("qwen3_moe", "mixtral")
 # Large enough that the router terms move the router's gradient far beyond the tolerance when their pool is wrong.
@@ -49,9 +52,10 @@ def tiny_moe(family: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    extra = dict(FAMILIES[family])
+    config = AutoConfig.for_model(extra.pop("model_type", family), vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                  num_experts_per_tok=2, **FAMILIES[family])
+                                  num_experts_per_tok=2, **extra)
     config.use_cache = False
     # transformers' default grouped_mm experts kernel takes no fp64; its eager loop computes the same maths.
     model = AutoModelForCausalLM.from_config(config, experts_implementation="eager" if dtype == torch.float64 else None)

@@ -11,7 +11,8 @@ are outside the estimate; MALLOC_MMAP_THRESHOLD_ is fixed so large frees return 
     MALLOC_MMAP_THRESHOLD_=1048576 python bench/memory.py [dense] [moe] [--layouts 1x1x1 1x2x1 1x1x2 1x2x1x2]
 
 A layout is dp_replicate x dp_shard x tp [x ep]; layouts of more than one process are launched with torchrun
-(one thread per rank) and use the first dense case (the first MoE case for an ep > 1 layout).
+(one thread per rank) and use the first dense case and the first MoE case (only the MoE one for an ep > 1
+layout).
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ def main() -> None:
         if math.prod(layout[:3]) == 1:
             rows += run_cases(cases, layout, None)
             continue
-        # MoE models take no tensor parallelism; expert parallelism needs one.
-        wanted = ["moe"] if layout[3] > 1 else sorted(kinds - {"moe"}) if layout[2] > 1 else sorted(kinds)
+        # Expert parallelism needs an MoE model; tensor parallelism takes both (MoE experts replicated over TP).
+        wanted = ["moe"] if layout[3] > 1 else sorted(kinds)
         first = [next((c for c in cases if bool(c[-1]) == (kind == "moe")), None) for kind in wanted]
         rows += launch([c for c in first if c is not None], layout)
     device = rows[0]["device"] if rows else "cpu"

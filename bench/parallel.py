@@ -6,7 +6,8 @@ FSDP2 × TP 2 × 2 (1×2×2, 4 processes).
 MoE rows (a Qwen3-MoE of the same sizes, --experts experts (default 8), top-2, every layer sparse, expert
 width = hidden): 1 process, EP 2 (parallel.ep=2 over 2 DP ranks: each holds half the experts, tokens travel
 by all-to-all), EP 2 × FSDP2 2 (dp_shard 2 on 2 processes: dense parameters sharded, experts EP-sharded over
-the same ranks), and "HF step": the same model and weights trained in one process by transformers' own
+the same ranks), TP 2 (attention split, router and experts replicated over TP), EP 2 × TP 2 (4 processes:
+experts split over EP, replicated over TP), and "HF step": the same model and weights trained in one process by transformers' own
 code path (its loss from `labels`, torch's AdamW and clip_grad_norm_, no isotrain step), for reference. Each layout is a fresh `torchrun --standalone` launch of this script
 (`--worker LAYOUT`) on gloo; its ranks build a fresh Llama with the trainer's own `prepare_model`
 (`isotrain.models.build.build`: built on the meta device, parallelised, each rank materialises and
@@ -50,7 +51,8 @@ one process ran 1.8 × slower on 2 threads than on 1; one process on 2 threads m
 load 7 and 1200 at load 3 on the same machine, minutes apart).
 
     python bench/parallel.py [--steps 10] [--warmup 2] [--hidden 512] [--layers 4] [--global-batch 8]
-                             [--layouts single ddp2 fsdp2 tp2 fsdp2xtp2 moe_single moe_ep2 moe_ep2xfsdp2 moe_hf]
+                             [--layouts single ddp2 fsdp2 tp2 fsdp2xtp2 moe_single moe_ep2 moe_ep2xfsdp2 moe_tp2
+                                        moe_ep2xtp2 moe_hf]
                              [--experts 8] [--json results.json]
     python bench/parallel.py --hidden 64 --layers 2 --steps 2 --warmup 1   # quick check, a minute or two
 
@@ -91,6 +93,8 @@ LAYOUTS = {  # key: (label, (dp_replicate, dp_shard, tp))
     "moe_single": ("MoE 1 process", (1, 1, 1, 1)),
     "moe_ep2": ("MoE EP 2", (2, 1, 1, 2)),
     "moe_ep2xfsdp2": ("MoE EP 2 × FSDP2 2", (1, 2, 1, 2)),
+    "moe_tp2": ("MoE TP 2", (1, 1, 2, 1)),  # experts replicated over TP
+    "moe_ep2xtp2": ("MoE EP 2 × TP 2", (2, 1, 2, 2)),  # 4 processes
     "moe_hf": ("MoE HF step, 1 process", (1, 1, 1, 1)),
 }
 

@@ -5,9 +5,9 @@ with transformers' activation checkpointing as parallel/apply.py enables it, run
 forward and loss as the SFT step (`forward_loss`). Two things make it the rank's forward and not the whole
 model's:
 
-- tensor parallelism: a TP rank runs the same graph on 1/tp of the heads, KV heads, MLP width and vocabulary
-  (the residual stream stays whole), so the fake model is the config with those four sizes divided by tp
-  (head_dim kept);
+- tensor parallelism: a TP rank runs the same graph on 1/tp of the heads, KV heads, dense MLP width and
+  vocabulary (the residual stream stays whole), so the fake model is the config with those four sizes divided
+  by tp (head_dim kept); a MoE model's router and experts are replicated over TP and keep their sizes;
 - mixed precision: FSDP2 casts the parameters themselves to bf16 (the fake model is built in bf16); without
   FSDP2 the step runs under CPU autocast, which keeps fp32 parameters and makes bf16 copies as it goes.
 
@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from isotrain.memory.fake_experts import balance_expert_parallel, grouped_mm_as_saved
 from isotrain.memory.saved import SavedBytes, count_saved, forward_loss
 from isotrain.parallel.apply import decoder_layers
+from isotrain.parallel.dims import has_dense_mlp
 
 _FLASH = 1  # torch._fused_sdp_choice: SDPBackend.FLASH_ATTENTION
 
@@ -48,7 +49,8 @@ def tp_rank_config(config, tp: int):
     config.num_attention_heads = heads // tp
     kv = getattr(config, "num_key_value_heads", None) or heads
     config.num_key_value_heads = kv // tp
-    config.intermediate_size //= tp
+    if has_dense_mlp(config):  # a MoE model's experts are replicated over TP (Mixtral's intermediate_size is theirs)
+        config.intermediate_size //= tp
     config.vocab_size //= tp
     return config
 

@@ -10,8 +10,11 @@ FSDP2 then splits dim 0 of what TP left over `dp_shard` (HSDP replicates over `d
 sharded storage is padded to ceil(n / k) rows on every rank (the all-gather needs equal parts), while
 AdamW's moments are `zeros_like` the unpadded local view: `padded=True` counts the former.
 
-Expert parallelism (parallel/ep.py) splits each fused expert weight [E, ...] on dim 0 over `ep` (E/ep whole
-experts per rank, `ep` divides E) and leaves it out of FSDP2 and DDP: it is never split over dp_shard.
+Mixture-of-experts models: TP does not split the router or the experts (parallel/tp.py drops the family
+plan's expert entries), so every TP rank holds all of them, like any replicated parameter. Expert parallelism
+(parallel/ep.py) splits each fused expert weight [E, ...] on dim 0 over `ep` (E/ep whole experts per rank,
+`ep` divides E; with TP, the same E/ep on every TP rank of the EP group) and leaves it out of FSDP2 and DDP:
+it is never split over dp_shard.
 """
 
 from __future__ import annotations

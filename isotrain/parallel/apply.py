@@ -138,6 +138,8 @@ def sync_replica_grads(model: nn.Module, parallel: ParallelState) -> None:
     if parallel.mesh is None or parallel.dims.tp == 1 or parallel.dims.dp_shard > 1 or parallel.dims.dp_replicate == 1:
         return
     group = parallel.mesh["dp_replicate"].get_group()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    # Not the experts: under EP the dp_replicate ranks hold different experts (summed above over their copies).
+    experts = {id(p) for p in expert_parameters(model)}
+    grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]
     all_reduce_flat([g.to_local() if isinstance(g, DTensor) else g for g in grads], group)
 

@@ -4,7 +4,8 @@
 
 `ep` (expert parallel) takes no ranks of its own: its groups are carved out of the DP ranks, so it must
 divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every MoE layer's experts
-(parallel/ep.py). `cp` has its place here but only 1 is accepted until context parallelism lands.
+(parallel/ep.py); with tensor parallelism there is one such group per TP coordinate (ep × tp composes).
+`cp` has its place here but only 1 is accepted until context parallelism lands.
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -86,11 +87,6 @@ def check_ep(dims: ParallelDims) -> None:
             f"{dims.dp_replicate} × {dims.dp_shard} = {dims.dp_size}, out of which the expert-parallel groups are "
             f"carved; use a parallel.ep that divides {dims.dp_size}, or launch a multiple of {dims.ep} data-parallel ranks"
         )
-    if dims.tp > 1:
-        raise ConfigError(
-            f"parallel.ep={dims.ep} with parallel.tp={dims.tp} is not supported yet (experts are not split by tensor "
-            "parallelism); set parallel.tp=1 or parallel.ep=1"
-        )
 
 
 def num_experts(config) -> int | None:
@@ -120,14 +116,23 @@ def _check_experts_fit(ep: int, config) -> None:
         )
 
 
+def has_dense_mlp(config) -> bool:
+    """Whether some decoder layer has a dense MLP, which TP splits (a MoE model's experts are not split by TP:
+    Qwen-MoE families make the layers in `mlp_only_layers`, or off the `decoder_sparse_step`, dense)."""
+    if num_experts(config) is None:
+        return True
+    return bool(getattr(config, "mlp_only_layers", None)) or (getattr(config, "decoder_sparse_step", 1) or 1) > 1
+
+
 def _multiple_hint(value: int, tp: int) -> str:
     return f"{value // tp * tp or tp} or {value // tp * tp + tp}"
 
 
 def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> None:
-    """Tensor parallelism splits attention heads, KV heads, the MLP width and the vocabulary into `tp` equal
-    parts, and expert parallelism splits the experts into `ep` parts; refuse a model whose numbers do not divide,
-    naming them (config: a transformers PretrainedConfig)."""
+    """Tensor parallelism splits attention heads, KV heads, the dense MLP width and the vocabulary into `tp`
+    equal parts (not a MoE model's experts: they are replicated over TP), and expert parallelism splits the
+    experts into `ep` parts; refuse a model whose numbers do not divide, naming them (config: a transformers
+    PretrainedConfig)."""
     _check_experts_fit(dims.ep, config)
     if dims.tp == 1:
         return
@@ -137,8 +142,9 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
     checks = [
         ("num_attention_heads", heads, "attention heads"),
         ("num_key_value_heads", kv_heads, "key/value heads"),
-        ("intermediate_size", getattr(config, "intermediate_size", None), "MLP width"),
     ]
+    if has_dense_mlp(config):
+        checks.append(("intermediate_size", getattr(config, "intermediate_size", None), "MLP width"))
     for field, value, what in checks:
         if value is not None and value % tp:
             raise ConfigError(

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from isotrain.errors import ConfigError
 from isotrain.parallel.dist import all_reduce_flat
@@ -53,12 +53,16 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _shard_rows(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
-    """`param` as a DTensor Shard(0) on the 1-D `mesh`, this rank keeping its own block of experts (no
-    communication: every rank holds the same full tensor, or a meta one)."""
-    size, rank = mesh.size(), mesh.get_local_rank()
-    rows = param.shape[0] // size
-    local = param.data[rank * rows:(rank + 1) * rows].clone()
-    sharded = DTensor.from_local(local, mesh, (Shard(0),), run_check=False, shape=param.shape, stride=param.stride())
+    """`param` as a DTensor on `mesh` ("ep", or ("ep", "tp") under tensor parallelism), Shard(0) over "ep" and
+    replicated over "tp", this rank keeping its own block of experts (no communication: every rank holds the
+    same full tensor, or a meta one; under TP a `Replicate` DTensor whose local part is that full tensor)."""
+    full = param.to_local() if isinstance(param, DTensor) else param.data
+    ep = mesh["ep"] if mesh.ndim > 1 else mesh
+    size, rank = ep.size(), ep.get_local_rank()
+    rows = full.shape[0] // size
+    local = full[rank * rows:(rank + 1) * rows].clone()
+    placements = (Shard(0), Replicate()) if mesh.ndim > 1 else (Shard(0),)
+    sharded = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
     return nn.Parameter(sharded, requires_grad=param.requires_grad)
 
 
@@ -69,15 +73,18 @@ class ExpertParallelExperts(nn.Module):
     forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H].
     """
 
-    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh):
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh):
         super().__init__()
+        ep = mesh["ep"] if mesh.ndim > 1 else mesh
         self.num_experts = experts.gate_up_proj.shape[0]
-        self.ep_size = ep_mesh.size()
+        self.ep_size = ep.size()
         self.local_experts = self.num_experts // self.ep_size
         self.act_fn = experts.act_fn
-        self.group = ep_mesh.get_group()
+        # Under TP the group is the EP ranks with this rank's TP coordinate: the TP ranks of an EP group all
+        # hold the same tokens and dispatch them redundantly, each to its own TP coordinate's expert owners.
+        self.group = ep.get_group()
         for key in EXPERT_PARAMS:
-            self.register_parameter(key, _shard_rows(getattr(experts, key), ep_mesh))
+            self.register_parameter(key, _shard_rows(getattr(experts, key), mesh))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -140,8 +147,14 @@ def expert_parallel_forward(hidden_states: torch.Tensor, top_k_index: torch.Tens
     return torch.zeros_like(hidden_states).index_add_(0, order // top_k, weighted.to(hidden_states.dtype))
 
 
+def expert_mesh(ep_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh the experts live on: "ep", or ("ep", "tp") when the run has tensor parallelism too."""
+    return ep_mesh["ep", "tp"] if "tp" in (ep_mesh.mesh_dim_names or ()) else ep_mesh["ep"]
+
+
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
-    """Replace every fused-experts module of `model` by its expert-parallel form over ep_mesh["ep"], in place."""
+    """Replace every fused-experts module of `model` by its expert-parallel form over ep_mesh["ep"], in place
+    (after tensor parallelism, which left the experts replicated over "tp")."""
     axis = ep_mesh["ep"]
     found = expert_modules(model)
     if not found:
@@ -156,13 +169,14 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
                               f"use a parallel.ep that divides {experts}")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, ExpertParallelExperts(module, axis))
+        setattr(parent, child, ExpertParallelExperts(module, expert_mesh(ep_mesh)))
     return model
 
 
 def sync_expert_grads(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
     """Sum the expert gradients over the ranks that hold the same experts ("ep_replicate": DP size / ep
-    ranks; nothing to do when ep equals the DP size), as the data-parallel sum does for dense gradients."""
+    ranks; nothing to do when ep equals the DP size), as the data-parallel sum does for dense gradients.
+    Never over "tp": the TP ranks of an EP group ran the same tokens, so each already holds the whole gradient."""
     if ep_mesh is None or ep_mesh["ep_replicate"].size() == 1:
         return
     grads = [p.grad.to_local() for p in expert_parameters(model) if p.grad is not None]

@@ -1,7 +1,8 @@
 """One DeviceMesh for the run, with named axes, and the groups every reduction uses.
 
     mesh axes: ("dp_replicate", "dp_shard", "tp")       flattened: "dp" = dp_replicate × dp_shard
-    expert parallel: "dp" unflattened into ("ep_replicate", "ep") = (DP size / ep, ep)
+    expert parallel: "dp" unflattened into ("ep_replicate", "ep") = (DP size / ep, ep); with TP the mesh
+                     ("ep_replicate", "ep", "tp"), experts on its ("ep", "tp") part as (Shard(0), Replicate())
 
 The EP groups are runs of `ep` consecutive DP ranks (inside a dp_shard group when ep divides dp_shard, as
 torchtitan carves its EP axis out of the FSDP axis): the ranks of one group hold different experts, the
@@ -35,7 +36,7 @@ class ParallelState:
     # process group at all" and must never stand for the world.
     dp_group: object = None
     tp_group: object = None
-    ep_mesh: DeviceMesh | None = None  # ("ep_replicate", "ep"), only when dims.ep > 1
+    ep_mesh: DeviceMesh | None = None  # ("ep_replicate", "ep"[, "tp"]), only when dims.ep > 1
 
     @property
     def world_size(self) -> int:
@@ -60,13 +61,23 @@ def single_process(dims: ParallelDims) -> ParallelState:
     return ParallelState(dims=dims, mesh=None, rank=0, dp_rank=0, tp_rank=0)
 
 
+def _ep_mesh(dims: ParallelDims, mesh: DeviceMesh, dp: DeviceMesh, device: torch.device) -> DeviceMesh:
+    """("ep_replicate", "ep"), the DP axis unflattened; with TP, ("ep_replicate", "ep", "tp"): the same EP groups
+    once per TP coordinate (the world's ranks in the root mesh's order, DP-major, so "ep" groups ranks with
+    the same TP index)."""
+    shape = (dims.dp_size // dims.ep, dims.ep)
+    if dims.tp == 1:
+        return dp._unflatten(0, shape, ("ep_replicate", "ep"))
+    return DeviceMesh(device.type, mesh.mesh.reshape(*shape, dims.tp), mesh_dim_names=("ep_replicate", "ep", "tp"))
+
+
 def build_parallel(dims: ParallelDims, device: torch.device, rank: int) -> ParallelState:
     """The 3-D mesh (every axis present, size 1 or more) and the flattened DP axis; a single process has none."""
     if dims.world_size == 1:
         return single_process(dims)
     mesh = init_device_mesh(device.type, tuple(getattr(dims, n) for n in DEGREE_NAMES), mesh_dim_names=DEGREE_NAMES)
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    ep_mesh = dp._unflatten(0, (dims.dp_size // dims.ep, dims.ep), ("ep_replicate", "ep")) if dims.ep > 1 else None
+    ep_mesh = _ep_mesh(dims, mesh, dp, device) if dims.ep > 1 else None
     return ParallelState(
         dims=dims,
         mesh=mesh,

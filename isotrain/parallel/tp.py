@@ -12,7 +12,11 @@ the way in and row-wise on the way out, so one all-reduce per block joins them. 
   `Replicate` DTensor, so every parameter of the model lives on the same mesh (clipping, the optimizer
   and FSDP2 over TP need that). Its forward runs on the local copy; the gradient either is complete on
   every rank (the input is replicated: norms) or is a per-rank part to be summed
-  (`replicated_with_grad_allreduce`, e.g. Qwen3's q/k norms that see only this rank's heads).
+  (`replicated_with_grad_allreduce`, e.g. Qwen3's q/k norms that see only this rank's heads);
+- mixture-of-experts blocks: attention and dense MLP layers follow the plan, but the router and the routed
+  experts (and Qwen2-MoE's shared expert and its gate) are replicated, not split: every TP rank holds every
+  expert and runs it on the same tokens. Experts are split by expert parallelism (parallel/ep.py), which
+  composes with TP: there they are DTensors `(Shard(0), Replicate())` on the ("ep", "tp") mesh.
 
 A replicated parameter whose gradient reduction were missing would drift apart between TP ranks; the
 trainer checks after the first update that they are identical (`check_replicated`).
@@ -31,6 +35,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from isotrain.errors import ConfigError, IsotrainError
+from isotrain.parallel.dims import num_experts
+
 
 class ReplicateParallel(ParallelStyle):
     """Parameters as `Replicate` DTensors; the module computes on local views of them.
@@ -93,14 +99,26 @@ def _style(name: str, where: str) -> ParallelStyle:
     return styles[name]()
 
 
+def _is_expert_entry(key: str) -> bool:
+    """A plan entry for a MoE block's routed experts (`layers.*.mlp.experts`, `...experts.gate_up_proj`)."""
+    return "experts" in key.split(".")
+
+
 def layer_plan(config) -> dict[str, str]:
-    """The model family's plan for its decoder layers, keys relative to the base model (`layers.*.mlp.up_proj`)."""
+    """The model family's plan for its decoder layers, keys relative to the base model (`layers.*.mlp.up_proj`).
+
+    Mixture-of-experts families: the entries for the routed experts are dropped. Tensor parallelism does
+    not split experts (expert parallelism does); they and the router are replicated over TP like every
+    module outside the plan. Every TP rank sees the same hidden states at the MoE block (o_proj's row-wise
+    output is all-reduced), so each rank's expert and router gradients are already complete: no TP sum."""
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
         raise ConfigError(
             f"model type {config.model_type!r} has no tensor-parallel plan (its transformers config ships none); "
             "use parallel.tp=1 for this model"
         )
+    if num_experts(config) is not None:
+        plan = {key: name for key, name in plan.items() if not _is_expert_entry(key)}
     for where, name in plan.items():
         if name not in STYLES:
             raise ConfigError(
@@ -113,10 +131,13 @@ def layer_plan(config) -> dict[str, str]:
 def _expand(model: nn.Module, base_prefix: str, plan: dict[str, str]) -> dict[str, ParallelStyle]:
     """Plan keys with `*` matched against the model's module names (a `*` is one name component)."""
     names = [name for name, _ in model.named_modules()]
+    moe = num_experts(model.config) is not None
     expanded: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
         regex = re.compile("^" + re.escape(base_prefix + pattern).replace(r"\*", r"[^.]+") + "$")
         matched = [name for name in names if regex.match(name)]
+        if not matched and moe and ".mlp." in pattern:
+            continue  # a dense-MLP entry of a MoE family whose layers are all sparse
         if not matched:
             raise ConfigError(
                 f"the tensor-parallel plan entry {pattern!r} matches no module of this {model.config.model_type} "

@@ -4,7 +4,8 @@ Tiny Qwen3-MoE and Mixtral models (4 experts, top-2, hidden 32, 2 layers): the m
 transformers' own `save_pretrained` of the trained model and loads in plain transformers with the same
 logits; the optimizer state uses the same names; a save on any of 1 process, EP 2 and EP 2 × FSDP2 2 (and
 FSDP2 2) resumes on the others with equal losses; a SIGKILL under EP 2 leaves a checkpoint that resumes
-byte-identically; a missing or duplicated
+byte-identically; TP 2 and EP 2 × TP 2 (experts replicated over TP) save the same per-expert keys and
+resume across (TP 2 -> EP 2, 1 -> EP 2 × TP 2 -> 1); a missing or duplicated
 expert is refused naming the key; an older checkpoint with fused expert keys still loads and exports.
 """
 
@@ -90,18 +91,18 @@ def test_the_model_directory_is_what_save_pretrained_writes_and_loads_in_transfo
 
 @pytest.fixture(scope="module")
 def saved_on(tmp_path_factory):
-    """saved_on(layout): a 6-step qwen3_moe run on 1 process, 2 FSDP2 ranks, EP 2 or EP 2 × FSDP2 2,
+    """saved_on(layout): a 6-step qwen3_moe run on 1 process, 2 FSDP2 ranks, EP 2, EP 2 × FSDP2 2 or TP 2,
     checkpoints at 3 and 6."""
-    runs = {layout: tmp_path_factory.mktemp(layout) / "run" for layout in ("single", "fsdp2", "ep2", "ep2fsdp2")}
+    runs = {layout: tmp_path_factory.mktemp(layout) / "run" for layout in ("single", "fsdp2", "ep2", "ep2fsdp2", "tp2")}
     run_concurrently({layout: (lambda layout=layout: run(layout, runs[layout], *moe("qwen3_moe"), *SHORT))
                       for layout in runs})
     return runs
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp2", "ep2", "ep2fsdp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "ep2", "ep2fsdp2", "tp2"])
 def test_every_layout_trains_the_single_process_losses(saved_on, layout):
-    """`isotrain train` on FSDP2 2, EP 2 and EP 2 × FSDP2 2 logs the 1-process run's counts, losses and aux loss."""
+    """`isotrain train` on FSDP2 2, EP 2, EP 2 × FSDP2 2 and TP 2 logs the 1-process run's counts, losses and aux loss."""
     reference, got = metrics(saved_on["single"]), metrics(saved_on[layout])
     for key in ("step", "tokens_seen", "trained_tokens", "samples_seen", "lr"):
         assert [r[key] for r in got] == [r[key] for r in reference], key
@@ -114,7 +115,7 @@ def test_every_layout_trains_the_single_process_losses(saved_on, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("source,target", [
     ("single", "ep2"), ("single", "ep2fsdp2"), ("ep2", "single"), ("ep2", "ep2fsdp2"), ("ep2fsdp2", "single"),
-    ("ep2fsdp2", "ep2"), ("single", "fsdp2"), ("fsdp2", "ep2"),
+    ("ep2fsdp2", "ep2"), ("single", "fsdp2"), ("fsdp2", "ep2"), ("tp2", "ep2"),
 ])
 def test_a_save_on_one_layout_resumes_on_the_other_with_equal_losses(tmp_path, saved_on, source, target):
     reference = saved_on[source]
@@ -158,6 +159,76 @@ def test_ranks_each_write_the_experts_they_hold(saved_on, layout):
                 files[int(key.split(".experts.")[1].split(".")[0])].add(name)
         assert all(len(names) == 1 for names in files.values()), files
         assert files[0] == files[1] != files[2] == files[3]
+
+
+def _close_weights(got: dict, expected: dict, rtol: float = 1e-6) -> None:
+    assert got.keys() == expected.keys()
+    for name in expected:
+        scale = expected[name].abs().max().clamp_min(1e-12)
+        assert ((got[name] - expected[name]).abs().max() / scale) <= rtol, name
+
+
+@pytest.fixture(scope="module")
+def ep2tp2(saved_on, tmp_path_factory):
+    """EP 2 × TP 2 (4 processes) resuming the 1-process run's step 3 and saving every step (4, 5, 6): one
+    launch that both loads a 1-process checkpoint and writes EP 2 × TP 2 ones."""
+    run_dir = tmp_path_factory.mktemp("ep2tp2") / "run"
+    shutil.copytree(saved_on["single"], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000006")
+    shutil.rmtree(run_dir / "model")
+    write_latest(run_dir / "checkpoints", "step-00000003")
+    proc = run("ep2tp2", run_dir, *moe("qwen3_moe"), *SHORT, "checkpoint.every_steps=1", "checkpoint.keep_last=4")
+    assert "resumed from" in proc.stdout and "step-00000003" in proc.stdout
+    return run_dir
+
+
+@pytest.mark.slow
+def test_expert_and_tensor_parallel_resumes_a_single_process_save(saved_on, ep2tp2):
+    """1 -> EP 2 × TP 2: the same samples and losses for steps 4-6, the final weights of the 1-process run."""
+    reference = saved_on["single"]
+    for key in ("tokens_seen", "trained_tokens", "samples_seen", "lr"):
+        assert [r[key] for r in metrics(reference)[3:]] == [r[key] for r in metrics(ep2tp2)[3:]], key
+    for a, b in zip(metrics(reference)[3:], metrics(ep2tp2)[3:], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-5)
+    _close_weights(model_weights(ep2tp2 / "checkpoints" / "step-00000006"),
+                   model_weights(reference / "checkpoints" / "step-00000006"))
+
+
+@pytest.mark.slow
+def test_a_save_under_expert_and_tensor_parallel_resumes_on_one_process(tmp_path, saved_on, ep2tp2):
+    """EP 2 × TP 2 -> 1: the 1-process run resumed from the EP 2 × TP 2 run's step 4 reaches the uninterrupted
+    run's losses and final weights."""
+    reference, run_dir = saved_on["single"], tmp_path / "run"
+    shutil.copytree(ep2tp2, run_dir)
+    for step in (5, 6):
+        shutil.rmtree(run_dir / "checkpoints" / f"step-{step:08d}")
+    shutil.rmtree(run_dir / "model")
+    write_latest(run_dir / "checkpoints", "step-00000004")
+    proc = run("single", run_dir, *moe("qwen3_moe"), *SHORT)
+    assert "resumed from" in proc.stdout and "step-00000004" in proc.stdout and "saved on 4 rank(s)" in proc.stdout
+    for a, b in zip(metrics(reference)[4:], metrics(run_dir)[4:], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    _close_weights(model_weights(run_dir / "checkpoints" / "step-00000006"),
+                   model_weights(reference / "checkpoints" / "step-00000006"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "ep2tp2"])
+def test_tensor_parallel_moe_saves_the_per_expert_keys_and_loads_in_transformers(saved_on, ep2tp2, layout):
+    """Experts replicated over TP are written once, per expert under global ids: the same keys and shapes as
+    the 1-process save, every key used by plain transformers, the same logits."""
+    checkpoint = (saved_on["tp2"] if layout == "tp2" else ep2tp2) / "checkpoints" / "step-00000006"
+    single = saved_on["single"] / "checkpoints" / "step-00000006"
+    got, expected = model_weights(checkpoint), model_weights(single)
+    assert got.keys() == expected.keys() and "model.layers.1.mlp.experts.3.down_proj.weight" in got
+    assert all(got[key].shape == expected[key].shape for key in expected)
+    loaded, info = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    reference = AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 7, 3, 9, 2, 4, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

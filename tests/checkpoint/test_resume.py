@@ -37,6 +37,9 @@ LAYOUTS = {
     # MoE models only (tests/checkpoint/test_moe.py): experts split over 2 ranks, dense parts by DDP or FSDP2.
     "ep2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.ep=2"]),
     "ep2fsdp2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.ep=2"]),
+    # Expert parallel × tensor parallel: EP groups of 2 DP ranks, one per TP coordinate.
+    "ep2tp2": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.tp=2",
+                   "parallel.ep=2"]),
 }
 
 

@@ -1,11 +1,11 @@
 """Measure every memory term on this rank of a real run and estimate the same run from its config.
 
-    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-]RxSxT[-epN][-vN]
+    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-|mixtral-]RxSxT[-epN][-vN]
                                                        (dp_replicate x dp_shard x tp, expert parallel N,
                                                        vocabulary N instead of 64)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
-Llama, or with `moe-` a qwen3_moe of 4 experts, top-2) with isotrain's builder, run one real `train_step`
+Llama, or with `moe-` a qwen3_moe, with `mixtral-` a mixtral, of 4 experts, top-2) with isotrain's builder, run one real `train_step`
 (gradients are measured between backward and update, optimizer state after it), then count what one more
 forward keeps for backward, and FSDP2's buffers at their peak during that forward and backward. Rank 0
 writes [{variant, rank, measured, estimated}].
@@ -41,6 +41,10 @@ TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 64}
 TINY_MOE = {**TINY, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "decoder_sparse_step": 1, "mlp_only_layers": []}
+# Mixtral's experts are intermediate_size wide: TP must not narrow them (they are replicated over TP).
+TINY_MIXTRAL = {**TINY, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": None}
+MODELS = {None: TINY, "moe": TINY_MOE, "mixtral": TINY_MIXTRAL}
 MICRO, SEQ = 2, 16
 
 
@@ -52,10 +56,11 @@ def micro_batch(seed: int) -> dict:
             "num_trained_tokens": MICRO * SEQ}
 
 
-def parse_layout(layout: str) -> tuple[bool, int, int, int, int, int]:
-    """(moe, dp_replicate, dp_shard, tp, ep, vocabulary) of e.g. `moe-1x2x1-ep2` or `1x2x1-v512`."""
+def parse_layout(layout: str) -> tuple[str | None, int, int, int, int, int]:
+    """(model: None, "moe" or "mixtral", dp_replicate, dp_shard, tp, ep, vocabulary) of e.g. `moe-1x2x1-ep2` or
+    `1x2x1-v512`."""
     parts = layout.split("-")
-    moe = parts[0] == "moe"
+    moe = parts[0] if parts[0] in MODELS else None
     dims = parts[1] if moe else parts[0]
     ep = next((int(part[2:]) for part in parts if part.startswith("ep")), 1)
     vocab = next((int(part[1:]) for part in parts if part.startswith("v")), TINY["vocab_size"])
@@ -65,7 +70,7 @@ def parse_layout(layout: str) -> tuple[bool, int, int, int, int, int]:
 
 def run_config(layout: str, dtype: str, checkpointing: str):
     moe, replicate, shard, tp, ep, vocab = parse_layout(layout)
-    return build_config({"model": {"config": {**(TINY_MOE if moe else TINY), "vocab_size": vocab}, "dtype": dtype},
+    return build_config({"model": {"config": {**MODELS[moe], "vocab_size": vocab}, "dtype": dtype},
                          "data": {"max_seq_len": SEQ},
                          "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard,
                                    "activation_checkpointing": checkpointing},

@@ -160,3 +160,29 @@ def test_estimate_memory_command_on_moe_models():
     assert terms[2]["parameters"] == experts // 2 + (terms[1]["parameters"] - experts) // 2
     dry = isotrain_cli(["train", "--dry-run", "data.path=/nonexistent.jsonl", *MOE_ARGS])
     assert dry.returncode == 0 and "router logits" in dry.stdout, dry.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_estimate_matches_measurement_on_tensor_parallel_moe(tmp_path):
+    """TP 2 on qwen3_moe and on Mixtral (one 2-process launch): the router and the experts are replicated over TP,
+    so each rank holds, computes and saves them whole. Mixtral's experts are `intermediate_size` wide: a fake
+    forward that narrowed them as TP narrows a dense MLP would miss a quarter of the activations here."""
+    rows = _measure(tmp_path, 2, "moe-1x1x2", "mixtral-1x1x2")
+    assert len(rows) == 4 * 2 * 2
+    _check_terms(rows)
+
+
+def test_estimate_memory_counts_experts_replicated_over_tp():
+    """TP 2 keeps every expert on every rank; EP 2 × TP 2 keeps half of them, the same half on both TP ranks of
+    an EP group (experts are split by EP, never by TP)."""
+    def parameters(*more: str) -> int:
+        proc = isotrain_cli(["estimate-memory", *MOE_ARGS, "train.global_batch_size=4", *more, "--json"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return next(t["bytes"] for t in json.loads(proc.stdout)["terms"] if t["name"] == "parameters")
+
+    experts = 2 * 4 * (64 * 64 + 64 * 32) * 4  # 2 layers × (gate_up [4, 64, 64] + down [4, 64, 32]), fp32
+    single = parameters()
+    tp = parameters("parallel.tp=2", "parallel.dp_replicate=1", "--world-size", "2")
+    ep_tp = parameters("parallel.tp=2", "parallel.dp_replicate=2", "parallel.ep=2", "--world-size", "4")
+    assert experts < tp < single
+    assert tp - ep_tp == experts // 2

@@ -196,7 +196,7 @@ def run_layouts(layouts: list[tuple[int, ...]], micro_batch: int, moe_layouts: l
     """Every (dp_replicate, dp_shard[, tp]) layout in turn, each with its own mesh and models, in one launch
     (the processes start once): results[layout][(loss_agg, mask_truncated)] on rank 0. Then the MoE policy
     (MOE_LOSS_AGG, mask_truncated on) in every (dp_replicate, dp_shard, micro_batch) of `moe_layouts`, with each
-    named moe section: results["moe"][layout][name]."""
+    named moe section: results["moe"][layout][name] (a 4th number: tensor parallel degree)."""
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
     results = {}
@@ -205,9 +205,9 @@ def run_layouts(layouts: list[tuple[int, ...]], micro_batch: int, moe_layouts: l
         results[layout] = {(mode, masked): run_mode(info, parallel, mode, masked, micro_batch)
                            for mode in LOSS_AGG_MODES for masked in (False, True)}
     results["moe"] = {}
-    for dp_replicate, dp_shard, moe_micro_batch in moe_layouts:
-        parallel = build_parallel(ParallelDims(dp_replicate, dp_shard, 1), info.device, info.rank)
-        results["moe"][(dp_replicate, dp_shard, moe_micro_batch)] = {
+    for dp_replicate, dp_shard, moe_micro_batch, *tp in moe_layouts:
+        parallel = build_parallel(ParallelDims(dp_replicate, dp_shard, *tp or (1,)), info.device, info.rank)
+        results["moe"][(dp_replicate, dp_shard, moe_micro_batch, *tp)] = {
             name: run_mode(info, parallel, MOE_LOSS_AGG, True, moe_micro_batch, moe)
             for name, moe in moe_sections.items()}
     if info.is_distributed:
@@ -221,7 +221,7 @@ def _layouts(text: str) -> list[tuple[int, ...]]:
 
 if __name__ == "__main__":
     # rl_equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [MOE_LAYOUTS]
-    # LAYOUTS: DP_REPLICATExDP_SHARD[xTP][,...], e.g. 2x1,1x1x2; MOE_LAYOUTS: DP_REPLICATExDP_SHARDxMICRO_BATCH[,...]
+    # LAYOUTS: DP_REPLICATExDP_SHARD[xTP][,...], e.g. 2x1,1x1x2; MOE_LAYOUTS: DP_REPLICATExDP_SHARDxMICRO_BATCH[xTP][,...]
     out, layouts, micro, *moe_layouts = sys.argv[1:]
     results = run_layouts(_layouts(layouts), int(micro), _layouts(moe_layouts[0]) if moe_layouts else [])
     if results is not None:

@@ -152,7 +152,9 @@ def test_naive_micro_batch_mean_would_be_detected(reference, mode):
 # aux and z-loss over every real prompt + response token of the mini-batch (`global` scope), with coefficients
 # 0.1 and 0.01 so that they dominate the routers' gradients. Layouts: (dp_replicate, dp_shard, micro_batch).
 MOE_SINGLE = [(1, 1, 16), (1, 1, 8), (1, 1, 4)]  # reference, GA 2, GA 4 (pre-pass)
-MOE_MULTI = [(2, 1, 8), (2, 1, 4), (1, 2, 4)]  # DDP 2 × GA 1 (counts all-reduced), DDP 2 × GA 2, FSDP2 2 × GA 2
+# DDP 2 × GA 1 (counts all-reduced), DDP 2 × GA 2, FSDP2 2 × GA 2, and TP 2 (router and experts replicated over TP;
+# a 4th number is the TP degree).
+MOE_MULTI = [(2, 1, 8), (2, 1, 4), (1, 2, 4), (1, 1, 16, 2)]
 
 
 def _router_gradients(result: dict) -> dict:
@@ -214,8 +216,8 @@ def test_moe_micro_batch_scope_changes_with_grad_accum(moe_single):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,grad_accum_steps", [((2, 1, 8), 1), ((2, 1, 4), 2), ((1, 2, 4), 2)],
-                         ids=["ddp2-ga1", "ddp2-ga2", "fsdp2-ga2"])
+@pytest.mark.parametrize("layout,grad_accum_steps", [((2, 1, 8), 1), ((2, 1, 4), 2), ((1, 2, 4), 2), ((1, 1, 16, 2), 1)],
+                         ids=["ddp2-ga1", "ddp2-ga2", "fsdp2-ga2", "tp2-ga1"])
 def test_moe_parallel_layout_matches_single_process(two_ranks, moe_single, layout, grad_accum_steps):
     """Two processes (the launch of `two_ranks`): with one micro-batch per rank the counts are all-reduced after
     the forward, with two the routing pre-pass runs first; both give the one-process update."""

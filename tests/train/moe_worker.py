@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from equivalence_worker import GLOBAL_BATCH, VOCAB, full, make_samples
 from isotrain.config import MoeConfig, TrainConfig
@@ -26,6 +27,7 @@ from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
+from isotrain.parallel.tp import check_replicated
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import StepOptions, train_step
 
@@ -37,6 +39,9 @@ FAMILIES = {
     # Shared expert and its gate next to the routed ones; checked on demand (families=qwen2_moe), not in the suite.
     "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                   "decoder_sparse_step": 1, "mlp_only_layers": []},
+    # Layer 1 dense (its MLP split by TP's plan), layer 0 sparse; checked on demand (families=qwen3_moe_dense).
+    "qwen3_moe_dense": {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
+                        "decoder_sparse_step": 1, "mlp_only_layers": [1], "head_dim": 8},
 }
 SUITE_FAMILIES = ("qwen3_moe", "mixtral")
 # Large enough that the router terms move the router's gradient far beyond the tolerance when their pool is wrong.
@@ -47,9 +52,10 @@ def tiny_moe(family: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    extra = dict(FAMILIES[family])
+    config = AutoConfig.for_model(extra.pop("model_type", family), vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                  num_experts_per_tok=2, **FAMILIES[family])
+                                  num_experts_per_tok=2, **extra)
     config.use_cache = False
     # transformers' default grouped_mm experts kernel takes no fp64; its eager loop computes the same maths.
     model = AutoModelForCausalLM.from_config(config, experts_implementation="eager" if dtype == torch.float64 else None)
@@ -81,7 +87,7 @@ def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.
     options = StepOptions(grad_clip=1.0, dp_group=parallel.dp_group, parallel=parallel, router=settings)
     samples = packed_samples() if packed else make_samples()
     sampler = GlobalBatchSampler(len(samples), GLOBAL_BATCH, seed=0)
-    out = {"losses": [], "aux": [], "z": [], "counts": []}
+    out = {"losses": [], "aux": [], "z": [], "counts": [], "norms": []}
     for step in range(NUM_STEPS):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
@@ -97,7 +103,13 @@ def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.
         out["aux"].append(result.router.aux_loss)
         out["z"].append(result.router.z_loss)
         out["counts"].append(result.router.counts)
+        out["norms"].append(result.grad_norm)
+        if step == 0:  # a replicated parameter (router, experts under TP) whose TP ranks drifted apart fails here
+            check_replicated(model, parallel.tp_group)
     out["weights"] = {n: full(p) for n, p in unwrap(model).named_parameters()}
+    # How the experts are laid out on this rank: placements and local shape (E / ep experts under EP).
+    out["experts"] = {n: (tuple(p.placements), tuple(p.to_local().shape)) for n, p in unwrap(model).named_parameters()
+                      if n.endswith("experts.gate_up_proj") and isinstance(p, DTensor)}
     return out
 
 

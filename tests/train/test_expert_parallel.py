@@ -101,10 +101,11 @@ MOE = ["model.config.model_type=qwen3_moe", "model.config.num_experts=4", "train
     (["parallel.ep=2", "train.micro_batch_size=8", "--world-size", "2"],
      "parallel.ep=2 splits a mixture-of-experts model's experts, but model type 'llama' is dense (its config has no "
      "num_experts or num_local_experts); set parallel.ep=1"),
-    (["parallel.ep=2", "parallel.tp=2", "parallel.dp_replicate=2", *MOE, "--world-size", "4"],
-     "parallel.ep=2 with parallel.tp=2 is not supported yet (experts are not split by tensor parallelism); set "
-     "parallel.tp=1 or parallel.ep=1"),
-], ids=["ep-not-dividing-dp", "ep-not-dividing-experts", "dense-model", "ep-with-tp"])
+    (["parallel.ep=2", "parallel.tp=3", "parallel.dp_replicate=2", *MOE, "model.config.num_attention_heads=4",
+      "model.config.num_key_value_heads=2", "--world-size", "6"],
+     "parallel.tp=3 does not divide the model's attention heads (num_attention_heads=4); use a parallel.tp that "
+     "divides 4, or a model with num_attention_heads a multiple of 3"),
+], ids=["ep-not-dividing-dp", "ep-not-dividing-experts", "dense-model", "tp-not-dividing-moe-heads"])
 def test_bad_expert_parallel_settings_get_one_sentence(capsys, argv, sentence):
     from test_cli_errors import assert_error_sentence
     from test_early_checks import cli
@@ -118,6 +119,26 @@ def test_config_show_lists_the_ep_degree(capsys):
     proc = cli(capsys, ["config", "show", "parallel.ep=2", *MOE, "--world-size", "2"])
     assert proc.returncode == 0, proc.stderr
     assert "# ep: 2" in proc.stdout.splitlines()
+
+
+def test_expert_parallel_composes_with_tensor_parallel(capsys):
+    """EP 2 × TP 2 on 4 processes is accepted; TP does not split a MoE model's experts, so their width need not
+    divide by tp (a Mixtral whose intermediate_size is odd), while a dense MLP layer's must."""
+    from test_early_checks import cli
+
+    proc = cli(capsys, ["config", "show", "parallel.ep=2", "parallel.tp=2", "parallel.dp_replicate=2", *MOE,
+                        "--world-size", "4"])
+    assert proc.returncode == 0, proc.stderr
+    assert {"# tp: 2", "# ep: 2"} <= set(proc.stdout.splitlines())
+    from transformers import AutoConfig
+
+    from isotrain.errors import ConfigError
+    from isotrain.parallel.dims import ParallelDims, check_model_fits
+
+    check_model_fits(ParallelDims(1, 1, 2), AutoConfig.for_model("mixtral", num_local_experts=4, intermediate_size=63))
+    dense_layer = AutoConfig.for_model("qwen3_moe", num_experts=4, intermediate_size=63, mlp_only_layers=[1])
+    with pytest.raises(ConfigError, match=r"MLP width \(intermediate_size=63\)"):
+        check_model_fits(ParallelDims(1, 1, 2), dense_layer)
 
 
 def test_the_builder_refuses_ep_on_a_dense_model():

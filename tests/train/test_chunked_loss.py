@@ -139,3 +139,30 @@ def test_a_family_whose_logits_are_more_than_its_head_is_refused():
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
     with pytest.raises(ConfigError, match=r"cannot be used with Gemma2ForCausalLM, whose logits are more than"):
         check_head_is_linear(AutoModelForCausalLM.from_config(config), CPU)
+
+
+def test_a_run_with_chunks_logs_the_losses_of_a_run_without(tmp_path, monkeypatch):
+    """`isotrain train` end to end (the head probe, the step options, packing): the same logged losses, and the
+    chunked run did compute its loss in chunks."""
+    import json
+
+    import isotrain.train.chunked_loss as chunked
+    from isotrain.config import load_config
+    from isotrain.train.loop import train
+
+    from test_trainer_e2e import SMALL, small_data
+
+    calls = []
+    original = chunked.chunked_loss_sum
+    monkeypatch.setattr(chunked, "chunked_loss_sum", lambda *args: calls.append(args[4]) or original(*args))
+    _, data_args = small_data(tmp_path)
+    losses = []
+    for chunk_tokens in (0, 16):
+        out = tmp_path / f"chunk-{chunk_tokens}"
+        cfg = load_config(None, [*SMALL, *data_args, "eval.path=null", "train.max_steps=3", "data.packing=true",
+                                 "data.max_seq_len=48", "train.global_batch_size=4", "train.micro_batch_size=2",
+                                 f"train.loss_chunk_tokens={chunk_tokens}", f"output_dir={out}"])
+        train(cfg)
+        losses.append([json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert calls and set(calls) == {16}

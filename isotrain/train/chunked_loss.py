@@ -24,6 +24,7 @@ head's gradient with the root's; DDP sees one forward per backward as always. Th
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -49,12 +50,20 @@ def _chunk_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
         return (token_losses(logits, labels) * weights).sum()
 
 
+@functools.cache
+def _compiled_chunk_loss_sum():
+    """_chunk_loss_sum compiled once for any chunk length (dynamic shapes): inductor fuses the log-softmax, the
+    target pick and the weights around the head's matmul (the loss alone ran 1.2 x faster than eager here)."""
+    return torch.compile(_chunk_loss_sum, dynamic=True)
+
+
 def chunked_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                     chunk_tokens: int, trained: torch.Tensor | None = None) -> torch.Tensor:
+                     chunk_tokens: int, trained: torch.Tensor | None = None, compiled: bool = False) -> torch.Tensor:
     """Σ_t w_t ℓ_t over a micro-batch, at most `chunk_tokens` tokens' logits at a time (forward and backward).
 
     hidden [B, L, H] (the decoder's final hidden states), labels and weights [B, L] on hidden's device.
     `trained` [n]: the flat positions with a label, if the caller has them without a device read (host labels).
+    `compiled`: each chunk's head and loss run compiled (train.compile), else eagerly.
     A micro-batch without trained tokens still runs the head on 0 tokens, so every parameter gets a (zero)
     gradient, as in the unchunked loss (DDP waits for every parameter's gradient)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -62,11 +71,12 @@ def chunked_loss_sum(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
     if trained is None:
         trained = (labels != IGNORE_INDEX).nonzero().squeeze(-1)
     hidden, labels, weights = hidden.index_select(0, trained), labels[trained], weights[trained]
+    chunk_loss_sum = _compiled_chunk_loss_sum() if compiled else _chunk_loss_sum
     sums = []
     for start in range(0, max(len(trained), 1), chunk_tokens):
         end = start + chunk_tokens
         # preserve_rng_state (the default): a head with dropout (LoRA) draws the same mask in the recompute.
-        sums.append(checkpoint(_chunk_loss_sum, head, hidden[start:end], labels[start:end], weights[start:end],
+        sums.append(checkpoint(chunk_loss_sum, head, hidden[start:end], labels[start:end], weights[start:end],
                                use_reentrant=False))
     return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
 
@@ -110,14 +120,15 @@ def lm_loss_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: tor
 
 
 def sft_chunked_forward(model: nn.Module, mb: dict, weights: torch.Tensor, chunk_tokens: int, with_mask: bool,
-                         device: torch.device, router_logits: bool = False):
-    """The SFT forward of one micro-batch with the chunked loss: its output, `.loss` = Σ_t w_t ℓ_t."""
+                        device: torch.device, router_logits: bool = False, compiled: bool = False):
+    """The SFT forward of one micro-batch with the chunked loss: its output, `.loss` = Σ_t w_t ℓ_t.
+    `compiled`: the chunks' head and loss are compiled (chunked_loss_sum)."""
     host_labels = mb["labels"]
     trained = (host_labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(-1).to(device)  # host: no device read
     labels = host_labels.to(device)
 
     def loss_fn(hidden, head):
-        return chunked_loss_sum(head, hidden, labels, weights, chunk_tokens, trained)
+        return chunked_loss_sum(head, hidden, labels, weights, chunk_tokens, trained, compiled)
 
     return lm_loss_forward(model, mb["input_ids"].to(device), mb["position_ids"].to(device), with_mask, loss_fn,
                            router_logits)

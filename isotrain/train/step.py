@@ -61,6 +61,7 @@ class StepOptions:
     document_mask: bool = False  # packed batches get isotrain's per-document mask (models/packing_check.py)
     router: RouterSettings | None = None  # MoE models: the router terms of the objective (isotrain/moe/)
     loss_chunk_tokens: int = 0  # > 0: the cross-entropy over chunks of this many tokens (train/chunked_loss.py)
+    compile_loss: bool = False  # train.compile: the chunked loss's chunks are compiled too
 
 
 def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool = False,
@@ -72,7 +73,8 @@ def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool 
     autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and parallel.dims.dp_shard == 1 else None
     return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
                        dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel,
-                       document_mask=document_mask, router=router, loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+                       document_mask=document_mask, router=router, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                       compile_loss=cfg.train.compile)
 
 
 def _global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> torch.Tensor:
@@ -192,7 +194,8 @@ def _sft_loss_sum(model: nn.Module, options: StepOptions, device: torch.device, 
         if options.loss_chunk_tokens:  # the forward computes Σ_t weight_t · ℓ_t itself, chunk by chunk
             with autocast:
                 output = sft_chunked_forward(model, mb, weights, options.loss_chunk_tokens, options.document_mask,
-                                             device, router_logits=options.router is not None)
+                                             device, router_logits=options.router is not None,
+                                             compiled=options.compile_loss)
             weighted_sum = output.loss
         else:
             with autocast:

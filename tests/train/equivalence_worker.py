@@ -113,7 +113,8 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
     samples = make_samples()
     sampler = GlobalBatchSampler(len(samples), GLOBAL_BATCH, seed=0)
     cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32"),
-                          train=SimpleNamespace(loss_reduction=reduction, grad_clip=1.0, loss_chunk_tokens=chunk_tokens))
+                          train=SimpleNamespace(loss_reduction=reduction, grad_clip=1.0, loss_chunk_tokens=chunk_tokens,
+                                              compile=False))
     options = step_options(cfg, parallel)
     params = [p for p in model.parameters()]
     losses, first_grads, counts, norms = [], None, [], []

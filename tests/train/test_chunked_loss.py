@@ -122,6 +122,23 @@ def test_no_step_holds_more_than_one_chunk_of_logits():
     assert peak_bytes(model, batch, 8) - baseline <= 4 * chunk_bytes + head_grad_bytes
 
 
+@pytest.mark.slow
+def test_compiled_layers_and_compiled_chunks_give_the_same_loss_and_gradients():
+    """train.compile with the chunked loss: the decoder layers compiled (parallel/apply.py), each chunk's head and
+    loss compiled for any chunk length; within the tolerance of the compiled model's own test (test_options.py)."""
+    from isotrain.parallel.apply import decoder_layers
+
+    model = tiny_model(torch.float32).train()
+    compiled = copy.deepcopy(model)
+    for layer in decoder_layers(compiled):
+        layer.compile()
+    want_loss, want_grads = loss_and_grads(model, StepOptions())
+    loss, grads = loss_and_grads(compiled, StepOptions(loss_chunk_tokens=7, compile_loss=True))
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(grad, want_grads[name], rtol=1e-4, atol=1e-6), name
+
+
 def test_tensor_parallel_is_refused_with_both_settings_named():
     check_chunked_loss_settings(1024, tp=1)
     check_chunked_loss_settings(0, tp=2)

@@ -17,8 +17,9 @@ it. The causal LM is called with `logits_to_keep` = no position, so its head pro
 decoder keeps the final hidden states, and a hook on the causal LM itself, placed ahead of FSDP2's post-forward
 hook, computes the loss and returns it as the output's `loss`. So FSDP2 still holds the root's parameters (head,
 embeddings) gathered when the head runs, registers its pre-backward hook on the loss, and reduce-scatters the
-head's gradient with the root's; DDP sees one forward per backward as always. The decoder layers may be compiled
-(train.compile): the root, whose hooks change per call, is then never compiled as a whole (parallel/apply.py).
+head's gradient with the root's; DDP sees one forward per backward as always. With train.compile the decoder
+layers are compiled, never the root as a whole (its hooks change per call: parallel/apply.py), and each chunk's
+head and loss are compiled for any chunk length (faster than eager chunks: docs/benchmarks.md).
 """
 
 from __future__ import annotations

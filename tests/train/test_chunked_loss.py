@@ -66,6 +66,19 @@ def test_per_document_mask_and_bf16_autocast_are_kept():
     assert worst_relative(grads, want_grads) <= 2e-2
 
 
+def test_activation_checkpointing_is_kept():
+    """Checkpointed decoder layers (train.activation_checkpointing=full) under the chunked loss's hooks."""
+    from isotrain.parallel.apply import apply_activation_checkpointing
+
+    model = tiny_model(torch.float64).train()
+    chunked = copy.deepcopy(model)
+    apply_activation_checkpointing(chunked)
+    want_loss, want_grads = loss_and_grads(model, StepOptions())
+    loss, grads = loss_and_grads(chunked, StepOptions(loss_chunk_tokens=7))
+    assert loss == pytest.approx(want_loss, rel=1e-12)
+    assert worst_relative(grads, want_grads) <= 1e-12
+
+
 @pytest.mark.parametrize("scope", ["global", "micro_batch"])
 def test_moe_router_terms_are_unchanged(scope):
     """An MoE model's step (router logits, aux and z-loss, the routing pre-pass of the global scope) with the

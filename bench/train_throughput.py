@@ -27,7 +27,8 @@ labels, isotrain by its global count), one epoch over the same documents for eve
 - isotrain with data.packing=true: documents packed whole into rows of <= max_seq_len tokens, 2 rows per
   micro-batch; its global batch counts packed rows, so it is set to the number of rows that holds about
   16 documents (printed);
-- the same, compiled (`train.compile=true`, unless --no-compile; every row padded to max_seq_len);
+- the same, compiled (`train.compile=true`, unless --no-compile; every row padded to max_seq_len), and compiled
+  with the chunked cross-entropy (`train.loss_chunk_tokens=1024`: the decoder layers compiled, the loss eager);
 - the HF Trainer with transformers' padding collator (`DataCollatorForLanguageModeling(mlm=False)`), and with
   `DataCollatorWithFlattening` (its packing: one row per micro-batch, position ids restarting per document):
   16 documents per step, 4 per micro-batch.
@@ -79,7 +80,10 @@ TARGET_VS_MINIMAL, TARGET_VS_HF = 0.98, 1.2
 TARGET_VS_PADDED, TARGET_VS_FLATTENING = 1.5, 1.0  # --lengths: isotrain packed vs the HF Trainer's collators
 CPU = torch.device("cpu")
 # Optimizer implementation each tool uses (isotrain: train/optim.py; HF: its default `adamw_torch_fused`).
-ADAMW_IMPL = {"minimal loop": "fused", "isotrain": "fused", "isotrain compile": "fused", "HF Trainer": "fused"}
+ADAMW_IMPL = {"minimal loop": "fused", "isotrain": "fused", "isotrain compile": "fused",
+              "isotrain compile chunked": "fused", "HF Trainer": "fused"}
+TARGET_COMPILED_VS_MINIMAL, TARGET_COMPILED_VS_FLATTENING = 1.15, 1.25  # train.compile=true rows
+CHUNK_TOKENS = 1024  # train.loss_chunk_tokens of the "chunked" rows
 
 
 def write_jsonl(path: Path, num_rows: int) -> None:
@@ -92,7 +96,7 @@ def write_jsonl(path: Path, num_rows: int) -> None:
 
 
 def isotrain_config(work: Path, name: str, micro: int, steps: int, compile_model: bool, global_batch: int = GLOBAL_BATCH,
-                    max_seq_len: int = SEQ_LEN, packing: bool = False):
+                    max_seq_len: int = SEQ_LEN, packing: bool = False, loss_chunk_tokens: int = 0):
     train_section = {
         "global_batch_size": global_batch, "micro_batch_size": micro, "max_steps": steps, "seed": SEED,
         "lr": LR, "schedule": "constant", "weight_decay": 0.0, "betas": list(BETAS), "eps": EPS,
@@ -100,6 +104,8 @@ def isotrain_config(work: Path, name: str, micro: int, steps: int, compile_model
     }
     if compile_model:
         train_section["compile"] = True
+    if loss_chunk_tokens:
+        train_section["loss_chunk_tokens"] = loss_chunk_tokens
     return build_config({
         "output_dir": str(work / "runs" / name),
         "model": {"config": dict(LLAMA)},
@@ -210,9 +216,10 @@ def run_tool(tool: str, args, work: Path, name: str, shared, micro: int, after_s
         return run_minimal(*shared, micro, args.steps, args.warmup, after_step)
     if tool == "HF Trainer":
         return run_hf_trainer(work, name, *shared, micro, args.steps, args.warmup, after_step)
-    compiled = tool == "isotrain compile"
+    compiled = tool.startswith("isotrain compile")
     warmup = args.warmup + (args.compile_warmup if compiled else 0)
-    return run_isotrain(work, name, micro, args.steps, warmup, compiled, after_step)
+    return run_isotrain(work, name, micro, args.steps, warmup, compiled, after_step,
+                        loss_chunk_tokens=CHUNK_TOKENS if tool.endswith("chunked") else 0)
 
 
 class Turns:
@@ -283,7 +290,7 @@ def run_all(args, work: Path) -> dict[tuple[str, int], list[float]]:
     shared = shared_inputs(work)
     tools = ["minimal loop", "isotrain"]
     if args.compile and "compile" in TrainConfig.model_fields:
-        tools.append("isotrain compile")
+        tools += ["isotrain compile", "isotrain compile chunked"]
     if has_accelerate():
         tools.append("HF Trainer")
     results: dict[tuple[str, int], list[float]] = {}
@@ -306,7 +313,8 @@ def paired_ratio(values: list[float], reference: list[float] | None) -> str:
 
 
 def print_table(results: dict[tuple[str, int], list[float]], gas: list[int]) -> None:
-    print(f"\ntargets: isotrain >= {TARGET_VS_MINIMAL} x minimal loop and >= {TARGET_VS_HF} x HF Trainer (same GA)")
+    print(f"\ntargets: isotrain >= {TARGET_VS_MINIMAL} x minimal loop and >= {TARGET_VS_HF} x HF Trainer (same GA); "
+          f"compiled >= {TARGET_COMPILED_VS_MINIMAL} x minimal loop")
     print("ratios: median (min-max) over rounds of the ratio within each round")
     print("| tool | GA x micro | AdamW | tokens/s median (min-max) | vs minimal loop | vs HF Trainer |")
     print("|---|---|---|---:|---:|---:|")
@@ -353,11 +361,11 @@ def lengths_inputs(args, work: Path) -> dict:
 def run_lengths_tool(tool: str, args, work: Path, inputs: dict, name: str, after_step) -> tuple[float, float]:
     """(real tokens/s over the timed steps, real share of the tensor slots) of one tool, one epoch."""
     if tool.startswith("isotrain packed"):
-        compiled = tool == "isotrain packed compile"
+        compiled = tool.startswith("isotrain packed compile")
         warmup = args.warmup + (args.compile_warmup if compiled else 0)
         rate = run_isotrain(work, name, PACKED_ROWS_PER_MICRO, inputs["iso_steps"] - warmup, warmup, compiled,
                             after_step, global_batch=inputs["global_rows"], max_seq_len=inputs["max_seq_len"],
-                            packing=True)
+                            packing=True, loss_chunk_tokens=CHUNK_TOKENS if tool.endswith("chunked") else 0)
         # Compiled, every row is padded to max_seq_len (train/loop.py): one shape to compile.
         return rate, inputs["iso_real_share_fixed" if compiled else "iso_real_share"]
     hparams = {"learning_rate": LR, "lr_scheduler_type": "constant", "weight_decay": 0.0, "adam_beta1": BETAS[0],
@@ -378,7 +386,7 @@ def run_lengths(args, work: Path) -> tuple[dict, dict]:
           f"{len(inputs['documents']) // DOCS_PER_STEP} steps", flush=True)
     tools = LENGTH_TOOLS if has_accelerate() else LENGTH_TOOLS[:1]
     if args.compile:
-        tools = tools[:1] + ["isotrain packed compile"] + tools[1:]
+        tools = tools[:1] + ["isotrain packed compile", "isotrain packed compile chunked"] + tools[1:]
     rates: dict[str, list[float]] = {}
     shares: dict[str, list[float]] = {}
     for round_index in range(args.rounds):
@@ -396,7 +404,7 @@ def run_lengths(args, work: Path) -> tuple[dict, dict]:
 
 def print_lengths_table(rates: dict, shares: dict) -> None:
     print(f"\ntargets: isotrain packed >= {TARGET_VS_PADDED} x HF Trainer padded and >= {TARGET_VS_FLATTENING} x "
-          "HF Trainer flattening")
+          f"HF Trainer flattening; packed + compiled >= {TARGET_COMPILED_VS_FLATTENING} x HF Trainer flattening")
     print("ratios: median (min-max) over rounds of the ratio within each round")
     print("| tool | real tokens/s median (min-max) | real share of slots | vs HF padded | vs HF flattening |")
     print("|---|---:|---:|---:|---:|")

@@ -177,8 +177,15 @@ class TrainConfig(Section):
     )
     deterministic: bool = Field(False, description="Use deterministic algorithms so CPU runs are bit-reproducible.")
     compile: bool = Field(
-        False, description="torch.compile the model (per decoder layer under FSDP2); the loss is unchanged to fp tolerance. "
+        False, description="torch.compile the model (per decoder layer under FSDP2 or with train.loss_chunk_tokens); the loss is unchanged to fp tolerance. "
         "With data.packing, every row is padded to data.max_seq_len so that the model compiles for one shape."
+    )
+    loss_chunk_tokens: int = Field(
+        0, ge=0, description="SFT (`isotrain train`): compute the cross-entropy over chunks of this many trained "
+        "tokens, each chunk's logits recomputed in backward, so that no step holds the logits of a whole "
+        "micro-batch (memory: one chunk's fp32 logits instead of micro-batch × length × vocabulary); the loss "
+        "and gradients are unchanged to fp tolerance, at the cost of the output layer's matmul once more. "
+        "0 computes every logit at once. Not with parallel.tp > 1. E.g. 1024."
     )
     activation_checkpointing: Literal["none", "full"] = Field(
         "none",

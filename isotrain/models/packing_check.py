@@ -72,11 +72,12 @@ def lm_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Ten
 
 
 def lm_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, with_mask: bool,
-               router_logits: bool = False):
+               router_logits: bool = False, logits_to_keep: torch.Tensor | None = None):
     """`lm_logits`' forward, returning the model output; `router_logits`: an MoE model also returns its
     routers' logits (`.router_logits`, one [B·L, E] tensor per MoE layer). No labels are passed, so
-    transformers adds no aux loss of its own (isotrain forms it: isotrain/moe/)."""
-    kwargs = {}
+    transformers adds no aux loss of its own (isotrain forms it: isotrain/moe/). `logits_to_keep`: the
+    positions whose logits the head computes (transformers' argument; default every position)."""
+    kwargs = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
     if with_mask:
         kwargs["attention_mask"] = document_mask(position_ids, hf_model(model).config._attn_implementation)
     if router_logits:
@@ -96,7 +97,7 @@ def _probe_batch(vocab_size: int, device: torch.device) -> tuple[torch.Tensor, t
     return input_ids, position_ids
 
 
-def _all_max(value: float, device: torch.device) -> float:
+def all_ranks_max(value: float, device: torch.device) -> float:
     """The largest value over all ranks, so every rank takes the same decision (one diverging rank would
     leave the others waiting in the first training collective)."""
     if not dist.is_initialized():
@@ -120,7 +121,7 @@ def probe_mismatch(model: nn.Module, with_mask: bool, device: torch.device) -> f
     packed = torch.cat([logits[0, :n], logits[0, n:]])
     alone = torch.cat([logits[1, :n], logits[2, : logits.shape[1] - n]])
     mismatch = float((packed - alone).abs().max() / alone.abs().max().clamp(min=1e-12))
-    return _all_max(mismatch, device)
+    return all_ranks_max(mismatch, device)
 
 
 def check_packing(model: nn.Module, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> bool:

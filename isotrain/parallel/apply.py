@@ -85,9 +85,10 @@ def apply_ddp(model: nn.Module, parallel: ParallelState) -> nn.Module:
     return ddp
 
 
-def apply_compile(model: nn.Module, parallel: ParallelState) -> None:
-    """torch.compile in place: each decoder layer when FSDP2 will wrap them, else the whole model."""
-    if parallel.dims.dp_shard > 1:
+def apply_compile(model: nn.Module, parallel: ParallelState, layers_only: bool = False) -> None:
+    """torch.compile in place: each decoder layer when FSDP2 will wrap them or `layers_only` (a root whose forward
+    hooks change per call, as the chunked loss's: train/chunked_loss.py), else the whole model."""
+    if parallel.dims.dp_shard > 1 or layers_only:
         for layer in decoder_layers(model):
             layer.compile()
     else:
@@ -95,7 +96,8 @@ def apply_compile(model: nn.Module, parallel: ParallelState) -> None:
 
 
 def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: torch.dtype | None = None,
-                compile: bool = False, activation_checkpointing: bool = False, loss_parallel: bool = False) -> nn.Module:
+                compile: bool = False, activation_checkpointing: bool = False, loss_parallel: bool = False,
+                compile_layers_only: bool = False) -> nn.Module:
     """Everything up to the data-parallel wrapper that must come after the weights exist (`wrap_replicas`).
 
     `compute_dtype` (e.g. bf16) is used by FSDP2 only; DDP and single-process runs use autocast.
@@ -111,7 +113,7 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
-        apply_compile(model, parallel)
+        apply_compile(model, parallel, compile_layers_only)
     if parallel.dims.dp_shard > 1:
         apply_fsdp(model, parallel, compute_dtype)
     return model

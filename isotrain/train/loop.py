@@ -33,6 +33,7 @@ from isotrain.parallel.dist import DistInfo, init_distributed, shutdown_distribu
 from isotrain.parallel.mesh import ParallelState, build_parallel
 from isotrain.parallel.tp import check_replicated
 from isotrain.sizes import BatchPlan, plan_batches
+from isotrain.train.chunked_loss import check_chunked_loss_settings, check_head_is_linear
 from isotrain.train.evaluate import exact_match
 from isotrain.train.metrics import MetricsWriter, flops_per_token, peak_tflops
 from isotrain.train.run_loop import RunState, run_loop, stopped_message
@@ -176,6 +177,7 @@ def _train(cfg: Config, info: DistInfo, console: Console,
     model_cfg = checked_config(cfg)
     check_moe_section(cfg.moe, model_cfg)
     check_layout_fits(cfg.model, degrees)
+    check_chunked_loss_settings(cfg.train.loss_chunk_tokens, degrees.tp)
     eval_rows = _eval_rows(cfg)
     output_dir = start_run(cfg, info, console, plan, degrees, scope)
     tokenizer = prepare_tokenizer(cfg, info, output_dir, log)
@@ -188,6 +190,8 @@ def _train(cfg: Config, info: DistInfo, console: Console,
     parallel = build_parallel(degrees, info.device, info.rank)
     model, optimizer = prepare_model(cfg, info, tokenizer, parallel)
     document_mask = packing_needs_mask(cfg, model, parallel, info.device, log)  # before any step, on this model
+    if cfg.train.loss_chunk_tokens:
+        check_head_is_linear(model, info.device)
     log(f"model: {count_parameters(model):,} parameters; data: {len(dataset)} samples, "
         f"{dataset.stats.total_input_tokens:,} tokens, {dataset.stats.total_trained_tokens:,} trained")
     sampler = GlobalBatchSampler(len(dataset), plan.global_batch_size, cfg.train.seed)

@@ -36,6 +36,7 @@ from isotrain.moe.prepass import begin_router_step
 from isotrain.moe.settings import RouterSettings
 from isotrain.parallel.dist import all_reduce_sum
 from isotrain.parallel.apply import sync_replica_grads
+from isotrain.train.chunked_loss import no_positions, sft_chunked_forward
 from isotrain.train.loss import loss_weights, token_losses
 
 
@@ -59,6 +60,8 @@ class StepOptions:
     parallel: object = None  # the run's ParallelState (TP × DDP gradient sums)
     document_mask: bool = False  # packed batches get isotrain's per-document mask (models/packing_check.py)
     router: RouterSettings | None = None  # MoE models: the router terms of the objective (isotrain/moe/)
+    loss_chunk_tokens: int = 0  # > 0: the cross-entropy over chunks of this many tokens (train/chunked_loss.py)
+    compile_loss: bool = False  # train.compile: the chunked loss's chunks are compiled too
 
 
 def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool = False,
@@ -70,7 +73,8 @@ def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool 
     autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and parallel.dims.dp_shard == 1 else None
     return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
                        dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel,
-                       document_mask=document_mask, router=router)
+                       document_mask=document_mask, router=router, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                       compile_loss=cfg.train.compile)
 
 
 def _global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> torch.Tensor:
@@ -172,9 +176,11 @@ def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator,
 
 
 def _sft_forward(model: nn.Module, mb: dict, options: StepOptions, device: torch.device):
-    """The model output of one micro-batch (with router logits for an MoE model)."""
+    """The model output of one micro-batch (with router logits for an MoE model). With the chunked loss no
+    logits are computed here (the routing pre-pass needs none)."""
+    keep = no_positions(device) if options.loss_chunk_tokens else None
     return lm_forward(model, mb["input_ids"].to(device), mb["position_ids"].to(device), options.document_mask,
-                      router_logits=options.router is not None)
+                      router_logits=options.router is not None, logits_to_keep=keep)
 
 
 def _sft_loss_sum(model: nn.Module, options: StepOptions, device: torch.device, router: RouterStep | None = None):
@@ -185,9 +191,16 @@ def _sft_loss_sum(model: nn.Module, options: StepOptions, device: torch.device, 
         labels = mb["labels"].to(device)
         segments = mb["segment_ids"].to(device)
         weights, _ = loss_weights(labels, segments, options.loss_reduction)
-        with autocast:
-            output = _sft_forward(model, mb, options, device)
-        weighted_sum = (token_losses(output.logits, labels) * weights).sum()
+        if options.loss_chunk_tokens:  # the forward computes Σ_t weight_t · ℓ_t itself, chunk by chunk
+            with autocast:
+                output = sft_chunked_forward(model, mb, weights, options.loss_chunk_tokens, options.document_mask,
+                                             device, router_logits=options.router is not None,
+                                             compiled=options.compile_loss)
+            weighted_sum = output.loss
+        else:
+            with autocast:
+                output = _sft_forward(model, mb, options, device)
+            weighted_sum = (token_losses(output.logits, labels) * weights).sum()
         if router is None:
             return weighted_sum
         return weighted_sum, router.term(output.router_logits, input_token_mask(segments), index)

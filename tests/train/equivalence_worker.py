@@ -1,12 +1,13 @@
 """Run 3 optimizer steps of a tiny Llama on a fixed dataset in one layout; rank 0 saves the results.
 
 Launched by test_equivalence.py with torchrun (real processes, gloo) or in-process for 1 rank:
-    equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive|ac]
+    equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive|ac] [chunk=N]
 LAYOUTS: e.g. 2x1x1,1x2x1,1x1x2 = DDP, FSDP2, TP (dp_replicate x dp_shard x tp), with an optional 4th degree
 for expert parallelism (1x2x1x2 = FSDP2 2 with EP 2, for the MoE families); `ac` checkpoints every
 decoder layer's activations. One launch covers every given layout (a mesh and a model each), both loss
 reductions, in fp32 and in fp64: results[(dp_replicate, dp_shard, tp)][(reduction, dtype)]; run() is one
-layout in this process.
+layout in this process. `chunk=N` also runs every layout without TP with the chunked cross-entropy
+(train.loss_chunk_tokens=N): results[("chunked", layout)].
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def naive_forward_backward(model, micro_batches) -> float:
 
 
 def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dtype, naive: bool,
-               checkpointing: bool = False, family: str = "llama") -> dict:
+               checkpointing: bool = False, family: str = "llama", chunk_tokens: int = 0) -> dict:
     model = parallelize(tiny_model(dtype, family), parallel, activation_checkpointing=checkpointing,
                         loss_parallel=True).train()
     model = wrap_replicas(model, parallel)
@@ -112,7 +113,8 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
     samples = make_samples()
     sampler = GlobalBatchSampler(len(samples), GLOBAL_BATCH, seed=0)
     cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32"),
-                          train=SimpleNamespace(loss_reduction=reduction, grad_clip=1.0))
+                          train=SimpleNamespace(loss_reduction=reduction, grad_clip=1.0, loss_chunk_tokens=chunk_tokens,
+                                              compile=False))
     options = step_options(cfg, parallel)
     params = [p for p in model.parameters()]
     losses, first_grads, counts, norms = [], None, [], []
@@ -144,7 +146,7 @@ def run(out: str, micro_batch: int, naive: bool = False, checkpointing: bool = F
 
 
 def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bool = False,
-                checkpointing: bool = False, families: list[str] = ("llama",)) -> dict | None:
+                checkpointing: bool = False, families: list[str] = ("llama",), chunk_tokens: int = 0) -> dict | None:
     """Every (dp_replicate, dp_shard, tp) layout in turn, each with its own mesh and models, in one launch
     (the processes start once): results[layout][(reduction, dtype)] on rank 0, else None; with other
     families than llama, results[(family, layout)]."""
@@ -161,13 +163,22 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
                 for reduction in ("token", "sequence")
                 for dtype in (torch.float32, torch.float64)
             }
+    for layout in layouts if chunk_tokens else []:
+        if layout[2] == 1:  # the chunked loss refuses TP
+            parallel = build_parallel(ParallelDims(*layout), info.device, info.rank)
+            results[("chunked", layout)] = {
+                (reduction, str(dtype)): run_layout(info, parallel, micro_batch, reduction, dtype, naive,
+                                                    checkpointing, chunk_tokens=chunk_tokens)
+                for reduction in ("token", "sequence")
+                for dtype in (torch.float32, torch.float64)
+            }
     if info.is_distributed:
         shutdown_distributed()
     return results if info.is_main else None
 
 
 if __name__ == "__main__":
-    # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive] [ac] [families=qwen3,...] [unreduced]
+    # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive] [ac] [families=qwen3,...] [unreduced] [chunk=N]
     # LAYOUTS: RxSxT[xE][,...], e.g. 2x1x1,1x1x2,2x1x1x2; `unreduced` removes the TP gradient sum of Qwen3's q/k norms
     # on purpose, to show that the replicated-parameter check catches a missing reduction.
     out, layouts, micro, *rest = sys.argv[1:]
@@ -184,6 +195,7 @@ if __name__ == "__main__":
 
         tp._style = without_grad_sum
     results = run_layouts([tuple(int(x) for x in layout.split("x")) for layout in layouts.split(",")], int(micro),
-                          naive="naive" in rest, checkpointing="ac" in rest, families=families)
+                          naive="naive" in rest, checkpointing="ac" in rest, families=families,
+                          chunk_tokens=next((int(flag.split("=", 1)[1]) for flag in rest if flag.startswith("chunk=")), 0))
     if results is not None:
         torch.save(results, out)

@@ -97,6 +97,12 @@ LAYOUTS = {
 }
 
 
+# The 2-process launch also runs its DDP and FSDP2 layouts with the chunked cross-entropy
+# (train.loss_chunk_tokens, 5 tokens a chunk: chunks cross rows and documents), compared with the unchunked
+# single process: results[("chunked", layout)].
+CHUNKED = {2: ["chunk=5"]}
+
+
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory):
     """multi(nproc): the results of every layout of that world size, launched once per module."""
@@ -104,7 +110,8 @@ def multi(tmp_path_factory):
 
     def results(nproc: int) -> dict:
         if nproc not in launched:
-            launched[nproc] = _multi(tmp_path_factory.mktemp(f"multi-{nproc}"), nproc, LAYOUTS[nproc], MICRO_BATCH)
+            launched[nproc] = _multi(tmp_path_factory.mktemp(f"multi-{nproc}"), nproc, LAYOUTS[nproc], MICRO_BATCH,
+                                     *CHUNKED.get(nproc, ()))
         return launched[nproc]
 
     return results
@@ -119,6 +126,14 @@ def multi(tmp_path_factory):
 )
 def test_parallel_layout_matches_single_process(multi, reference, nproc, layout):
     assert_equivalent(multi(nproc)[layout], reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 1)], ids=["ddp2-ga2", "fsdp2-ga2"])
+def test_chunked_loss_layout_matches_single_process(multi, reference, layout):
+    """FSDP2 runs the chunked loss inside its root's forward (the head's parameter gathered there, its gradient
+    reduce-scattered with the root's); DDP sees one forward per backward."""
+    assert_equivalent(multi(2)[("chunked", layout)], reference)
 
 
 @pytest.mark.slow

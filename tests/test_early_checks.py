@@ -222,3 +222,9 @@ def test_packing_is_refused_for_rl(capsys, tmp_path):
     assert_error_sentence(cli(capsys, [*TINY_RL, "data.packing=true", f"output_dir={tmp_path}"]),
                           "data.packing=true does not apply to RL, whose rows are one prompt and its sampled response "
                           "each; remove data.packing from the RL config")
+
+
+def test_a_chunked_loss_is_refused_for_rl(capsys, tmp_path):
+    assert_error_sentence(cli(capsys, [*TINY_RL, "train.loss_chunk_tokens=64", f"output_dir={tmp_path}"]),
+                          "train.loss_chunk_tokens=64 applies to the SFT cross-entropy only, and RL's losses are not "
+                          "chunked; remove train.loss_chunk_tokens from the RL config")

@@ -82,31 +82,48 @@ class KeyedDropout:
         self.num_functional = 0
         self.generator = torch.Generator()
 
-    def _keep(self, x: torch.Tensor, p: float, site: str, where: str) -> torch.Tensor:
-        """The bool keep-mask of `x`: each row's own mask (row_keep) at its real positions, False elsewhere."""
+    def _is_attention(self, x: torch.Tensor, where: str) -> bool:
+        """True for attention probabilities [B, heads, T, T], False for an activation [B, T, ...]; else refused."""
+        rows, length = len(self.seeds), self.padded_len
+        if x.dim() == 4 and x.shape[0] == rows and x.shape[2] == x.shape[3] == length:
+            return True
+        if x.dim() >= 2 and x.shape[0] == rows and x.shape[1] == length:
+            return False
+        raise ConfigError(f"{where} drops out a tensor of shape {list(x.shape)}, whose dim 1 is not the sequence "
+                          f"axis (batch {rows}, {length} positions), so its masks cannot be drawn per sample as "
+                          "isotrain embed needs in train mode; set that dropout to 0 in the model config")
+
+    def _multiplier(self, x: torch.Tensor, p: float, site: str, attention: bool) -> torch.Tensor:
+        """x's dropout multiplier: 1 / (1 − p) where a row's own mask (row_keep) keeps a real position, else 0.
+
+        A float multiplier rather than a bool mask: x · m is one pass forward and one backward, measured several
+        times faster on CPU than masked_fill and scaling, for 4 bytes an element kept for backward instead of 1."""
         call = self.calls.get(site, 0)
         self.calls[site] = call + 1
-        rows, length = len(self.seeds), self.padded_len
-        attention = x.dim() == 4 and x.shape[0] == rows and x.shape[2] == x.shape[3] == length
-        if not attention and (x.dim() < 2 or x.shape[0] != rows or x.shape[1] != length):
-            raise ConfigError(f"{where} drops out a tensor of shape {list(x.shape)}, whose dim 1 is not the sequence "
-                              f"axis (batch {rows}, {length} positions), so its masks cannot be drawn per sample as "
-                              "isotrain embed needs in train mode; set that dropout to 0 in the model config")
-        keep = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+        multiplier = torch.zeros(x.shape, dtype=x.dtype)
+        if p >= 1.0:
+            return multiplier.to(x.device)
         for row, ((first, real), seed) in enumerate(zip(self.spans, self.seeds)):
             span = slice(first, first + real)
             if attention:  # queries and keys of real positions
-                keep[row, :, span, span] = row_keep(self.generator, seed, site, call, (x.shape[1], real, real), p)
+                multiplier[row, :, span, span] = row_keep(self.generator, seed, site, call, (x.shape[1], real, real), p)
             else:
-                keep[row, span] = row_keep(self.generator, seed, site, call, (real, *x.shape[2:]), p)
-        return keep
+                multiplier[row, span] = row_keep(self.generator, seed, site, call, (real, *x.shape[2:]), p)
+        return multiplier.mul_(1.0 / (1.0 - p)).to(x.device)
 
     def apply(self, x: torch.Tensor, p: float, site: str, where: str) -> torch.Tensor:
-        """Inverted dropout with the keyed mask: x·keep / (1 − p). masked_fill keeps a bool mask for backward."""
-        keep = self._keep(x, p, site, where)
-        if p >= 1.0:
-            return x.masked_fill(~keep, 0.0) * 0.0
-        return x.masked_fill(~keep, 0.0) * (1.0 / (1.0 - p))
+        """Inverted dropout with the keyed masks: x · keep / (1 − p), and exactly 0 at padding positions.
+
+        The zeros matter: eager attention gives a padded query row that sees no real key (a causal model, left
+        padding) NaN probabilities, and NaN · 0 is NaN, which the next layer would read as a key."""
+        attention = self._is_attention(x, where)
+        out = x * self._multiplier(x, p, site, attention)
+        axis = 1 if attention else 0  # the (query) position axis of one row
+        for row, (first, real) in enumerate(self.spans):
+            for start, count in ((0, first), (first + real, self.padded_len - first - real)):
+                if count:
+                    out[row].narrow(axis, start, count).zero_()
+        return out
 
     def module_forward(self, name: str, module: nn.Dropout):
         def forward(x: torch.Tensor) -> torch.Tensor:

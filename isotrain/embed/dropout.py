@@ -7,6 +7,9 @@ The mask's shape depends on the text's real length L_i alone:
     activation [B, T, ...]                  -> row mask [L_i, ...]       placed at [i, real positions]
     attention probabilities [B, heads, T, T] -> row mask [heads, L_i, L_i] placed at [i, :, real, real]
 
+(a 4-D input whose last two dims both equal the padded length T is read as attention probabilities; any other
+input whose dim 1 is not T is refused, naming its site)
+
 so a text gets the same masks whatever its batch neighbours, padded length or padding side, on any rank, in any
 micro-batch or chunk, and in both passes of a GradCache step. Padding positions keep nothing; they are masked
 out of attention and pooling anyway.
@@ -40,7 +43,7 @@ def attention_dropout(config) -> float:
 
 
 def dropout_sites(model: nn.Module) -> list[tuple[str, nn.Dropout]]:
-    """(name, module) of the model's dropout modules, in module order (a site's index is its position here).
+    """(name, module) of the model's dropout modules (a module's site key is its name).
 
     Only plain nn.Dropout is keyed: a channel-wise or alpha dropout with p > 0 is refused, naming the module."""
     sites = []
@@ -48,8 +51,8 @@ def dropout_sites(model: nn.Module) -> list[tuple[str, nn.Dropout]]:
         if isinstance(module, nn.modules.dropout._DropoutNd):
             if type(module) is not nn.Dropout and module.p > 0:
                 raise ConfigError(f"the model's {type(module).__name__} module {name!r} cannot draw its masks per "
-                                  "sample, which isotrain embed needs in train mode; set its dropout to 0 in the "
-                                  "model config")
+                                  "sample, which isotrain embed needs in train mode; set its dropout probability to 0 "
+                                  "in the model's config.json")
             sites.append((name, module))
     return sites
 
@@ -91,7 +94,8 @@ class KeyedDropout:
             return False
         raise ConfigError(f"{where} drops out a tensor of shape {list(x.shape)}, whose dim 1 is not the sequence "
                           f"axis (batch {rows}, {length} positions), so its masks cannot be drawn per sample as "
-                          "isotrain embed needs in train mode; set that dropout to 0 in the model config")
+                          "isotrain embed needs in train mode; set that dropout probability to 0 in the model's "
+                          "config.json")
 
     def _multiplier(self, x: torch.Tensor, p: float, site: str, attention: bool) -> torch.Tensor:
         """x's dropout multiplier: 1 / (1 − p) where a row's own mask (row_keep) keeps a real position, else 0.

@@ -119,7 +119,8 @@ def embed_forward_backward(model: nn.Module, micro_batches: list[EmbedMicroBatch
     """Accumulate ∂L/∂θ of the global-batch contrastive loss into the parameters' .grad; return L and counts."""
     seeds = [mb.seeds(options.seed, step) for mb in micro_batches]
     forwards = [forward_groups([len(t) for t in mb.texts()], options.chunk_tokens) for mb in micro_batches]
-    vectors = [_encode_no_grad(model, mb, f, s, options, device) for mb, f, s in zip(micro_batches, forwards, seeds)]  # 1.
+    vectors = [_encode_no_grad(model, mb, f, s, options, device)  # 1.
+               for mb, f, s in zip(micro_batches, forwards, seeds)]
     local_q, local_p, local_n = _split(vectors, micro_batches)
     ids = [torch.cat(parts).to(device) for parts in zip(*(mb.text_ids() for mb in micro_batches))]
     loss, (grad_q, grad_p, grad_n) = global_loss_and_grads(local_q, local_p, local_n, ids, settings, group)  # 2., 3.

@@ -11,7 +11,10 @@ Printed per round and as medians: pairs/s over the timed steps (wall clock), pai
 process (steadier than wall clock when other work competes for the cores), their ratios to the cached
 loss, and peak RSS.
 
-    OMP_NUM_THREADS=1 python bench/embed_throughput.py [--batch 32] [--steps 3] [--rounds 3]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/embed_throughput.py [--batch 32] [--steps 3] [--rounds 3]
+
+Run it from a checkout with PYTHONPATH=.: the script's own folder, not the current one, comes first on sys.path,
+so an installed isotrain would be measured otherwise.
 """
 
 from __future__ import annotations

@@ -415,8 +415,9 @@ class EmbedConfig(Section):
         [], description="Also train these leading sub-dimensions (loss averaged over them, each re-normalised); "
         "empty: the full dimension only.")
     chunk_tokens: int = Field(
-        0, ge=0, description="Padded tokens per forward pass when embedding a micro-batch (bounds activation memory; "
-        "the result does not depend on it); 0: a whole micro-batch at once.")
+        0, ge=0, description="Most padded tokens per forward pass when embedding a micro-batch (bounds activation "
+        "memory; the result does not depend on it); 0: no bound. Either way a micro-batch's texts are sorted by length "
+        "and grouped into forwards that waste little padding.")
     mask_duplicates: bool = Field(
         True, description="Leave texts equal to a query's own positive (and positives of repeated queries) out of its "
         "negatives: duplicates in the global batch are not false negatives.")

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from isotrain.embed.encode import EncodeOptions, chunk_bounds, encode_chunk
+from isotrain.embed.encode import EncodeOptions, encode_chunk, forward_groups, in_text_order
 
 
 def retrieval_metrics(scores: torch.Tensor, relevant: list[set[int]]) -> dict[str, float]:
@@ -42,11 +42,12 @@ def encode_texts(model, tokenizer, texts: list[str], options: EncodeOptions, max
     model.eval()
     try:
         with torch.no_grad():
-            parts = [encode_chunk(model, token_lists[a:b], [0] * (b - a), options, device)
-                     for a, b in chunk_bounds([len(t) for t in token_lists], options.chunk_tokens or 4096)]
+            groups = forward_groups([len(t) for t in token_lists], options.chunk_tokens or 4096)
+            parts = [encode_chunk(model, [token_lists[i] for i in group], [0] * len(group), options, device)
+                     for group in groups]
     finally:
         model.train(was_training)
-    vectors = torch.cat(parts).float()
+    vectors = in_text_order(groups, parts).float()
     return F.normalize(vectors, dim=-1) if normalize else vectors
 
 

@@ -1,6 +1,7 @@
 """One contrastive step whose negative pool is the whole global batch, on any layout (GradCache).
 
-  1. every local micro-batch is embedded without gradient (chunks of `chunk_tokens`);
+  1. every local micro-batch is embedded without gradient, in padded forwards of texts of similar length
+     (at most `chunk_tokens` padded tokens each, encode.forward_groups);
   2. queries, positives, hard negatives and their text ids are all-gathered over DP. Rank r holds the
      contiguous slice [r·G/dp, (r+1)·G/dp) of the global batch and its micro-batches are consecutive
      (GlobalBatchSampler), so concatenating micro-batches, then ranks, IS the canonical global order;
@@ -11,7 +12,7 @@
   5. the shares are SUMMED over DP (never averaged: each rank backpropagated only its own rows of
      one global loss), so every rank holds exactly ∂L/∂θ of one process with one batch (invariant 1).
 
-Step 4 reproduces step 1's embeddings exactly: same chunks, same dropout keys (encode.py).
+Step 4 reproduces step 1's embeddings exactly: same groups, same dropout keys (encode.py, dropout.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from isotrain.embed.batch import EmbedMicroBatch
-from isotrain.embed.encode import EncodeOptions, chunk_bounds, encode_chunk
+from isotrain.embed.encode import EncodeOptions, encode_chunk, forward_groups, in_text_order
 from isotrain.embed.loss import LossSettings, contrastive_loss
 from isotrain.parallel.dist import all_reduce_flat, all_reduce_sum
 
@@ -51,11 +52,19 @@ def all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _encode(model, mb: EmbedMicroBatch, seeds: list[int], options: EncodeOptions, device, chunk):
-    """Yield (start, end, vectors) per chunk of mb's texts."""
+def _encode(model, mb: EmbedMicroBatch, forwards: list[list[int]], seeds: list[int], options: EncodeOptions, device):
+    """Yield (positions in mb.texts(), their vectors) per forward (encode.forward_groups)."""
     texts = mb.texts()
-    for start, end in chunk_bounds([len(t) for t in texts], options.chunk_tokens):
-        yield start, end, chunk(model, texts[start:end], seeds[start:end], options, device)
+    for positions in forwards:
+        yield positions, encode_chunk(model, [texts[i] for i in positions], [seeds[i] for i in positions], options,
+                                      device)
+
+
+def _encode_no_grad(model, mb: EmbedMicroBatch, forwards: list[list[int]], seeds: list[int], options: EncodeOptions,
+                    device) -> torch.Tensor:
+    """[len(mb.texts()), H] vectors in mb.texts() order, without gradient."""
+    with torch.no_grad():
+        return in_text_order(forwards, [v for _, v in _encode(model, mb, forwards, seeds, options, device)])
 
 
 def _split(vectors: list[torch.Tensor], micro_batches: list[EmbedMicroBatch]):
@@ -109,19 +118,19 @@ def embed_forward_backward(model: nn.Module, micro_batches: list[EmbedMicroBatch
                            options: EncodeOptions, step: int, device, group=None) -> EmbedStepResult:
     """Accumulate ∂L/∂θ of the global-batch contrastive loss into the parameters' .grad; return L and counts."""
     seeds = [mb.seeds(options.seed, step) for mb in micro_batches]
-    with torch.no_grad():  # 1.
-        vectors = [torch.cat([v for _, _, v in _encode(model, mb, s, options, device, encode_chunk)])
-                   for mb, s in zip(micro_batches, seeds)]
+    forwards = [forward_groups([len(t) for t in mb.texts()], options.chunk_tokens) for mb in micro_batches]
+    vectors = [_encode_no_grad(model, mb, f, s, options, device)  # 1.
+               for mb, f, s in zip(micro_batches, forwards, seeds)]
     local_q, local_p, local_n = _split(vectors, micro_batches)
     ids = [torch.cat(parts).to(device) for parts in zip(*(mb.text_ids() for mb in micro_batches))]
     loss, (grad_q, grad_p, grad_n) = global_loss_and_grads(local_q, local_p, local_n, ids, settings, group)  # 2., 3.
     q_at = p_at = n_at = 0
-    for mb, s in zip(micro_batches, seeds):  # 4.
+    for mb, f, s in zip(micro_batches, forwards, seeds):  # 4.
         m, k = len(mb.samples), len(mb.samples) * mb.num_negatives
         cached = torch.cat([grad_q[q_at:q_at + m], grad_p[p_at:p_at + m], grad_n[n_at:n_at + k]])
         q_at, p_at, n_at = q_at + m, p_at + m, n_at + k
-        for start, end, v in _encode(model, mb, s, options, device, encode_chunk):
-            (v * cached[start:end]).sum().backward()
+        for positions, v in _encode(model, mb, f, s, options, device):
+            (v * cached[torch.tensor(positions, device=cached.device)]).sum().backward()
     sum_gradients(model, group)  # 5.
     counts = all_reduce_sum(torch.tensor([sum(mb.num_tokens() for mb in micro_batches),
                                           sum(len(mb.samples) for mb in micro_batches)], dtype=torch.int64, device=device), group)

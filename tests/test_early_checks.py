@@ -228,3 +228,13 @@ def test_a_chunked_loss_is_refused_for_rl(capsys, tmp_path):
     assert_error_sentence(cli(capsys, [*TINY_RL, "train.loss_chunk_tokens=64", f"output_dir={tmp_path}"]),
                           "train.loss_chunk_tokens=64 applies to the SFT cross-entropy only, and RL's losses are not "
                           "chunked; remove train.loss_chunk_tokens from the RL config")
+
+
+def test_a_chunked_loss_is_refused_for_embed(capsys, tmp_path):
+    bert = ["model.config.model_type=bert", "model.config.hidden_size=32", "model.config.num_hidden_layers=1",
+            "model.config.num_attention_heads=2", "model.config.intermediate_size=64", "eval.path=null"]
+    assert_error_sentence(cli(capsys, ["embed", *bert, "train.loss_chunk_tokens=64", f"data.path={tmp_path / 'x.jsonl'}",
+                                       f"output_dir={tmp_path / 'run'}"]),
+                          "train.loss_chunk_tokens=64 applies to the SFT cross-entropy only, and isotrain embed has no "
+                          "vocabulary logits; remove train.loss_chunk_tokens")
+    assert not (tmp_path / "run").exists()

@@ -126,6 +126,9 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
     check_moe_section(cfg.moe, declared_config(cfg.model))  # moe.* on a dense model would do nothing
     _refuse_router_terms(cfg.moe)
+    if cfg.train.loss_chunk_tokens:
+        raise ConfigError(f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} applies to the SFT cross-entropy "
+                          "only, and isotrain embed has no vocabulary logits; remove train.loss_chunk_tokens")
     rows = read_pairs(cfg.data.path, cfg.embed.hard_negatives)
     report = skipped_report(rows)
     held_out = None  # read now: a wrong eval.path is reported before any work

@@ -5,6 +5,8 @@ import sys
 
 import torch
 
+from isotrain.checkpoint.manifest import verify_checkpoint
+
 from helpers import isotrain_cli, kill_after_commit, model_weights, run_concurrently
 
 BERT = ["model.config.model_type=bert", "model.config.hidden_size=32", "model.config.num_hidden_layers=2",
@@ -34,12 +36,16 @@ def test_layouts_sigkill_and_resume(data, tmp_path):
         return isotrain_cli(["embed", *overrides(data, two), "train.micro_batch_size=4"])
 
     done = run_concurrently({
-        "one": lambda: isotrain_cli(["embed", *overrides(data, one), "train.micro_batch_size=2"]),
+        # Async saves, only the last checkpoint kept: the same run as the synchronous ones.
+        "one": lambda: isotrain_cli(["embed", *overrides(data, one), "train.micro_batch_size=2", "checkpoint.async=true",
+                                     "checkpoint.keep_last=1"]),
         "two": launch_two,
     }, workers=2)
     assert done["one"].returncode == 0, done["one"].stderr[-3000:]
     assert done["two"].returncode == 0, done["two"].stderr[-3000:]
     assert "skipped 1 of 41 rows: line 41: missing 'positive'" in done["one"].stdout
+    assert sorted(p.name for p in (one / "checkpoints").iterdir() if p.name.startswith("step-")) == ["step-00000004"]
+    assert verify_checkpoint(one / "checkpoints" / "step-00000004") == []
     reference, resumed = rows(one), rows(two)
     assert [r["step"] for r in reference] == [1, 2, 3, 4] == [r["step"] for r in resumed]
     for a, b in zip(reference, resumed):

@@ -33,9 +33,10 @@ def tiny(family: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
-                                  **FAMILIES[family])
+    extra = dict(FAMILIES[family])  # a variant of a family names its model_type
+    config = AutoConfig.for_model(extra.pop("model_type", family), vocab_size=64, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  num_experts_per_tok=2, **extra)
     model = AutoModelForCausalLM.from_config(config)
     for name, param in model.named_parameters():
         if name.endswith("mlp.gate.weight"):
@@ -69,8 +70,11 @@ def test_one_micro_batch_gives_transformers_aux_loss(family, scope):
     mask = real.reshape(-1).bool()
     lse = torch.stack([torch.logsumexp(layer.float(), -1)[mask] for layer in hf.router_logits])
     assert result.router.z_loss == pytest.approx(float(lse.square().mean()), rel=1e-6)
-    # Every layer routes each of the 27 input tokens to 2 experts; padding is not counted.
-    assert [sum(row) for row in result.router.counts] == [2 * int(real.sum())] * 2
+    # Every MoE layer (both, or one beside a dense layer) routes each of the 27 input tokens to 2 experts; padding
+    # is not counted.
+    moe_layers = 2 - len(getattr(model.config, "mlp_only_layers", None) or [])
+    assert len(hf.router_logits) == moe_layers
+    assert [sum(row) for row in result.router.counts] == [2 * int(real.sum())] * moe_layers
     assert settings.aux_loss_coef == model.config.router_aux_loss_coef  # moe.aux_loss_coef=null: the model's own
 
 

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from isotrain.errors import ConfigError, IsotrainError
-from isotrain.parallel.dims import num_experts
+from isotrain.parallel.dims import has_dense_mlp, num_experts
 
 
 class ReplicateParallel(ParallelStyle):
@@ -119,6 +119,8 @@ def layer_plan(config) -> dict[str, str]:
         )
     if num_experts(config) is not None:
         plan = {key: name for key, name in plan.items() if not _is_expert_entry(key)}
+        if not has_dense_mlp(config):  # every layer sparse: the family's dense-MLP entries have nothing to split
+            plan = {key: name for key, name in plan.items() if ".mlp." not in key}
     for where, name in plan.items():
         if name not in STYLES:
             raise ConfigError(
@@ -131,13 +133,10 @@ def layer_plan(config) -> dict[str, str]:
 def _expand(model: nn.Module, base_prefix: str, plan: dict[str, str]) -> dict[str, ParallelStyle]:
     """Plan keys with `*` matched against the model's module names (a `*` is one name component)."""
     names = [name for name, _ in model.named_modules()]
-    moe = num_experts(model.config) is not None
     expanded: dict[str, ParallelStyle] = {}
     for pattern, style in plan.items():
         regex = re.compile("^" + re.escape(base_prefix + pattern).replace(r"\*", r"[^.]+") + "$")
         matched = [name for name in names if regex.match(name)]
-        if not matched and moe and ".mlp." in pattern:
-            continue  # a dense-MLP entry of a MoE family whose layers are all sparse
         if not matched:
             raise ConfigError(
                 f"the tensor-parallel plan entry {pattern!r} matches no module of this {model.config.model_type} "

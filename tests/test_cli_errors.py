@@ -199,3 +199,16 @@ def test_a_reward_that_sometimes_fails_is_shown_once(cli_runs):
              "in the metric reward_errors")
     assert proc.stdout.count(shown) == 1, proc.stdout
     assert proc.stdout.count("KeyError") == 1
+
+
+def test_a_config_error_is_reported_before_torch_is_imported():
+    """A typo in an override is caught in a fraction of a second: parsing and validating the config import neither
+    torch nor transformers (each `isotrain` subcommand imports them only once the config is valid)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom isotrain.cli import main\ntry:\n    main(['train', 'train.lrr=0.1'])\n"
+            "except SystemExit as exit:\n    print(exit.code, sorted({'torch', 'transformers'} & set(sys.modules)))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.stdout.split("\n")[0] == "2 []", (proc.stdout, proc.stderr)
+    assert "did you mean train.lr?" in proc.stderr

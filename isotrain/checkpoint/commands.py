@@ -11,7 +11,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from isotrain.checkpoint.save import CheckpointError
 
 
 def _console() -> Console:
@@ -138,6 +137,7 @@ def cmd_verify(args) -> int:
 
 def cmd_export(args) -> int:
     from isotrain.checkpoint.export import export_adapter, export_checkpoint
+    from isotrain.checkpoint.save import CheckpointError
 
     if args.adapter:
         if args.dtype or args.drop_keys:

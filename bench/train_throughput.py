@@ -28,7 +28,7 @@ labels, isotrain by its global count), one epoch over the same documents for eve
   micro-batch; its global batch counts packed rows, so it is set to the number of rows that holds about
   16 documents (printed);
 - the same, compiled (`train.compile=true`, unless --no-compile; every row padded to max_seq_len), and compiled
-  with the chunked cross-entropy (`train.loss_chunk_tokens=1024`: the decoder layers compiled, the loss eager);
+  with the chunked cross-entropy (`train.loss_chunk_tokens=1024`: the decoder layers and each loss chunk compiled);
 - the HF Trainer with transformers' padding collator (`DataCollatorForLanguageModeling(mlm=False)`), and with
   `DataCollatorWithFlattening` (its packing: one row per micro-batch, position ids restarting per document):
   16 documents per step, 4 per micro-batch.
@@ -37,7 +37,7 @@ over the same documents, real tokens/s = Σ real (non-padding) tokens / Σ step 
 
     python bench/train_throughput.py [--steps 20] [--warmup 3] [--rounds 2] [--threads 2]
     python bench/train_throughput.py --lengths sharegpt [--steps 8] [--warmup 2]
-    python bench/train_throughput.py --profile --ga 1   # where one step's time goes, per phase
+    python bench/train_throughput.py --profile --ga 1   # where one step's time goes, per phase and per kind of op
 """
 
 from __future__ import annotations
@@ -485,6 +485,40 @@ def profile(args, work: Path) -> None:
         totals = [sum(p.values()) for p in steps]
         parts = ", ".join(f"{phase} {1e3 * statistics.median(p[phase] for p in steps):.1f}" for phase in steps[0])
         print(f"{name}: total {1e3 * statistics.median(totals):.1f} = {parts}")
+    op_shares(lambda: minimal_phases(model, fused_opt, micro_samples, pad_id, {}), args.steps)
+
+
+# aten ops by what a compiler can do about them: matmuls and attention run in the same library kernels compiled
+# or not; the rest (norms, activations, rotary, residual adds, the loss's elementwise work, copies) is what
+# inductor can fuse.
+OP_KINDS = {"matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+            "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
+                          "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
+            "AdamW": ("aten::_fused_adamw_",)}
+
+
+def op_shares(step, steps: int) -> None:
+    """Share of an eager step's operator time by kind (torch.profiler, self CPU time of the aten ops), and what
+    that leaves a compiler: if it removed all the time outside matmuls and attention, a step would be at most
+    1 / (their share) times faster."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    kinds = dict.fromkeys([*OP_KINDS, "other aten ops"], 0.0)
+    for event in prof.key_averages():
+        if not event.key.startswith("aten::"):
+            continue
+        kind = next((k for k, names in OP_KINDS.items() if event.key in names), "other aten ops")
+        kinds[kind] += event.self_cpu_time_total
+    total = sum(kinds.values())
+    print(f"\nminimal loop, eager: operator time by kind over {steps} steps (self CPU time of aten ops)")
+    for kind, us in kinds.items():
+        print(f"  {kind:<15} {us / 1e3 / steps:8.1f} ms per step  {us / total:6.1%}")
+    library = (kinds["matmul"] + kinds["attention"]) / total
+    print(f"  matmul + attention: {library:.1%}; a compiler that removed all the rest would be at most "
+          f"{1 / library:.2f} x faster")
 
 
 def parse_args():

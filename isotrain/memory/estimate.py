@@ -10,7 +10,9 @@ Model states come from the model built on the meta device, one parameter at a ti
 
 Activations, compute copies and the logits/loss tensors come from one fake-tensor forward of a full
 micro-batch (train.micro_batch_size × data.max_seq_len, memory/fake_forward.py). The logits (compute dtype)
-and, when they are not fp32, their fp32 upcast by the loss exist at once at the end of the forward.
+and, when they are not fp32, their fp32 upcast by the loss exist at once at the end of the forward. With
+train.loss_chunk_tokens the logits term is one chunk's instead, beside the hidden states the chunks keep
+(memory/saved.py `_chunked_loss_fn`).
 
 FSDP2 (dp_shard > 1) adds its buffers, in the dtype it computes in (`fsdp_terms`): the root's unsharded
 parameters (embeddings, final norm, head: not resharded after forward) beside one group's flat all-gather
@@ -181,7 +183,8 @@ def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str) -> 
                   param_dtype=compute if fsdp else torch.float32,
                   autocast_dtype=compute if lowp and not fsdp else None, packed=cfg.data.packing)
     router = router_settings(cfg.moe, config)
-    kwargs.update(ep=degrees.ep, router=router)
+    chunk = cfg.train.loss_chunk_tokens
+    kwargs.update(ep=degrees.ep, router=router, chunk_tokens=chunk)
     kernel = attention_kernel(cfg.model, config, AutoModelForCausalLM)
     saved = fake_forward(config, kernel, activation_checkpointing=checkpointing, **kwargs)
     upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype != torch.float32 else 0
@@ -196,7 +199,9 @@ def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str) -> 
              Term("compute copies", saved.by_kind["compute_copies"], "autocast's low-precision weight copies"
                   + ("; EP: the local experts cast to the compute dtype" if degrees.ep > 1 and lowp else "")),
              Term("logits and loss", saved.by_kind["logits_loss"] + saved.logits_bytes + upcast,
-                  "head/loss saved tensors + logits" + (" + their fp32 upcast" if upcast else ""))]
+                  (f"chunked ({chunk} tokens): the trained tokens' final hidden states + one chunk's head/loss "
+                   "tensors and logits, as backward recomputes it" if chunk else "head/loss saved tensors + logits")
+                  + (" + their fp32 upcast" if upcast else ""))]
     if router is not None:
         terms.append(Term("router logits and terms", saved.by_kind["router"],
                           "router logits kept for the aux / z-loss, their fp32 probabilities"))
@@ -244,6 +249,7 @@ def estimate_memory(cfg: Config, world_size: int, dtype: str | None = None, voca
     """Every term of one rank's memory (the largest rank: rank 0) for `cfg` on `world_size` processes."""
     from isotrain.models.loading import check_layout_fits, checked_config
     from isotrain.parallel.dims import check_model_fits, resolve_dims
+    from isotrain.train.chunked_loss import check_chunked_loss_settings
 
     dtype = dtype or cfg.model.dtype
     if dtype not in DTYPES:
@@ -256,10 +262,12 @@ def estimate_memory(cfg: Config, world_size: int, dtype: str | None = None, voca
         vocab_size, how = run_vocab_size(cfg, config)
     config.vocab_size = vocab_size
     check_model_fits(degrees, config)
+    check_chunked_loss_settings(cfg.train.loss_chunk_tokens, degrees.tp)
     model = meta_model(cfg, config)
     settings = {"world_size": world_size, **dict(degrees.as_rows()), "dtype": dtype,
                 "micro_batch_size": cfg.train.micro_batch_size, "max_seq_len": cfg.data.max_seq_len,
                 "activation_checkpointing": cfg.train.activation_checkpointing,
+                "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
                 "vocab_size": vocab_size, "vocab_size_source": how,
                 "parameters": sum(p.numel() for p in model.parameters())}
     terms = [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),

@@ -107,9 +107,11 @@ def _one_document_per_row(enabled: bool):
 
 def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq_len: int, tp: int,
                  param_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
-                 activation_checkpointing: bool, packed: bool = False, ep: int = 1, router=None) -> SavedBytes:
+                 activation_checkpointing: bool, packed: bool = False, ep: int = 1, router=None,
+                 chunk_tokens: int = 0) -> SavedBytes:
     """What one rank's forward of a full micro-batch (every position a trained token) keeps for backward.
-    `ep`: the expert-parallel degree; `router`: an MoE model's RouterSettings (its router terms join the loss)."""
+    `ep`: the expert-parallel degree; `router`: an MoE model's RouterSettings (its router terms join the loss);
+    `chunk_tokens`: train.loss_chunk_tokens."""
     from transformers import AutoModelForCausalLM
 
     config = tp_rank_config(config, tp)
@@ -128,5 +130,6 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
         labels = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
         weights = torch.ones(micro_batch_size, seq_len)
         with count_saved(model, decoder_layers(model)) as saved:
-            forward_loss(model, input_ids, position_ids, labels, weights, autocast_dtype, router=router, saved=saved)
+            forward_loss(model, input_ids, position_ids, labels, weights, autocast_dtype, router=router, saved=saved,
+                         chunk_tokens=chunk_tokens)
     return saved

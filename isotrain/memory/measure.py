@@ -44,7 +44,7 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_parallel: bool,
-                     router=None) -> dict[str, int]:
+                     router=None, chunk_tokens: int = 0) -> dict[str, int]:
     """What a real forward of `micro_batch` keeps for backward, by kind, plus the logits (memory/saved.py)."""
     from isotrain.models.unwrap import hf_model
     from isotrain.train.loss import loss_weights
@@ -60,7 +60,7 @@ def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_p
         inner = hf_model(model)  # the Hugging Face model inside a DDP wrapper
         with count_saved(inner, decoder_layers(inner)) as saved:
             loss = forward_loss(model, micro_batch["input_ids"], micro_batch["position_ids"], labels, weights,
-                                autocast_dtype, router=router, saved=saved)
+                                autocast_dtype, router=router, saved=saved, chunk_tokens=chunk_tokens)
         loss.backward()  # frees what was counted (FSDP2 also expects the backward of every forward)
     result = dict(saved.by_kind)
     result["logits"] = saved.logits_bytes

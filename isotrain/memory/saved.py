@@ -133,25 +133,55 @@ def _note_logits(saved: SavedBytes, out: torch.Tensor) -> None:
     saved.logits_dtype, saved.logits_numel = local.dtype, local.numel()
 
 
+def _chunked_loss_fn(labels, weights, chunk_tokens: int, saved: SavedBytes | None):
+    """The chunked SFT loss (train/chunked_loss.py) as `lm_loss_forward` takes it, plus one more forward of a
+    first chunk outside checkpointing, left out of the loss: what a chunk's head and loss hold when backward
+    recomputes it, counted as the unchunked loss is (saved tensors and logits). Beside it, the trained tokens'
+    hidden states, which the chunks' checkpoints keep until backward, are counted explicitly (checkpointing
+    keeps them without autograd's saved-tensor hooks). Every position is trained (the estimate's assumption
+    and the measured batches'), so the trained positions need no data-dependent `nonzero`, which fake tensors
+    cannot run."""
+    from isotrain.train.chunked_loss import _chunk_loss_sum, chunked_loss_sum
+
+    trained = torch.arange(labels.numel(), device=labels.device)
+
+    def loss_fn(hidden, head):
+        loss = chunked_loss_sum(head, hidden, labels, weights, chunk_tokens, trained)
+        kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, trained)
+        if saved is not None:
+            saved.add(kept, "logits_loss")
+        first = slice(0, chunk_tokens)
+        _chunk_loss_sum(head, kept[first], labels.reshape(-1)[first], weights.reshape(-1)[first])
+        return loss
+
+    return loss_fn
+
+
 def forward_loss(model: nn.Module, input_ids, position_ids, labels, weights, autocast_dtype, with_mask=False,
-                 router=None, saved: SavedBytes | None = None):
+                 router=None, saved: SavedBytes | None = None, chunk_tokens: int = 0):
     """The SFT step's forward of one micro-batch (train/step.py `_sft_loss_sum`): the logits under autocast
     when the step uses it, then Σ weighted token losses in fp32. `router` (an MoE model's RouterSettings): the
     model also returns its router logits and the micro-batch's router term joins the loss, as in the step
     (`micro_batch` scope, which needs no collective and saves the same tensors as `global`); what it saves
-    is counted as `router` in `saved`."""
+    is counted as `router` in `saved`. `chunk_tokens` > 0: the chunked loss (`_chunked_loss_fn`)."""
     from dataclasses import replace
 
     from isotrain.models.packing_check import lm_forward
     from isotrain.moe.objective import RouterStep
     from isotrain.moe.routing import input_token_mask
+    from isotrain.train.chunked_loss import lm_loss_forward
     from isotrain.train.loss import token_losses
 
     autocast = (torch.autocast(input_ids.device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
     with autocast:
-        output = lm_forward(model, input_ids, position_ids, with_mask, router_logits=router is not None)
-    loss = (token_losses(output.logits, labels) * weights).sum()
+        if chunk_tokens > 0:
+            output = lm_loss_forward(model, input_ids, position_ids, with_mask,
+                                     _chunked_loss_fn(labels, weights, chunk_tokens, saved),
+                                     router_logits=router is not None)
+        else:
+            output = lm_forward(model, input_ids, position_ids, with_mask, router_logits=router is not None)
+    loss = output.loss if chunk_tokens > 0 else (token_losses(output.logits, labels) * weights).sum()
     if router is None:
         return loss
     if saved is not None:

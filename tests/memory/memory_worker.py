@@ -1,8 +1,8 @@
 """Measure every memory term on this rank of a real run and estimate the same run from its config.
 
-    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-|mixtral-]RxSxT[-epN][-vN]
+    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-|mixtral-]RxSxT[-epN][-cN][-vN]
                                                        (dp_replicate x dp_shard x tp, expert parallel N,
-                                                       vocabulary N instead of 64)
+                                                       chunked loss of N tokens, vocabulary N instead of 64)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
 Llama, or with `moe-` a qwen3_moe, with `mixtral-` a mixtral, of 4 experts, top-2) with isotrain's builder, run one real `train_step`
@@ -56,24 +56,25 @@ def micro_batch(seed: int) -> dict:
             "num_trained_tokens": MICRO * SEQ}
 
 
-def parse_layout(layout: str) -> tuple[str | None, int, int, int, int, int]:
-    """(model: None, "moe" or "mixtral", dp_replicate, dp_shard, tp, ep, vocabulary) of e.g. `moe-1x2x1-ep2` or
-    `1x2x1-v512`."""
+def parse_layout(layout: str) -> tuple[str | None, int, int, int, int, int, int]:
+    """(model: None, "moe" or "mixtral", dp_replicate, dp_shard, tp, ep, chunk, vocabulary) of e.g.
+    `moe-1x2x1-ep2`, `1x2x1-v512` or `1x2x1-c8` (train.loss_chunk_tokens=8)."""
     parts = layout.split("-")
     moe = parts[0] if parts[0] in MODELS else None
     dims = parts[1] if moe else parts[0]
     ep = next((int(part[2:]) for part in parts if part.startswith("ep")), 1)
+    chunk = next((int(part[1:]) for part in parts if part.startswith("c")), 0)
     vocab = next((int(part[1:]) for part in parts if part.startswith("v")), TINY["vocab_size"])
     replicate, shard, tp = (int(x) for x in dims.split("x"))
-    return moe, replicate, shard, tp, ep, vocab
+    return moe, replicate, shard, tp, ep, chunk, vocab
 
 
 def run_config(layout: str, dtype: str, checkpointing: str):
-    moe, replicate, shard, tp, ep, vocab = parse_layout(layout)
+    moe, replicate, shard, tp, ep, chunk, vocab = parse_layout(layout)
     return build_config({"model": {"config": {**MODELS[moe], "vocab_size": vocab}, "dtype": dtype},
                          "data": {"max_seq_len": SEQ},
                          "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard,
-                                   "activation_checkpointing": checkpointing},
+                                   "activation_checkpointing": checkpointing, "loss_chunk_tokens": chunk},
                          "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "ep": ep}})
 
 
@@ -107,7 +108,7 @@ def measure(cfg, info, tokenizer) -> dict:
     measured["optimizer moments"] = optimizer_bytes(optimizer)
     with fsdp_buffers(model) as buffers:
         saved = activation_bytes(model, micro_batch(10 + parallel.dp_rank), options.autocast_dtype,
-                                 options.loss_parallel, options.router)
+                                 options.loss_parallel, options.router, options.loss_chunk_tokens)
     if degrees.dp_shard > 1:
         measured["FSDP2 all-gather buffers"] = buffers["gathered"]
         measured["FSDP2 reduce-scatter buffers"] = buffers["reduce"]

@@ -67,13 +67,22 @@ def test_estimate_matches_measurement_on_moe_layouts(tmp_path):
 def test_estimate_matches_measurement_on_every_layout(tmp_path):
     """1 process, TP 2, and FSDP2 2 twice: the tiny Llama, where a decoder layer outweighs the root (embedding,
     final norm, head), and with a 512-token vocabulary, where the root outweighs a layer (`-v512`, same launch):
-    FSDP2's buffer peaks then come from other moments of the step (estimate.fsdp_terms)."""
-    launches = {"1x2x1": (2, "1x2x1", "1x2x1-v512"), "1x1x2": (2, "1x1x2"), "1x1x1": (1, "1x1x1")}
+    FSDP2's buffer peaks then come from other moments of the step (estimate.fsdp_terms). The chunked loss
+    (`-c8`: train.loss_chunk_tokens=8 of the 32 tokens of a micro-batch) on 1 process and on FSDP2 2 with the
+    512-token vocabulary."""
+    launches = {"1x2x1": (2, "1x2x1", "1x2x1-v512", "1x2x1-c8-v512"), "1x1x2": (2, "1x1x2"),
+                "1x1x1": (1, "1x1x1", "1x1x1-c8")}
     results = run_concurrently({key: (lambda n=n, layouts=layouts: _measure(tmp_path, n, *layouts))
                                 for key, (n, *layouts) in launches.items()}, workers=2)
     rows = [row for layout_rows in results.values() for row in layout_rows]
-    assert len(rows) == 4 * (2 + 2 + 2 + 1)
+    assert len(rows) == 4 * (3 * 2 + 2 + 2)
     _check_terms(rows)
+    # Chunking shrinks the logits term: one chunk's logits (8 tokens) instead of the micro-batch's (32), beside
+    # the kept hidden states (which outweigh the logits with the 64-token vocabulary).
+    logits = {row["variant"]: row["measured"]["logits and loss"] for row in rows if row["rank"] == 0}
+    for variant in ("float32 ac=none", "bfloat16 ac=full"):
+        assert logits[f"1x2x1-c8-v512 {variant}"] < 0.5 * logits[f"1x2x1-v512 {variant}"], (variant, logits)
+        assert logits[f"1x1x1-c8 {variant}"] < logits[f"1x1x1 {variant}"], (variant, logits)
     results["1x2x1"] = [row for row in rows if row["variant"].startswith("1x2x1 ")]
     # The layouts really differ, so agreement is not one number compared with itself.
     single = {row["variant"].split(" ", 1)[1]: row["measured"] for row in results["1x1x1"]}

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from isotrain.memory.fake_experts import balance_expert_parallel, grouped_mm_as_saved
 from isotrain.memory.saved import SavedBytes, count_saved, forward_loss
-from isotrain.parallel.apply import decoder_layers
+from isotrain.parallel.apply import apply_activation_checkpointing, decoder_layers
 from isotrain.parallel.dims import has_dense_mlp
 
 _FLASH = 1  # torch._fused_sdp_choice: SDPBackend.FLASH_ATTENTION
@@ -122,7 +122,7 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
         if ep > 1:
             balance_expert_parallel(model, ep)
         if activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            apply_activation_checkpointing(model)
         model.train()
         input_ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
         # Separate [B, L] tensors, as the collated batch holds them (data/collate.py).

@@ -50,7 +50,11 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     so dropout masks, and with them the math, do not change."""
     if not decoder_layers(model):
         raise ValueError("activation checkpointing needs a model with decoder layers")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers; the old name warns from 5.24
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def apply_fsdp(model: nn.Module, parallel: ParallelState, compute_dtype: torch.dtype | None) -> nn.Module:

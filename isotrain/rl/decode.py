@@ -38,7 +38,10 @@ def sample(
     # Left padding: a row's first real token is at position 0; pad positions are masked anyway.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     # Only the last position's logits are needed: the prefill skips a (batch, width, vocab) head.
-    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    parameters = inspect.signature(model.forward).parameters
+    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+    # transformers 5.24 renamed past_key_values to cache and warns on the old name.
+    cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
     done = torch.zeros(num_rows, dtype=torch.bool, device=input_ids.device)
     tokens, logprobs = [], []
     step_ids = input_ids
@@ -47,8 +50,8 @@ def sample(
             input_ids=step_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_kwarg: cache},
             **keep_last,
         ).logits[:, -1]
         token, logprob = next_token(logits, temperature, top_p, greedy)

@@ -8,6 +8,7 @@ peft is an optional dependency, imported inside each function that needs it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,8 +53,11 @@ def apply_lora(model: nn.Module, r: int, alpha: int, target_modules: list[str], 
             )
     from isotrain.config import LoraConfig
 
-    return peft.get_peft_model(model, lora_config(LoraConfig(r=r, alpha=alpha, target_modules=list(target_modules),
-                                                             dropout=dropout)))
+    config = lora_config(LoraConfig(r=r, alpha=alpha, target_modules=list(target_modules), dropout=dropout))
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated is_gradient_checkpointing; a warning the user cannot act on.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return peft.get_peft_model(model, config)
 
 
 def lora_config(lora):

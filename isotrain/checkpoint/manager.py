@@ -419,7 +419,8 @@ class CheckpointManager:
             start = time.perf_counter()
             self._staged.wait()
             self.blocked_s += time.perf_counter() - start
-        self.check()
+        # A failure is not raised here: ranks learn of it at different times, and one rank leaving while the
+        # others go on to the next collective would break them. The loop raises it on every rank at once.
         self._prepare_staging()
 
     def _prepare_staging(self) -> None:
@@ -445,6 +446,20 @@ class CheckpointManager:
             function(*args)
         except BaseException as err:  # handed to the loop by check()/wait()
             self._failure = err
+
+    @property
+    def failed(self) -> bool:
+        """Whether this rank's background save (or staging) has failed; its error is not raised yet."""
+        return self._failure is not None
+
+    def raise_failure(self, step: int) -> None:
+        """Raise the failed async work's error after `step`, on every rank once any rank has `failed`.
+
+        A save's outcome is agreed inside it, so the other ranks' saves fail with the same sentence and waiting
+        for them is short. A failure that no rank shares (staging memory on one rank) gets a sentence here."""
+        self.wait()
+        raise CheckpointError(f"the run stopped after step {step}: another rank's background checkpoint work "
+                              "failed (its error is in that rank's output); earlier checkpoints are intact")
 
     def check(self) -> None:
         if self._failure is not None:

@@ -65,6 +65,12 @@ def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
     return values
 
 
+def any_rank(device: torch.device, *flags: bool) -> list[bool]:
+    """Each flag is True on every rank if it is True on any rank (one all-reduce for all of them)."""
+    values = all_reduce_sum(torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=device))
+    return [bool(value) for value in values.tolist()]
+
+
 def all_reduce_flat(tensors: list[torch.Tensor], group=None) -> None:
     """Sum each tensor over `group` in place, with one all-reduce of their concatenation (one call, not one
     per tensor)."""

@@ -5,6 +5,7 @@
         evaluation every `eval_every` steps (not after the last: the recipe evaluates its final model)
         a metrics row every train.log_every steps and after the last step; the progress bar
         a stop signal on any rank -> save a checkpoint (even with checkpoint.every_steps=0), end after this step
+        an async save that failed on any rank -> every rank raises its error after this same step
         a refused step (TrainingError: a non-finite loss, ...) -> let the last save finish, stop with the step named
         otherwise save when the checkpoint manager says one is due
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 from isotrain.checkpoint.layout import step_dir_name
 from isotrain.errors import TrainingError
+from isotrain.parallel.dist import any_rank
 from isotrain.train.metrics import ProgressBar
 from isotrain.train.stop import GracefulStop
 
@@ -68,8 +70,11 @@ def run_loop(cfg, info, state: RunState, step_fn: StepFn, checkpoints, writer, c
             if state.step % cfg.train.log_every == 0 or state.step == max_steps:
                 writer.write(row)
             bar.update(state.step, row["loss"], row["tokens_per_s"])
-            # Every rank learns of a signal on any rank here, so all stop (and save) after the same step.
-            stopping = stop.requested(info.device)
+            # Every rank learns of a signal, or of a failed background save, on any rank here, so all stop
+            # (and save, or raise the save's error) after the same step.
+            stopping, save_failed = any_rank(info.device, stop.received, checkpoints.failed)
+            if save_failed:
+                checkpoints.raise_failure(state.step)
             checkpoints.maybe_save(state.step, state.counters, stopping)
             if stopping:
                 state.stopped_by = stop.signal_name or "a signal on another rank"

@@ -1,18 +1,14 @@
 """Graceful stop: SIGTERM or SIGINT asks the run to stop at the next step boundary.
 
 The first signal only sets a flag; the loop checks it after each step on every rank (one tiny
-all-reduce, so all ranks stop at the same step), saves a checkpoint and exits cleanly. A second
-SIGINT interrupts at once.
+all-reduce, so all ranks stop at the same step; train/run_loop.py), saves a checkpoint and exits
+cleanly. A second SIGINT interrupts at once.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-
-import torch
-
-from isotrain.parallel.dist import all_reduce_sum
 
 
 class GracefulStop:
@@ -35,7 +31,7 @@ class GracefulStop:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
 
-    def requested(self, device: torch.device) -> bool:
-        """True on every rank once any rank has received a signal."""
-        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int64, device=device)
-        return bool(all_reduce_sum(flag).item())
+    @property
+    def received(self) -> bool:
+        """Whether this rank has received a signal (the loop tells every rank if any has)."""
+        return self.signal_name is not None

@@ -102,6 +102,20 @@ for line in sys.stdin:
             if job["max_file_bytes"] is not None:  # a full disk: writes past it fail with EFBIG
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
                 resource.setrlimit(resource.RLIMIT_FSIZE, (job["max_file_bytes"],) * 2)
+            if job["late_failure_s"]:  # this rank's background save takes that long to report a failure
+                import time
+                from isotrain.checkpoint.manager import CheckpointManager
+                in_background = CheckpointManager._in_background
+                def slowly(function):
+                    def run(*args):
+                        try:
+                            function(*args)
+                        except BaseException:
+                            time.sleep(job["late_failure_s"])
+                            raise
+                    return run
+                CheckpointManager._in_background = lambda self, function, *args: in_background(
+                    self, slowly(function), *args)
             try:
                 isotrain.cli.main(job["argv"])
             except SystemExit as done:
@@ -129,8 +143,10 @@ class Zygote:
             self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], env=subprocess_env(), cwd=REPO, text=True,
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
 
-    def fork(self, argv: list[str], log_path, env: dict, max_file_bytes: int | None = None) -> int:
-        job = {"argv": argv, "log": str(log_path), "env": env, "cwd": str(REPO), "max_file_bytes": max_file_bytes}
+    def fork(self, argv: list[str], log_path, env: dict, max_file_bytes: int | None = None,
+             late_failure_s: float = 0.0) -> int:
+        job = {"argv": argv, "log": str(log_path), "env": env, "cwd": str(REPO), "max_file_bytes": max_file_bytes,
+               "late_failure_s": late_failure_s}
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         reply = self.proc.stdout.readline()
@@ -189,8 +205,10 @@ class Forked:
         return [int(path.read_text()) if path.exists() else None for path in files]
 
 
-def fork_run(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_file_bytes: dict | None = None) -> Forked:
-    """Start a run of `layout`; `max_file_bytes` maps a rank to the largest file it can write."""
+def fork_run(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_file_bytes: dict | None = None,
+             late_failure_s: dict | None = None) -> Forked:
+    """Start a run of `layout`; `max_file_bytes` maps a rank to the largest file it can write, `late_failure_s` to
+    how long its background saves wait before they report a failure."""
     nproc = LAYOUTS[layout][0]
     env, port = subprocess_env(), free_port()
     pidfds, logs = [], []
@@ -201,13 +219,15 @@ def fork_run(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_file_
                             LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         logs.append(log_prefix.with_name(f"{log_prefix.name}-rank{rank}.txt"))
         limit = (max_file_bytes or {}).get(rank)
-        pidfds.append(os.pidfd_open(zygote.fork(argv, logs[-1], rank_env, limit)))
+        late = (late_failure_s or {}).get(rank, 0.0)
+        pidfds.append(os.pidfd_open(zygote.fork(argv, logs[-1], rank_env, limit, late)))
     return Forked(pidfds, logs)
 
 
-def run_forked(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_file_bytes: dict | None = None) -> Forked:
+def run_forked(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_file_bytes: dict | None = None,
+               late_failure_s: dict | None = None) -> Forked:
     """A forked run, waited for to its end (a hang fails the test)."""
-    forked = fork_run(zygote, layout, argv, log_prefix, max_file_bytes)
+    forked = fork_run(zygote, layout, argv, log_prefix, max_file_bytes, late_failure_s)
     try:
         forked.wait(300)
     finally:
@@ -520,6 +540,33 @@ def two_checkpoints_on_two_ranks(tmp_path_factory, zygote, cache):
     return run_dir
 
 
+def shard_name(rank: int) -> str:
+    return f"{rank + 1:05d}-of-00002.safetensors"
+
+
+def optimizer_file_fails(root: Path, rank: int) -> int:
+    """A file-size limit under which `rank` writes its model file but not its optimizer file."""
+    model_bytes = (root / "step-00000002" / f"model-{shard_name(rank)}").stat().st_size
+    optimizer_bytes = (root / "step-00000002" / "train_state" / f"optimizer-{shard_name(rank)}").stat().st_size
+    limit = (model_bytes + optimizer_bytes) // 2
+    assert model_bytes < limit < optimizer_bytes
+    return limit
+
+
+def assert_full_disk_sentence_on_every_rank(forked: Forked, root: Path, step: int, failing_rank: int) -> None:
+    assert forked.exit_codes() == [2, 2], forked.output()[-3000:]
+    for rank, path in enumerate(forked.logs):
+        text = path.read_text()
+        assert "Traceback" not in text, text[-3000:]
+        errors = [line for line in text.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1, text[-3000:]
+        prefix = "error: " if rank == 0 else f"[rank {rank}] error: "
+        assert errors[0].startswith(f"{prefix}checkpoint step {step} was not saved: rank {failing_rank} could not "
+                                    f"write {root}/step-{step:08d}.tmp-"), errors[0]
+        assert errors[0].endswith(f"/train_state/optimizer-{shard_name(failing_rank)} (File too large); free disk "
+                                  "space or fix the path (earlier checkpoints are intact)"), errors[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "failing_rank"), [("sync", 0), ("sync", 1), ("async", 0), ("async", 1)])
 def test_a_full_disk_on_one_rank_stops_every_rank_with_the_same_sentence(two_checkpoints_on_two_ranks, tmp_path, zygote,
@@ -531,26 +578,12 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_the_same_sentence(two_che
     before = {path.name: path.stat().st_mtime_ns for _, path in committed(root)}
     assert list(before) == ["step-00000001", "step-00000002"]
     # Rank r writes model file r+1 and optimizer file r+1; only the latter is too big for the limit.
-    shard = f"{failing_rank + 1:05d}-of-00002.safetensors"
-    model_bytes = (root / "step-00000002" / f"model-{shard}").stat().st_size
-    optimizer_bytes = (root / "step-00000002" / "train_state" / f"optimizer-{shard}").stat().st_size
-    limit = (model_bytes + optimizer_bytes) // 2
-    assert model_bytes < limit < optimizer_bytes
+    limit = optimizer_file_fails(root, failing_rank)
     args = overrides("fsdp2", run_dir, cache, "train.max_steps=4", "checkpoint.keep_last=2", save_mode(mode))
 
     # A hang here would be a rank waiting for the one that failed.
     forked = run_forked(zygote, "fsdp2", args, tmp_path / "log-full", max_file_bytes={failing_rank: limit})
-    assert forked.exit_codes() == [2, 2], forked.output()[-3000:]
-    for rank, path in enumerate(forked.logs):
-        text = path.read_text()
-        assert "Traceback" not in text, text[-3000:]
-        errors = [line for line in text.splitlines() if "error" in line.lower()]
-        assert len(errors) == 1, text[-3000:]
-        prefix = "error: " if rank == 0 else f"[rank {rank}] error: "
-        assert errors[0].startswith(f"{prefix}checkpoint step 3 was not saved: rank {failing_rank} could not write "
-                                    f"{root}/step-00000003.tmp-"), errors[0]
-        assert errors[0].endswith(f"/train_state/optimizer-{shard} (File too large); free disk space or fix the "
-                                  "path (earlier checkpoints are intact)"), errors[0]
+    assert_full_disk_sentence_on_every_rank(forked, root, 3, failing_rank)
     assert {path.name: path.stat().st_mtime_ns for _, path in committed(root)} == before
     assert all(verify_checkpoint(root / name) == [] for name in before)
     assert read_latest(root) == "step-00000002" and not leftovers(root)
@@ -562,3 +595,19 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_the_same_sentence(two_che
     assert [path.name for _, path in committed(root)] == ["step-00000003", "step-00000004"]
     assert all(verify_checkpoint(path) == [] for _, path in committed(root)) and not leftovers(root)
     assert [row["step"] for row in counted_metrics(run_dir)] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_ranks_that_learn_of_a_failed_async_save_at_different_times_stop_after_the_same_step(
+        two_checkpoints_on_two_ranks, tmp_path, zygote, cache):
+    """Rank 1 learns 3 s after rank 0 that the step-25 save failed, while both train on towards step 50. A rank
+    that raised as soon as it knew would leave the other in its next collective ("Connection closed by peer")."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_checkpoints_on_two_ranks, run_dir)
+    root = run_dir / "checkpoints"
+    args = overrides("fsdp2", run_dir, cache, "train.max_steps=50", "checkpoint.every_steps=25",
+                     "checkpoint.keep_last=2", save_mode("async"))
+    forked = run_forked(zygote, "fsdp2", args, tmp_path / "log", max_file_bytes={0: optimizer_file_fails(root, 0)},
+                        late_failure_s={1: 3.0})
+    assert_full_disk_sentence_on_every_rank(forked, root, 25, 0)
+    assert [path.name for _, path in committed(root)] == ["step-00000001", "step-00000002"] and not leftovers(root)

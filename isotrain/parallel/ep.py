@@ -52,12 +52,17 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
             for key in EXPERT_PARAMS]
 
 
+def _ep_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The "ep" dimension of the experts' mesh, which is ("ep", "tp") under tensor parallelism."""
+    return mesh["ep"] if mesh.ndim > 1 else mesh
+
+
 def _shard_rows(param: nn.Parameter, mesh: DeviceMesh) -> nn.Parameter:
     """`param` as a DTensor on `mesh` ("ep", or ("ep", "tp") under tensor parallelism), Shard(0) over "ep" and
     replicated over "tp", this rank keeping its own block of experts (no communication: every rank holds the
     same full tensor, or a meta one; under TP a `Replicate` DTensor whose local part is that full tensor)."""
     full = param.to_local() if isinstance(param, DTensor) else param.data
-    ep = mesh["ep"] if mesh.ndim > 1 else mesh
+    ep = _ep_mesh(mesh)
     size, rank = ep.size(), ep.get_local_rank()
     rows = full.shape[0] // size
     local = full[rank * rows:(rank + 1) * rows].clone()
@@ -75,7 +80,7 @@ class ExpertParallelExperts(nn.Module):
 
     def __init__(self, experts: nn.Module, mesh: DeviceMesh):
         super().__init__()
-        ep = mesh["ep"] if mesh.ndim > 1 else mesh
+        ep = _ep_mesh(mesh)
         self.num_experts = experts.gate_up_proj.shape[0]
         self.ep_size = ep.size()
         self.local_experts = self.num_experts // self.ep_size

@@ -35,6 +35,8 @@ def test_sft_with_lora_trains_only_the_adapted_layers(lora_run):
                            for name in changed), sorted(changed)
 
 
+# peft itself reads transformers' deprecated is_gradient_checkpointing (transformers 5.24).
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 def test_the_exported_adapter_loads_in_peft_with_the_runs_logits(lora_run, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file

@@ -23,14 +23,11 @@ resumes from them.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import random
 import resource
-import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, TINY_RUN, counted_metrics, subprocess_env
+from zygote import Forked, Zygote, fork_ranks
 from isotrain.checkpoint.layout import committed, leftovers, read_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -75,153 +73,15 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=600, **kwargs)
 
 
-# ----- runs forked from a process that has imported everything --------------------------------
-
-ZYGOTE = r"""
-import json, os, resource, signal, sys, traceback
-import isotrain.cli, isotrain.train.loop  # the seconds of start-up, paid once
-from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # else imported by every run
-
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the runs; the test watches them by pidfd
-for line in sys.stdin:
-    job = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            os.setsid()  # like torchrun's workers: a session of its own
-            null, log = os.open(os.devnull, os.O_RDONLY), os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            for source, target in ((null, 0), (log, 1), (log, 2)):
-                os.dup2(source, target)
-            os.close(null)
-            os.close(log)
-            os.environ.clear()
-            os.environ.update(job["env"])
-            os.chdir(job["cwd"])
-            if job["max_file_bytes"] is not None:  # a full disk: writes past it fail with EFBIG
-                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-                resource.setrlimit(resource.RLIMIT_FSIZE, (job["max_file_bytes"],) * 2)
-            if job["late_failure_s"]:  # this rank's background save takes that long to report a failure
-                import time
-                from isotrain.checkpoint.manager import CheckpointManager
-                in_background = CheckpointManager._in_background
-                def slowly(function):
-                    def run(*args):
-                        try:
-                            function(*args)
-                        except BaseException:
-                            time.sleep(job["late_failure_s"])
-                            raise
-                    return run
-                CheckpointManager._in_background = lambda self, function, *args: in_background(
-                    self, slowly(function), *args)
-            try:
-                isotrain.cli.main(job["argv"])
-            except SystemExit as done:
-                code = done.code if isinstance(done.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                with open(job["log"] + ".exit", "w") as f:  # a killed run leaves none
-                    f.write(str(code))
-            finally:
-                os._exit(code)
-    print(pid, flush=True)
-"""
-
-
-class Zygote:
-    """A Python process that imported isotrain, torch and transformers once and forks a run on request."""
-
-    def __init__(self, log_path):
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], env=subprocess_env(), cwd=REPO, text=True,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-
-    def fork(self, argv: list[str], log_path, env: dict, max_file_bytes: int | None = None,
-             late_failure_s: float = 0.0) -> int:
-        job = {"argv": argv, "log": str(log_path), "env": env, "cwd": str(REPO), "max_file_bytes": max_file_bytes,
-               "late_failure_s": late_failure_s}
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        assert reply, f"the zygote died: {self.log_path.read_text()[-3000:]}"
-        return int(reply)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Forked:
-    """The rank processes of one run, watched and killed through pidfds (no pid can be reused under us)."""
-
-    pidfds: list[int]
-    logs: list
-
-    def running(self) -> bool:
-        ready, _, _ = select.select(self.pidfds, [], [], 0)
-        return len(ready) < len(self.pidfds)
-
-    def kill(self) -> None:
-        """SIGKILL every rank at once, like a node losing power."""
-        for fd in self.pidfds:
-            try:
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            except ProcessLookupError:  # this rank had already ended
-                pass
-        self.wait(60)
-
-    def wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for fd in self.pidfds:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            assert ready, f"a rank did not end within {timeout} s"
-
-    def close(self) -> None:
-        if self.running():
-            self.kill()
-        for fd in self.pidfds:
-            os.close(fd)
-
-    def output(self) -> str:
-        return "\n".join(path.read_text() for path in self.logs if path.exists())
-
-    def exit_codes(self) -> list[int | None]:
-        """Each rank's exit status; None for a rank that was killed."""
-        files = [path.with_name(path.name + ".exit") for path in self.logs]
-        return [int(path.read_text()) if path.exists() else None for path in files]
+# ----- runs forked from a process that has imported everything (tests/zygote.py) -----------------
 
 
 def fork_run(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_file_bytes: dict | None = None,
              late_failure_s: dict | None = None) -> Forked:
-    """Start a run of `layout`; `max_file_bytes` maps a rank to the largest file it can write, `late_failure_s` to
-    how long its background saves wait before they report a failure."""
+    """Start a run of `layout`; its ranks' logs are `log_prefix`-rank{r}.txt (zygote.fork_ranks)."""
     nproc = LAYOUTS[layout][0]
-    env, port = subprocess_env(), free_port()
-    pidfds, logs = [], []
-    for rank in range(nproc):
-        rank_env = dict(env)
-        if nproc > 1:  # what torchrun gives each worker
-            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        logs.append(log_prefix.with_name(f"{log_prefix.name}-rank{rank}.txt"))
-        limit = (max_file_bytes or {}).get(rank)
-        late = (late_failure_s or {}).get(rank, 0.0)
-        pidfds.append(os.pidfd_open(zygote.fork(argv, logs[-1], rank_env, limit, late)))
-    return Forked(pidfds, logs)
+    logs = [log_prefix.with_name(f"{log_prefix.name}-rank{rank}.txt") for rank in range(nproc)]
+    return fork_ranks(zygote, nproc, argv, logs, max_file_bytes, late_failure_s)
 
 
 def run_forked(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_file_bytes: dict | None = None,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import COUNTED, REPO, kill_after_commit, model_weights, run_concurrently, subprocess_env, torchrun
+from zygote import run_forked_ranks
 from isotrain.checkpoint.layout import write_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -43,17 +44,22 @@ LAYOUTS = {
 }
 
 
+def arguments(layout: str, run_dir, *more: str) -> list[str]:
+    return ["train", *TINY, *LAYOUTS[layout][1], f"output_dir={run_dir}", *more]
+
+
 def command(layout: str, run_dir, *more: str) -> list[str]:
-    nproc, extra = LAYOUTS[layout]
-    args = ["-m", "isotrain", "train", *TINY, *extra, f"output_dir={run_dir}", *more]
+    """The ordinary launch (`python -m isotrain`, torchrun), for the runs that are killed."""
+    nproc = LAYOUTS[layout][0]
+    args = ["-m", "isotrain", *arguments(layout, run_dir, *more)]
     if nproc == 1:
         return [sys.executable, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
 def run(layout: str, run_dir, *more: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command(layout, run_dir, *more), env=subprocess_env(), cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    """A run to its end, its ranks forked from a process that has done the imports (tests/zygote.py)."""
+    proc = run_forked_ranks(LAYOUTS[layout][0], arguments(layout, run_dir, *more))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -25,7 +25,7 @@ from helpers import REPO, subprocess_env
 
 ZYGOTE = r"""
 import json, os, resource, signal, sys, traceback
-import isotrain.cli, isotrain.train.loop  # the seconds of start-up, paid once
+import isotrain.cli, isotrain.rl.loop, isotrain.train.loop  # the seconds of start-up, paid once
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # else imported by every run
 
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the runs; the test watches them by pidfd
@@ -93,10 +93,10 @@ class Zygote:
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
 
     def fork(self, argv: list[str], log_path, env: dict, max_file_bytes: int | None = None,
-             late_failure_s: float = 0.0, err_path=None) -> int:
+             late_failure_s: float = 0.0, err_path=None, cwd=REPO) -> int:
         """Start one process running `isotrain argv`; its output goes to `log_path` (stderr to `err_path` if
         given) and its exit code to `log_path` + ".exit"."""
-        job = {"argv": argv, "log": str(log_path), "env": env, "cwd": str(REPO), "max_file_bytes": max_file_bytes,
+        job = {"argv": argv, "log": str(log_path), "env": env, "cwd": str(cwd), "max_file_bytes": max_file_bytes,
                "late_failure_s": late_failure_s, "err": str(err_path) if err_path else None}
         with self.lock:  # one request and its reply at a time (tests start runs from threads)
             self.proc.stdin.write(json.dumps(job) + "\n")
@@ -158,7 +158,7 @@ class Forked:
 
 
 def fork_ranks(zygote: Zygote, nproc: int, argv: list[str], logs: list[Path], max_file_bytes: dict | None = None,
-               late_failure_s: dict | None = None, errs: list[Path] | None = None) -> Forked:
+               late_failure_s: dict | None = None, errs: list[Path] | None = None, cwd=REPO) -> Forked:
     """Start the `nproc` ranks of `isotrain argv`, rank r writing to logs[r] (and its stderr to errs[r], if given).
     `max_file_bytes` maps a rank to the largest file it can write, `late_failure_s` to how long its background
     saves wait before they report a failure."""
@@ -171,7 +171,8 @@ def fork_ranks(zygote: Zygote, nproc: int, argv: list[str], logs: list[Path], ma
                             LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         limit = (max_file_bytes or {}).get(rank)
         late = (late_failure_s or {}).get(rank, 0.0)
-        pidfds.append(os.pidfd_open(zygote.fork(argv, logs[rank], rank_env, limit, late, errs[rank] if errs else None)))
+        err = errs[rank] if errs else None
+        pidfds.append(os.pidfd_open(zygote.fork(argv, logs[rank], rank_env, limit, late, err, cwd)))
     return Forked(pidfds, logs)
 
 
@@ -188,13 +189,13 @@ def shared_zygote() -> Zygote:
         return _shared[0]
 
 
-def run_forked_ranks(nproc: int, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def run_forked_ranks(nproc: int, argv: list[str], timeout: float = 300, cwd=REPO) -> subprocess.CompletedProcess:
     """`isotrain argv` on `nproc` forked ranks, waited for, as one finished process: every rank's stdout, then every
     rank's stderr, in rank order, and the first non-zero exit code."""
     with tempfile.TemporaryDirectory(prefix="isotrain-run-") as tmp:
         logs = [Path(tmp) / f"rank{rank}.out" for rank in range(nproc)]
         errs = [Path(tmp) / f"rank{rank}.err" for rank in range(nproc)]
-        forked = fork_ranks(shared_zygote(), nproc, argv, logs, errs=errs)
+        forked = fork_ranks(shared_zygote(), nproc, argv, logs, errs=errs, cwd=cwd)
         try:
             forked.wait(timeout)
         finally:

@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, isotrain_cli, kill_after_commit, model_weights, run_concurrently, subprocess_env, torchrun
+from helpers import REPO, isotrain_cli, kill_after_commit, model_weights, run_concurrently
+from zygote import run_forked_ranks
 
 SFT_STEPS = 400
 # Where 400 steps of the bundled recipe end depends steeply on the initialisation: held-out accuracy was
@@ -83,15 +84,21 @@ def sft(tmp_path_factory):
 
 
 def rl_cli(sft_dir, run_dir, *overrides, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`isotrain rl` (bundled RL recipe) from the SFT model, in the run's parent directory."""
+    """`isotrain rl` (bundled RL recipe) from the SFT model, in the run's parent directory, forked from a process
+    that has done the imports (tests/zygote.py)."""
     args = ["rl", f"model.name_or_path={sft_dir / 'model'}", f"output_dir={run_dir}", "logging.progress=false",
             "checkpoint.every_steps=0", *overrides]
     Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
-    return isotrain_cli(args, timeout=timeout, cwd=Path(run_dir).parent)
+    return run_forked_ranks(1, args, timeout=timeout, cwd=Path(run_dir).parent)
+
+
+def rl_arguments(sft_dir, run_dir, overrides: list[str]) -> list[str]:
+    return ["rl", f"model.name_or_path={sft_dir / 'model'}", f"output_dir={run_dir}", *overrides]
 
 
 def rl_command(sft_dir, run_dir, overrides: list[str], nproc: int = 1) -> list[str]:
-    args = ["-m", "isotrain", "rl", f"model.name_or_path={sft_dir / 'model'}", f"output_dir={run_dir}", *overrides]
+    """The ordinary launch (`python -m isotrain`, torchrun), for the runs that are killed."""
+    args = ["-m", "isotrain", *rl_arguments(sft_dir, run_dir, overrides)]
     if nproc == 1:
         return [sys.executable, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
@@ -262,8 +269,7 @@ RESUME = [*SMALL, "train.max_steps=8", "checkpoint.every_steps=2", "train.determ
 
 
 def run_to_end(sft_dir, run_dir, overrides: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
-    proc = subprocess.run(rl_command(sft_dir, run_dir, overrides, nproc), env=subprocess_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_forked_ranks(nproc, rl_arguments(sft_dir, run_dir, overrides))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -334,8 +340,8 @@ def test_two_process_run_completes_and_fsdp2_resumes_on_one(sft, tmp_path, layou
     from isotrain.checkpoint.layout import write_latest
 
     run_dir = tmp_path / "two"
-    proc = torchrun(2, ["-m", "isotrain", "rl", f"model.name_or_path={sft / 'model'}", f"output_dir={run_dir}",
-                        *TWO_RANKS, *LAYOUTS[layout]], cwd=REPO)
+    proc = run_forked_ranks(2, ["rl", f"model.name_or_path={sft / 'model'}", f"output_dir={run_dir}", *TWO_RANKS,
+                                *LAYOUTS[layout]])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_RUN, counted_metrics, rewrite_as_sha256_manifest, torchrun
+from helpers import TINY_RUN, counted_metrics, rewrite_as_sha256_manifest
+from zygote import run_forked_ranks
 from isotrain.checkpoint.digest import PIECE_BYTES
 from isotrain.checkpoint.files import write_safetensors
 from isotrain.checkpoint.manifest import read_manifest, write_manifest
@@ -28,7 +29,7 @@ LAYOUTS = {"1": (1, []), "2fsdp": (2, ["parallel.dp_shard=2"])}
 
 def train(layout: str, run_dir, *overrides: str):
     nproc, extra = LAYOUTS[layout]
-    return torchrun(nproc, ["-m", "isotrain", "train", *TINY, *extra, f"output_dir={run_dir}", *overrides])
+    return run_forked_ranks(nproc, ["train", *TINY, *extra, f"output_dir={run_dir}", *overrides])
 
 
 @pytest.fixture(scope="module")

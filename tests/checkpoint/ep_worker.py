@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from isotrain.checkpoint.load import CheckpointReader, load_model, load_optimizer
 from isotrain.checkpoint.save import SaveRequest, save
 from isotrain.checkpoint.state import assign_owners, collect_items, model_tensors
+from isotrain.parallel.dist import shutdown_distributed
 
 
 def tiny_moe(seed: int) -> nn.Module:
@@ -114,9 +115,10 @@ def main() -> None:
             phase_load(workdir, rank)
         else:
             raise ValueError(phase)
-        dist.barrier()
     finally:
-        dist.destroy_process_group()
+        # A barrier on a normal exit, then the meshes are collected before their groups are destroyed: gloo's
+        # threads torn down during interpreter finalisation abort the process.
+        shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from isotrain.checkpoint.load import CheckpointReader, load_hf_weights, load_model, load_optimizer
 from isotrain.checkpoint.save import SaveRequest, save
 from isotrain.checkpoint.state import assign_owners, box_index, collect_items, full_box, model_tensors, shard_spec
+from isotrain.parallel.dist import shutdown_distributed
 
 LAYOUTS = {1: ["single"], 2: ["tp2", "fsdp2"], 4: ["fsdp2xtp2"]}
 
@@ -194,9 +195,10 @@ def main() -> None:
                 phase_hf(workdir / "hf", rank)
             else:
                 raise ValueError(phase)
-        dist.barrier()
     finally:
-        dist.destroy_process_group()
+        # A barrier on a normal exit, then the meshes are collected before their groups are destroyed: gloo's
+        # threads torn down during interpreter finalisation abort the process.
+        shutdown_distributed()
 
 
 if __name__ == "__main__":

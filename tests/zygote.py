@@ -11,6 +11,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -184,8 +185,10 @@ def shared_zygote() -> Zygote:
     """This process's zygote, started on first use and closed at exit."""
     with _shared_lock:
         if not _shared:
-            _shared.append(Zygote(Path(tempfile.mkdtemp(prefix="isotrain-zygote-")) / "log.txt"))
-            atexit.register(_shared[0].close)
+            directory = tempfile.mkdtemp(prefix="isotrain-zygote-")
+            _shared.append(Zygote(Path(directory) / "log.txt"))
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+            atexit.register(_shared[0].close)  # atexit runs last-registered first: close, then remove
         return _shared[0]
 
 

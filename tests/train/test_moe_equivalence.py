@@ -127,6 +127,9 @@ TP_RUNS = [((1, 1, 2), 8), ((1, 1, 2), 4)]
 # Expert parallel × tensor parallel on 4 processes (dp_replicate, dp_shard, tp, ep): EP 2 × TP 2 with the dense
 # parts replicated over DP (gradients summed over dp_replicate, experts left out of that sum) and with FSDP2 2.
 EP_TP_RUNS = [((2, 1, 2, 2), 4), ((1, 2, 2, 2), 4)]
+# The same on 8 processes with DP 4: each expert block is held by 2 EP groups (ep_replicate 2) and its gradient
+# summed over them, beside the TP replicas.
+EP_TP_REPLICATED_RUNS = [((4, 1, 2, 2), 2)]
 
 
 def _launch(tmp_path, nproc: int, runs) -> dict:
@@ -155,3 +158,12 @@ def test_expert_parallel_with_tensor_parallel_matches_one_process(tmp_path, sing
         assert_equivalent(results, layout, micro, single, fp32_steps=1)
         experts = results[("qwen3_moe", "global", False, FP32, layout, micro)]["experts"]
         assert experts and set(experts.values()) == {((Shard(0), Replicate()), (2, 64, 32))}  # 2 of the 4 experts
+
+
+@pytest.mark.slow
+def test_expert_parallel_with_tensor_parallel_and_replicated_experts_matches_one_process(tmp_path, single):
+    results = _launch(tmp_path, 8, EP_TP_REPLICATED_RUNS)
+    for layout, micro in EP_TP_REPLICATED_RUNS:
+        assert_equivalent(results, layout, micro, single, fp32_steps=1)
+        experts = results[("qwen3_moe", "global", False, FP32, layout, micro)]["experts"]
+        assert experts and set(experts.values()) == {((Shard(0), Replicate()), (2, 64, 32))}

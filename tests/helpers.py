@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,13 @@ def model_weights(directory) -> dict:
     for path in sorted(Path(directory).glob("model*.safetensors")):
         tensors.update(load_file(path))
     return tensors
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def subprocess_env() -> dict:

@@ -13,7 +13,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from helpers import REPO, subprocess_env
+from helpers import REPO, free_port, subprocess_env
 
 ZYGOTE = r"""
 import json, os, resource, signal, sys, traceback
@@ -111,12 +110,6 @@ class Zygote:
         self.proc.wait(timeout=60)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Forked:
     """The rank processes of one run, watched and killed through pidfds (no pid can be reused under us)."""
@@ -142,6 +135,13 @@ class Forked:
         for fd in self.pidfds:
             ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
             assert ready, f"a rank did not end within {timeout} s"
+
+    def finish(self, timeout: float) -> None:
+        """Wait for every rank to end (a hang fails the test), then release the pidfds either way."""
+        try:
+            self.wait(timeout)
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self.running():
@@ -199,10 +199,7 @@ def run_forked_ranks(nproc: int, argv: list[str], timeout: float = 300, cwd=REPO
         logs = [Path(tmp) / f"rank{rank}.out" for rank in range(nproc)]
         errs = [Path(tmp) / f"rank{rank}.err" for rank in range(nproc)]
         forked = fork_ranks(shared_zygote(), nproc, argv, logs, errs=errs, cwd=cwd)
-        try:
-            forked.wait(timeout)
-        finally:
-            forked.close()
+        forked.finish(timeout)
         codes = forked.exit_codes()
         stdout, stderr = ("".join(path.read_text() for path in paths if path.exists()) for paths in (logs, errs))
     code = next((c if c is not None else -signal.SIGKILL for c in codes if c != 0), 0)

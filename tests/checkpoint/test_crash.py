@@ -88,10 +88,7 @@ def run_forked(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_fil
                late_failure_s: dict | None = None) -> Forked:
     """A forked run, waited for to its end (a hang fails the test)."""
     forked = fork_run(zygote, layout, argv, log_prefix, max_file_bytes, late_failure_s)
-    try:
-        forked.wait(300)
-    finally:
-        forked.close()
+    forked.finish(300)
     return forked
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_RUN, counted_metrics, rewrite_as_sha256_manifest
+from helpers import TINY_RUN, counted_metrics, free_port, rewrite_as_sha256_manifest
 from zygote import run_forked_ranks
 from isotrain.checkpoint.digest import PIECE_BYTES
 from isotrain.checkpoint.files import write_safetensors
@@ -197,14 +197,10 @@ def _two_rank_check(rank: int, port: int, directory: str, num_rows: int, out: st
 
 @pytest.mark.slow
 def test_a_problem_found_by_one_rank_is_every_ranks_verdict(tmp_path):
-    import socket
-
     import torch.multiprocessing as mp
 
     _, header_end, _ = small_checkpoint(tmp_path, num_rows=1024)  # header + one 12 MB piece
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.start_processes(_two_rank_check, args=(port, str(tmp_path), 1024, str(tmp_path)), nprocs=2,
                        start_method="spawn")
     verdicts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import REPO, isotrain_cli, run_concurrently, subprocess_env, torchrun
+from helpers import REPO, free_port, isotrain_cli, run_concurrently, subprocess_env, torchrun
 
 SMALL = [
     "model.config.hidden_size=32",
@@ -99,17 +98,11 @@ def test_saved_model_loads_in_transformers_with_the_same_logits(tmp_path):
         assert torch.equal(loaded(ids).logits, result.model(ids).logits)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_nodes_with_c10d_rendezvous_match_one_process(tmp_path):
     _, data_args = small_data(tmp_path)
     common = [*SMALL, *data_args, "train.max_steps=3", "eval.path=null"]
-    port = _free_port()
+    port = free_port()
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=isotrain-test",
               "-m", "isotrain", "train", *common, f"output_dir={tmp_path / 'multi'}"]

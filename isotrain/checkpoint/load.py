@@ -447,6 +447,10 @@ def load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch.
     plans = [part_reads(found[names[id(param)]], param, rank) for param in params]
     reads = [(f"{key}.{prefix}{part.key}", box) for plan in plans for key in OPTIMIZER_STATE_KEYS if key != "step"
              for part, box, _ in plan]  # moments share their parameter's layout
+    # torch's own rule (Optimizer.load_state_dict): a fused or capturable AdamW keeps `step` on the parameter's
+    # device (its CUDA kernel reads it there), any other on the CPU.
+    on_device = {id(p) for group in optimizer.param_groups if group.get("fused") or group.get("capturable")
+                 for p in group["params"]}
     ahead = ReadAhead(reader, reads)
     with ThreadPoolExecutor(max_workers=1) as allocator:
         moments = [allocator.submit(_new_moments, param) for param in params]
@@ -459,7 +463,8 @@ def load_optimizer(reader: CheckpointReader, model: nn.Module, optimizer: torch.
                     ahead.before(index)
                     reader.read_into(f"{key}.{prefix}{part.key}", into, box, kept=True)
                     index += 1
-            state["step"] = reader.read(f"step.{prefix}{found[name][0].key}").clone()
+            step = reader.read(f"step.{prefix}{found[name][0].key}").clone()
+            state["step"] = step.to(param.device) if id(param) in on_device else step
             optimizer.state[param] = {key: state[key] for key in OPTIMIZER_STATE_KEYS}
 
 

@@ -126,7 +126,7 @@ def _start_transfer(item: Item, rank: int, group) -> _Transfer:
     if rank != item.owner:
         if not spec.sends(rank, item.owner):
             return _Transfer(item, None, [])
-        sent = item.local.contiguous()
+        sent = item.local.contiguous().cpu()  # the transfer group is gloo, which sends host memory
         return _Transfer(item, None, [dist.isend(sent, dst=item.owner, group=group)], sent)
     own = spec.box_of_rank[rank]
     rows = spec.row_blocks
@@ -184,7 +184,8 @@ def write_tensor_files(directory: Path, items: list[Item], rank: int, group, tra
         try:
             item = transfer.item
             for piece in pieces:
-                open_files[file_of[item.key]].append(tensor_view(piece.to(item.dtype)))
+                # Cast where the tensor lives (a GPU casts fast and copies fewer bytes), then bring it to host memory.
+                open_files[file_of[item.key]].append(tensor_view(piece.to(item.dtype).cpu()))
         except OSError as err:
             error = err
 

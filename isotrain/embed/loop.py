@@ -72,7 +72,7 @@ class EmbedResult:
 
 def check_layout(degrees) -> None:
     """Data parallelism only: every rank holds the whole encoder (embedding models are small)."""
-    if degrees.tp > 1 or degrees.dp_shard > 1 or degrees.ep > 1:
+    if degrees.tp > 1 or degrees.fsdp or degrees.ep > 1:
         raise ConfigError(f"isotrain embed runs data parallel only (got parallel.tp={degrees.tp}, "
                           f"dp_shard={degrees.dp_shard}, ep={degrees.ep}); set parallel.dp_replicate=-1 and the others to 1")
 

@@ -83,7 +83,7 @@ def local_numel(shape: tuple[int, ...], tp_dim: int | None, degrees: ParallelDim
         return math.prod(local)
     if degrees.tp > 1 and tp_dim is not None:
         local[tp_dim] = chunk_size(local[tp_dim], degrees.tp, tp_rank)
-    if degrees.dp_shard > 1 and local:
+    if degrees.fsdp and local:
         rows = local[0]
         local[0] = -(-rows // degrees.dp_shard) if padded else chunk_size(rows, degrees.dp_shard, shard_rank)
     return math.prod(local)

@@ -175,7 +175,7 @@ def packing_needs_mask(cfg, model: nn.Module, parallel, device: torch.device, lo
 def probe_dtype(cfg, parallel) -> torch.dtype:
     """What the probe's matmuls run in: FSDP2 runs the forward in bf16 (its mixed-precision policy); elsewhere
     bf16 is autocast by the step, which the probe does not enter, so it compares in fp32."""
-    fsdp_bf16 = cfg.model.dtype == "bfloat16" and parallel.dims.dp_shard > 1
+    fsdp_bf16 = cfg.model.dtype == "bfloat16" and parallel.dims.fsdp
     return torch.bfloat16 if fsdp_bf16 else torch.float32
 
 

@@ -92,7 +92,7 @@ def apply_ddp(model: nn.Module, parallel: ParallelState) -> nn.Module:
 def apply_compile(model: nn.Module, parallel: ParallelState, layers_only: bool = False) -> None:
     """torch.compile in place: each decoder layer when FSDP2 will wrap them or `layers_only` (a root whose forward
     hooks change per call, as the chunked loss's: train/chunked_loss.py), else the whole model."""
-    if parallel.dims.dp_shard > 1 or layers_only:
+    if parallel.dims.fsdp or layers_only:
         for layer in decoder_layers(model):
             layer.compile()
     else:
@@ -118,7 +118,7 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model, parallel, compile_layers_only)
-    if parallel.dims.dp_shard > 1:
+    if parallel.dims.fsdp:
         apply_fsdp(model, parallel, compute_dtype)
     return model
 
@@ -127,7 +127,7 @@ def wrap_replicas(model: nn.Module, parallel: ParallelState, trainable: bool = T
     """DDP over dp_replicate when nothing is sharded over DP. It broadcasts nothing that matters (every
     rank loaded the same weights) but needs them to exist, so it comes after loading. Under TP the
     replicas' gradients are summed by `sync_replica_grads` instead (DDP does not take DTensors)."""
-    if not trainable or parallel.mesh is None or parallel.dims.dp_shard > 1 or parallel.dims.tp > 1:
+    if not trainable or parallel.mesh is None or parallel.dims.fsdp or parallel.dims.tp > 1:
         return model
     if parallel.dims.dp_replicate > 1:
         return apply_ddp(model, parallel)
@@ -141,7 +141,7 @@ def sync_replica_grads(model: nn.Module, parallel: ParallelState) -> None:
     same shard, so a plain all-reduce of the local parts over dp_replicate is the data-parallel sum.
     Expert-parallel gradients are summed over their replicas here too (`sync_expert_grads`)."""
     sync_expert_grads(model, parallel.ep_mesh)
-    if parallel.mesh is None or parallel.dims.tp == 1 or parallel.dims.dp_shard > 1 or parallel.dims.dp_replicate == 1:
+    if parallel.mesh is None or parallel.dims.tp == 1 or parallel.dims.fsdp or parallel.dims.dp_replicate == 1:
         return
     group = parallel.mesh["dp_replicate"].get_group()
     # Not the experts: under EP the dp_replicate ranks hold different experts (summed above over their copies).

@@ -6,17 +6,25 @@
 divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every MoE layer's experts
 (parallel/ep.py); with tensor parallelism there is one such group per TP coordinate (ep × tp composes).
 `cp` has its place here but only 1 is accepted until context parallelism lands.
+FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
+launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from isotrain.errors import ConfigError
 
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp")
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (or another torch elastic launcher) started this process, whatever the world size."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,12 @@ class ParallelDims:
     tp: int
     ep: int = 1
     cp: int = 1
+    shard_one_rank: bool = False  # dp_shard=-1 on a one-process torchrun launch: FSDP2 over that rank
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 wraps the model."""
+        return self.dp_shard > 1 or self.shard_one_rank
 
     @property
     def dp_size(self) -> int:
@@ -64,7 +78,9 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
                 f"{fixed} (torchrun --nproc-per-node {fixed}) or lower {'that degree' if len(named) == 1 else 'those degrees'}"
             )
         degrees[auto[0]] = world_size // fixed
-    dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1))
+    # One torchrun process joins a process group of one (parallel/dist.py), so dp_shard=-1 can shard over it.
+    one_rank = cfg.dp_shard == -1 and degrees["dp_shard"] == 1 and launched_by_torchrun()
+    dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1), shard_one_rank=one_rank)
     if dims.world_size != world_size:
         product = " × ".join(str(getattr(dims, n)) for n in DEGREE_NAMES)
         launch = (f"launch {dims.world_size} processes (torchrun --nproc-per-node {dims.world_size})"

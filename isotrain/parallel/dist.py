@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from isotrain.parallel.dims import launched_by_torchrun
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -28,7 +30,10 @@ class DistInfo:
 
 
 def init_distributed() -> DistInfo:
-    """Join the process group torchrun describes in the environment; a plain process is rank 0 of 1."""
+    """Join the process group torchrun describes in the environment; a plain process is rank 0 of 1.
+
+    A one-process torchrun launch joins a group of one too, so it runs the code of a many-rank job (its mesh,
+    NCCL on a GPU, FSDP2 with parallel.dp_shard=-1)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -37,8 +42,11 @@ def init_distributed() -> DistInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if (world_size > 1 or launched_by_torchrun()) and not dist.is_initialized():
+        if device.type == "cuda":  # bound to this rank's GPU: NCCL's communicators start at once, on the right device
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            dist.init_process_group(backend="gloo")
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

@@ -72,8 +72,9 @@ def _ep_mesh(dims: ParallelDims, mesh: DeviceMesh, dp: DeviceMesh, device: torch
 
 
 def build_parallel(dims: ParallelDims, device: torch.device, rank: int) -> ParallelState:
-    """The 3-D mesh (every axis present, size 1 or more) and the flattened DP axis; a single process has none."""
-    if dims.world_size == 1:
+    """The 3-D mesh (every axis present, size 1 or more) and the flattened DP axis; a process outside any process
+    group has none (a one-process torchrun launch has one: parallel/dist.py)."""
+    if dims.world_size == 1 and not torch.distributed.is_initialized():
         return single_process(dims)
     mesh = init_device_mesh(device.type, tuple(getattr(dims, n) for n in DEGREE_NAMES), mesh_dim_names=DEGREE_NAMES)
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")

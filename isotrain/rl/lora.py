@@ -73,7 +73,7 @@ def lora_adapter(cfg, dims):
     run's resolved ParallelDims."""
     if cfg.lora.r == 0:
         return None
-    if dims.dp_shard > 1 or dims.tp > 1:
+    if dims.fsdp or dims.tp > 1:
         raise ConfigError(f"lora.r={cfg.lora.r} runs on one process or with DDP; LoRA under FSDP2 or tensor "
                           f"parallelism (parallel.dp_shard={dims.dp_shard}, parallel.tp={dims.tp}) is not supported "
                           "yet: set parallel.dp_shard=1 and parallel.tp=1")

@@ -9,6 +9,7 @@ ranks then read its result, so every rank sees byte-identical inputs.
 from __future__ import annotations
 
 import functools
+import os
 import random
 from contextlib import ExitStack
 from pathlib import Path
@@ -34,6 +35,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
+        # cuBLAS is deterministic only with a fixed workspace; without it CUDA matmuls raise under
+        # use_deterministic_algorithms. Read when cuBLAS starts, so it is set before any CUDA matmul runs.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
 
@@ -45,9 +49,26 @@ def start_run(cfg: Config, info: DistInfo, console, plan, degrees, scope: ExitSt
     output_dir = scope.enter_context(own_output_dir(Path(cfg.output_dir), info, log))
     if info.is_main:
         console.print(plan_table(plan, degrees))
+        log(placement_line(info, degrees))
     barrier()
     seed_everything(cfg.train.seed, cfg.train.deterministic)
     return output_dir
+
+
+def placement_line(info: DistInfo, degrees) -> str:
+    """Where the run computes: the device, the process group's backend, and whether FSDP2 shards the model."""
+    import torch.distributed as dist
+
+    device = str(info.device)
+    if info.device.type == "cuda":
+        device += f" ({torch.cuda.get_device_name(info.device)})"
+    if dist.is_initialized():
+        count = f"{info.world_size} process" + ("es" if info.world_size > 1 else "")
+        group = f"process group: {dist.get_backend()}, {count}"
+    else:
+        group = "one process, no process group"
+    sharded = f"; FSDP2 over {degrees.dp_shard} rank(s)" if degrees.fsdp else ""
+    return f"device: {device}; {group}{sharded}"
 
 
 def plan_table(plan, degrees):

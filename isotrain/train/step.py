@@ -70,7 +70,7 @@ def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool 
     `loss_parallel`: the model was built with vocabulary-sharded logits under TP (SFT; RL gathers them).
     `document_mask`: the run's packing probe found that the model ignores position-id restarts.
     `router`: an MoE model's router terms (isotrain.moe.settings.router_settings)."""
-    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and parallel.dims.dp_shard == 1 else None
+    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and not parallel.dims.fsdp else None
     return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
                        dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel,
                        document_mask=document_mask, router=router, loss_chunk_tokens=cfg.train.loss_chunk_tokens,

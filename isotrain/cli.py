@@ -131,7 +131,7 @@ def cmd_config_show(args) -> int:
     return 0
 
 
-def _print_estimate(cfg, world_size: int, dtype: str | None, as_json: bool) -> None:
+def _print_estimate(cfg, world_size: int, dtype: str | None, as_json: bool, device: str | None = None) -> None:
     from isotrain.errors import ConfigError
     from isotrain.memory.estimate import estimate_memory, memory_table
     from isotrain.sizes import plan_batches
@@ -140,7 +140,7 @@ def _print_estimate(cfg, world_size: int, dtype: str | None, as_json: bool) -> N
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size} is invalid; pass the number of processes, 1 or more")
     plan_batches(cfg, resolve_dims(cfg.parallel, world_size))  # the sizes the run would refuse, refused here too
-    estimate = estimate_memory(cfg, world_size, dtype)
+    estimate = estimate_memory(cfg, world_size, dtype, device=device)
     if as_json:
         print(estimate.as_json())
     else:
@@ -152,7 +152,7 @@ def cmd_estimate_memory(args) -> int:
 
     path, overrides = _split_config_and_overrides(args)
     cfg = load_config(path, overrides)
-    _print_estimate(cfg, int(os.environ.get("WORLD_SIZE", args.world_size)), args.dtype, args.json)
+    _print_estimate(cfg, int(os.environ.get("WORLD_SIZE", args.world_size)), args.dtype, args.json, args.device)
     return 0
 
 
@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="storage/compute dtype to estimate (default: model.dtype); float8: 1-byte weights with "
                         "per-tensor scales, fp32 masters, bf16 compute")
     memory.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    memory.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where the run computes, which decides the attention kernel (default: a GPU if one is "
+                             "visible here, else cpu)")
     memory.set_defaults(func=cmd_estimate_memory)
 
     from isotrain.checkpoint.commands import add_parser as add_ckpt_parser

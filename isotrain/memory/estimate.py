@@ -14,10 +14,11 @@ and, when they are not fp32, their fp32 upcast by the loss exist at once at the 
 train.loss_chunk_tokens the logits term is one chunk's instead, beside the hidden states the chunks keep
 (memory/saved.py `_chunked_loss_fn`).
 
-FSDP2 (dp_shard > 1) adds its buffers, in the dtype it computes in (`fsdp_terms`): the root's unsharded
-parameters (embeddings, final norm, head: not resharded after forward) beside one group's flat all-gather
-output and one group's unsharded parameters; one layer's unsharded gradients with their fp32 reduce-scatter
-input, beside the head's gradients, which wait for the root's reduce at the end of backward.
+FSDP2 (dp_shard > 1, or -1 on one torchrun process) adds its buffers, in the dtype it computes in
+(`fsdp_terms`): the root's unsharded parameters (embeddings, final norm, head: not resharded after forward)
+beside one group's flat all-gather output and one group's unsharded parameters; one layer's unsharded gradients
+with their fp32 reduce-scatter input, beside the head's gradients, which wait for the root's reduce at the end of
+backward.
 
 Mixture-of-experts models: under expert parallelism (`parallel.ep`) each rank holds E/ep whole experts of every
 fused expert weight, outside FSDP2 (not sharded, not padded, not in its buffers); the fake forward routes the
@@ -85,7 +86,7 @@ def model_state_terms(model, config, degrees: ParallelDims, dtype: str, tp_rank:
         shape, expert = tuple(param.shape), name in experts
         padded += local_numel(shape, split.get(name), degrees, tp_rank, shard_rank, padded=True, expert=expert)
         unpadded += local_numel(shape, split.get(name), degrees, tp_rank, shard_rank, padded=False, expert=expert)
-        grad_split = None if param is embedding and degrees.dp_shard == 1 else split.get(name)
+        grad_split = None if param is embedding and not degrees.fsdp else split.get(name)
         grads += local_numel(shape, grad_split, degrees, tp_rank, shard_rank, padded=True, expert=expert)
         tensors += 1
     low = storage.itemsize < FP32_BYTES
@@ -151,7 +152,7 @@ def fsdp_terms(model, config, degrees: ParallelDims, dtype: str) -> list[Term]:
     backward (its forward inputs, token ids, need no gradient), so the head's and final norm's gradients wait all
     through the layers' backward; at the end the root's gradients meet the last layer's held input, then their own.
     """
-    if degrees.dp_shard == 1:
+    if not degrees.fsdp:
         return []
     storage, compute = DTYPES[dtype]
     root, after, layer = _unsharded_groups(model, config, degrees)
@@ -169,14 +170,14 @@ def fsdp_terms(model, config, degrees: ParallelDims, dtype: str) -> list[Term]:
                  "or the root's at the end")]
 
 
-def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str) -> list[Term]:
+def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str, device: str = "cpu") -> list[Term]:
     from isotrain.memory.fake_forward import fake_forward
     from isotrain.models.checks import attention_kernel
     from isotrain.moe.settings import router_settings
     from transformers import AutoModelForCausalLM
 
     _, compute = DTYPES[dtype]
-    fsdp = degrees.dp_shard > 1
+    fsdp = degrees.fsdp
     lowp = compute != torch.float32
     checkpointing = cfg.train.activation_checkpointing == "full"
     kwargs = dict(micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len, tp=degrees.tp,
@@ -184,7 +185,7 @@ def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str) -> 
                   autocast_dtype=compute if lowp and not fsdp else None, packed=cfg.data.packing)
     router = router_settings(cfg.moe, config)
     chunk = cfg.train.loss_chunk_tokens
-    kwargs.update(ep=degrees.ep, router=router, chunk_tokens=chunk)
+    kwargs.update(ep=degrees.ep, router=router, chunk_tokens=chunk, device=device)
     kernel = attention_kernel(cfg.model, config, AutoModelForCausalLM)
     saved = fake_forward(config, kernel, activation_checkpointing=checkpointing, **kwargs)
     upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype != torch.float32 else 0
@@ -244,14 +245,24 @@ def run_vocab_size(cfg: Config, config) -> tuple[int, str]:
     return max(asked, target), "at most, as the tokenizer is trained on the data (tokenizer.vocab_size)"
 
 
+def default_device() -> str:
+    """The device a run started here computes on (parallel/dist.py): a GPU when one is visible."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def estimate_memory(cfg: Config, world_size: int, dtype: str | None = None, vocab_size: int | None = None,
-                    checked=None) -> MemoryEstimate:
-    """Every term of one rank's memory (the largest rank: rank 0) for `cfg` on `world_size` processes."""
+                    checked=None, device: str | None = None) -> MemoryEstimate:
+    """Every term of one rank's memory (the largest rank: rank 0) for `cfg` on `world_size` processes computing on
+    `device` ("cpu" or "cuda"; default: where a run started here would compute). The device decides the attention
+    kernel, and with it what attention saves for backward (memory/fake_forward.py)."""
     from isotrain.models.loading import check_layout_fits, checked_config
     from isotrain.parallel.dims import check_model_fits, resolve_dims
     from isotrain.train.chunked_loss import check_chunked_loss_settings
 
     dtype = dtype or cfg.model.dtype
+    device = device or default_device()
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} cannot be estimated; use cpu or cuda")
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} cannot be estimated; use one of {', '.join(DTYPES)}")
     degrees = resolve_dims(cfg.parallel, world_size)
@@ -264,14 +275,14 @@ def estimate_memory(cfg: Config, world_size: int, dtype: str | None = None, voca
     check_model_fits(degrees, config)
     check_chunked_loss_settings(cfg.train.loss_chunk_tokens, degrees.tp)
     model = meta_model(cfg, config)
-    settings = {"world_size": world_size, **dict(degrees.as_rows()), "dtype": dtype,
+    settings = {"world_size": world_size, **dict(degrees.as_rows()), "dtype": dtype, "device": device,
                 "micro_batch_size": cfg.train.micro_batch_size, "max_seq_len": cfg.data.max_seq_len,
                 "activation_checkpointing": cfg.train.activation_checkpointing,
                 "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
                 "vocab_size": vocab_size, "vocab_size_source": how,
                 "parameters": sum(p.numel() for p in model.parameters())}
     terms = [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),
-             *activation_terms(cfg, config, degrees, dtype)]
+             *activation_terms(cfg, config, degrees, dtype, device)]
     return MemoryEstimate(settings, terms)
 
 
@@ -281,7 +292,7 @@ def memory_table(estimate: MemoryEstimate):
     s = estimate.settings
     ep = f", ep {s['ep']}" if "ep" in s else ""
     title = (f"per-rank memory (rank 0 of {s['world_size']}: dp_replicate {s['dp_replicate']}, dp_shard "
-             f"{s['dp_shard']}, tp {s['tp']}{ep}; {s['dtype']}; "
+             f"{s['dp_shard']}, tp {s['tp']}{ep}; {s['dtype']} on {s['device']}; "
              f"micro-batch {s['micro_batch_size']} × {s['max_seq_len']})")
     table = Table(title=title)
     table.add_column("term")

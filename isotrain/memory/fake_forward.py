@@ -13,9 +13,16 @@ model's:
 
 Fake tensors pick the math SDPA kernel, while real CPU tensors pick the flash kernel, which saves different
 tensors (no expanded KV heads, no mask): `_sdpa_as_real` asks the real dispatcher on a small real input
-which kernel it would take and calls that one. Likewise transformers cannot read fake position ids to see that
-a row holds one document and builds a mask it would skip for real rows; unpacked rows (`packed=False`) are
-one document each, so the fake forward tells it so (`_one_document_per_row`).
+which kernel it would take and calls that one. For a CUDA run (`device="cuda"`), which the estimate may be asked
+for on a machine without a GPU, it follows CUDA's order instead (torch's sdp_utils): flash takes fp16/bf16 with
+no mask, memory-efficient attention takes fp32 and masks but not grouped-query heads (`enable_gqa`), and math
+takes the rest, so fp32 with grouped-query heads saves the [B, H, L, L] attention weights (measured on an H200:
+bench/gpu_check.py). Where CUDA takes a fused kernel, the CPU's choice stands in for it: both save the query, key,
+value, output and log-sum-exp (bf16 on an H200 measured as estimated this way, to the byte).
+
+Likewise transformers cannot read fake position ids to see that a row holds one document and builds a mask it
+would skip for real rows; unpacked rows (`packed=False`) are one document each, so the fake forward tells it so
+(`_one_document_per_row`).
 
 Mixture-of-experts layers run transformers' own experts code, except where fake tensors cannot follow it
 (memory/fake_experts.py): torch's grouped_mm has no fp32 fake kernel, and expert parallelism's all-to-alls
@@ -67,12 +74,29 @@ def _small(t: torch.Tensor | None):
     return torch.zeros(shape, dtype=t.dtype)
 
 
+def _cuda_takes_fused(query: torch.Tensor, attn_mask, enable_gqa: bool) -> bool:
+    """Whether CUDA's SDPA takes flash or memory-efficient attention (else math), for head dims up to 256.
+    Under autocast the kernel sees the autocast dtype (SDPA is on its lower-precision list)."""
+    if query.shape[-1] > 256:
+        return False
+    dtype = query.dtype
+    if torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
+    flash = dtype in (torch.float16, torch.bfloat16) and attn_mask is None
+    return flash or not enable_gqa
+
+
 @contextlib.contextmanager
-def _sdpa_as_real():
+def _sdpa_as_real(device: str = "cpu"):
     original = F.scaled_dot_product_attention
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if query.device.type == "cpu":
+            if device == "cuda" and not _cuda_takes_fused(query, attn_mask, enable_gqa):
+                # CUDA's math kernel, a composite: autograd saves each of its steps, the attention weights too.
+                out, _ = torch.ops.aten._scaled_dot_product_attention_math(
+                    query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+                return out
             with unset_fake_temporarily():
                 q, k, v = _small(query), _small(key), _small(value)
                 mask = None if attn_mask is None else _small(attn_mask)
@@ -108,14 +132,15 @@ def _one_document_per_row(enabled: bool):
 def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq_len: int, tp: int,
                  param_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
                  activation_checkpointing: bool, packed: bool = False, ep: int = 1, router=None,
-                 chunk_tokens: int = 0) -> SavedBytes:
+                 chunk_tokens: int = 0, device: str = "cpu") -> SavedBytes:
     """What one rank's forward of a full micro-batch (every position a trained token) keeps for backward.
     `ep`: the expert-parallel degree; `router`: an MoE model's RouterSettings (its router terms join the loss);
-    `chunk_tokens`: train.loss_chunk_tokens."""
+    `chunk_tokens`: train.loss_chunk_tokens; `device`: where the run computes ("cpu" or "cuda"), which decides
+    the attention kernel."""
     from transformers import AutoModelForCausalLM
 
     config = tp_rank_config(config, tp)
-    with (FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(), _one_document_per_row(not packed),
+    with (FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(not packed),
           grouped_mm_as_saved()):
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_implementation)
         model.config.use_cache = False

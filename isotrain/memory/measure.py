@@ -153,3 +153,30 @@ def fsdp_buffers(model: nn.Module) -> Iterator[dict]:
     finally:
         for group in groups:  # back to the class's methods
             del group.unshard, group.pre_backward, group.wait_for_unshard, group.post_backward
+
+
+def measure_terms(model: nn.Module, optimizer: torch.optim.Optimizer, options, batches: tuple[dict, dict],
+                  device: torch.device) -> dict[str, int]:
+    """Every term of the estimate (memory/estimate.py), by name, read off the live rank: one real `train_step` on
+    `batches[0]` (gradients taken between backward and update, optimizer state after it), then what one more
+    forward of `batches[1]` keeps for backward, and FSDP2's buffers at their peak during that forward and backward."""
+    from isotrain.train.step import train_step
+
+    measured = {"parameters": parameter_bytes(model)}
+    train_step(model, optimizer, [batches[0]], 1e-3, options, device,
+               before_update=lambda: measured.update(gradients=gradient_bytes(model)))
+    measured["optimizer moments"] = optimizer_bytes(optimizer)
+    on_device = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batches[1].items()}
+    with fsdp_buffers(model) as buffers:
+        saved = activation_bytes(model, on_device, options.autocast_dtype, options.loss_parallel, options.router,
+                                 options.loss_chunk_tokens)
+    if _fsdp_groups(model):
+        measured["FSDP2 all-gather buffers"] = buffers["gathered"]
+        measured["FSDP2 reduce-scatter buffers"] = buffers["reduce"]
+    measured["activations"] = saved["activations"]
+    measured["compute copies"] = saved["compute_copies"]
+    upcast = 0 if saved["logits_fp32"] else saved["logits_numel"] * 4
+    measured["logits and loss"] = saved["logits_loss"] + saved["logits"] + upcast
+    if options.router is not None:
+        measured["router logits and terms"] = saved["router"]
+    return measured

@@ -26,7 +26,7 @@ import torch
 
 from isotrain.config import build_config
 from isotrain.memory.estimate import estimate_memory
-from isotrain.memory.measure import activation_bytes, fsdp_buffers, gradient_bytes, optimizer_bytes, parameter_bytes
+from isotrain.memory.measure import measure_terms
 from isotrain.models.build import build
 from isotrain.models.tokenizer import train_tokenizer
 from isotrain.models.unwrap import hf_model
@@ -35,7 +35,7 @@ from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
 from isotrain.train.optim import build_optimizer
-from isotrain.train.step import step_options, train_step
+from isotrain.train.step import step_options
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 64}
@@ -102,23 +102,8 @@ def measure(cfg, info, tokenizer) -> dict:
         balanced_routing(model)
     optimizer = build_optimizer(model, cfg.train)
     options = step_options(cfg, parallel, router=router_settings(cfg.moe, hf_model(model).config))
-    measured = {"parameters": parameter_bytes(model)}
-    train_step(model, optimizer, [micro_batch(parallel.dp_rank)], 1e-3, options, info.device,
-               before_update=lambda: measured.update(gradients=gradient_bytes(model)))
-    measured["optimizer moments"] = optimizer_bytes(optimizer)
-    with fsdp_buffers(model) as buffers:
-        saved = activation_bytes(model, micro_batch(10 + parallel.dp_rank), options.autocast_dtype,
-                                 options.loss_parallel, options.router, options.loss_chunk_tokens)
-    if degrees.dp_shard > 1:
-        measured["FSDP2 all-gather buffers"] = buffers["gathered"]
-        measured["FSDP2 reduce-scatter buffers"] = buffers["reduce"]
-    measured["activations"] = saved["activations"]
-    measured["compute copies"] = saved["compute_copies"]
-    upcast = 0 if saved["logits_fp32"] else saved["logits_numel"] * 4
-    measured["logits and loss"] = saved["logits_loss"] + saved["logits"] + upcast
-    if options.router is not None:
-        measured["router logits and terms"] = saved["router"]
-    return measured
+    return measure_terms(model, optimizer, options, (micro_batch(parallel.dp_rank), micro_batch(10 + parallel.dp_rank)),
+                         info.device)
 
 
 def main() -> None:

@@ -45,7 +45,11 @@ LENGTH_MODELS = {
 
 def document_lengths(name: str, num_documents: int, seed: int) -> np.ndarray:
     """Token lengths of `num_documents` documents, deterministic in (name, num_documents, seed)."""
-    model = LENGTH_MODELS[name]
+    return document_lengths_of(LENGTH_MODELS[name], num_documents, seed)
+
+
+def document_lengths_of(model: LengthModel, num_documents: int, seed: int) -> np.ndarray:
+    """Token lengths of `num_documents` documents drawn from `model`, deterministic in its arguments."""
     mu = math.log(model.mean_tokens) - model.sigma**2 / 2
     drawn = np.random.default_rng(seed).lognormal(mu, model.sigma, num_documents)
     return np.clip(np.rint(drawn), MIN_TOKENS, model.max_seq_len).astype(np.int64)

@@ -28,14 +28,23 @@ import json, os, resource, signal, sys, traceback
 import isotrain.cli, isotrain.rl.loop, isotrain.train.loop  # the seconds of start-up, paid once
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # else imported by every run
 
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the runs; the test watches them by pidfd
+# Runs are not reaped the moment they end: a run that fails at once stays a zombie until the test holds a pidfd of
+# it (opened before the test asks for its next run), so no run can vanish, or its pid be reused, before it is watched.
+def reap():
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
 for line in sys.stdin:
+    reap()
     job = json.loads(line)
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.setsid()  # like torchrun's workers: a session of its own
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
             null, log = os.open(os.devnull, os.O_RDONLY), os.open(job["log"], flags)
@@ -95,15 +104,15 @@ class Zygote:
     def fork(self, argv: list[str], log_path, env: dict, max_file_bytes: int | None = None,
              late_failure_s: float = 0.0, err_path=None, cwd=REPO) -> int:
         """Start one process running `isotrain argv`; its output goes to `log_path` (stderr to `err_path` if
-        given) and its exit code to `log_path` + ".exit"."""
+        given) and its exit code to `log_path` + ".exit". Returns a pidfd of it, which the caller closes."""
         job = {"argv": argv, "log": str(log_path), "env": env, "cwd": str(cwd), "max_file_bytes": max_file_bytes,
                "late_failure_s": late_failure_s, "err": str(err_path) if err_path else None}
-        with self.lock:  # one request and its reply at a time (tests start runs from threads)
+        with self.lock:  # one request at a time (tests start runs from threads); the zygote reaps only at the next
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
             reply = self.proc.stdout.readline()
-        assert reply, f"the zygote died: {self.log_path.read_text()[-3000:]}"
-        return int(reply)
+            assert reply, f"the zygote died: {self.log_path.read_text()[-3000:]}"
+            return os.pidfd_open(int(reply))  # running or a zombie, never reaped yet: this is the run
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -112,7 +121,8 @@ class Zygote:
 
 @dataclass
 class Forked:
-    """The rank processes of one run, watched and killed through pidfds (no pid can be reused under us)."""
+    """The rank processes of one run, watched and killed through pidfds (no pid can be reused under us; a rank
+    that has ended stays readable on its pidfd)."""
 
     pidfds: list[int]
     logs: list
@@ -173,7 +183,7 @@ def fork_ranks(zygote: Zygote, nproc: int, argv: list[str], logs: list[Path], ma
         limit = (max_file_bytes or {}).get(rank)
         late = (late_failure_s or {}).get(rank, 0.0)
         err = errs[rank] if errs else None
-        pidfds.append(os.pidfd_open(zygote.fork(argv, logs[rank], rank_env, limit, late, err, cwd)))
+        pidfds.append(zygote.fork(argv, logs[rank], rank_env, limit, late, err, cwd))
     return Forked(pidfds, logs)
 
 
@@ -192,9 +202,22 @@ def shared_zygote() -> Zygote:
         return _shared[0]
 
 
+# Rank 0 could not listen on MASTER_PORT: another program took the port after free_port() found it free. The run
+# failed in its rendezvous, before it wrote anything, so it is started again on another port.
+PORT_TAKEN = "EADDRINUSE"
+
+
 def run_forked_ranks(nproc: int, argv: list[str], timeout: float = 300, cwd=REPO) -> subprocess.CompletedProcess:
     """`isotrain argv` on `nproc` forked ranks, waited for, as one finished process: every rank's stdout, then every
     rank's stderr, in rank order, and the first non-zero exit code."""
+    for _ in range(3):
+        proc = _run_forked_once(nproc, argv, timeout, cwd)
+        if nproc == 1 or proc.returncode == 0 or PORT_TAKEN not in proc.stderr:
+            break
+    return proc
+
+
+def _run_forked_once(nproc: int, argv: list[str], timeout: float, cwd) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="isotrain-run-") as tmp:
         logs = [Path(tmp) / f"rank{rank}.out" for rank in range(nproc)]
         errs = [Path(tmp) / f"rank{rank}.err" for rank in range(nproc)]

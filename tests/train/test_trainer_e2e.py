@@ -123,3 +123,22 @@ def test_two_nodes_with_c10d_rendezvous_match_one_process(tmp_path):
         assert m["tokens_seen"] == s["tokens_seen"] and m["trained_tokens"] == s["trained_tokens"]
         assert m["loss"] == pytest.approx(s["loss"], rel=1e-6)
         assert m["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-5)
+
+
+def test_one_torchrun_process_joins_a_group_and_shards_with_fsdp2(tmp_path):
+    """`torchrun --nproc-per-node 1` runs a many-rank job's code: a process group of one and, with
+    parallel.dp_shard=-1, FSDP2 over that rank; the same losses as a plain process, which has no process group."""
+    _, data_args = small_data(tmp_path)
+    common = [*SMALL, *data_args, "train.max_steps=3", "eval.path=null", "parallel.dp_replicate=1",
+              "parallel.dp_shard=-1"]
+    runs = run_concurrently({
+        "sharded": lambda: torchrun(1, ["-m", "isotrain", "train", *common, f"output_dir={tmp_path / 'sharded'}"]),
+        "plain": lambda: isotrain_cli(["train", *common, f"output_dir={tmp_path / 'plain'}"])})
+    sharded, plain = runs["sharded"], runs["plain"]
+    assert sharded.returncode == 0 and plain.returncode == 0, sharded.stderr[-3000:] + plain.stderr[-3000:]
+    assert "device: cpu; process group: gloo, 1 process; FSDP2 over 1 rank(s)" in sharded.stdout
+    assert "device: cpu; one process, no process group" in plain.stdout
+    for a, b in zip(metrics(tmp_path / "sharded"), metrics(tmp_path / "plain"), strict=True):
+        assert a["tokens_seen"] == b["tokens_seen"] and a["trained_tokens"] == b["trained_tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)

@@ -25,7 +25,7 @@ def busy_processes(count: int) -> list[subprocess.Popen]:
 def test_runs_that_end_at_once_are_tracked_under_load():
     busy = busy_processes(2)
     try:
-        for _ in range(40):
+        for _ in range(20):
             proc = run_forked_ranks(1, REFUSED)
             assert proc.returncode == 2, proc.stderr[-2000:]
             assert "unknown config key 'nosuch'" in proc.stderr and "Traceback" not in proc.stderr

@@ -50,7 +50,7 @@ def environment() -> dict:
     return env
 
 
-def start_tests(out: Path, dry_run: bool) -> subprocess.Popen:
+def start_tests(out: Path) -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     command = [sys.executable, "-m", "pytest", "tests/cuda", "-m", "cuda", "-o", "addopts=", "-p", "no:cacheprovider",
@@ -76,7 +76,7 @@ def finish_tests(proc: subprocess.Popen, out: Path, timeout_s: float) -> dict:
                 found = case.find(kind)
                 if found is not None:
                     outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
-                    detail = (found.get("message") or "").splitlines()[0][:200] if found.get("message") else ""
+                    detail = (found.get("message") or "").partition("\n")[0][:200]
                     break
             cases.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
                           "detail": detail})
@@ -160,6 +160,8 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="Seconds for the whole check: speed tools that would end after it are skipped.")
     args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1: the timed steps start where a warm-up step ended")
     sys.path[:0] = [str(Path(__file__).parent), str(REPO)]  # the sibling bench modules; isotrain, installed or not
 
     import torch
@@ -173,7 +175,7 @@ def main() -> int:
     device = torch.device("cpu") if args.dry_run else torch.device("cuda")
     result = {"dry_run": args.dry_run, "environment": environment(), "seconds": {}, "errors": {}}
     write(args.out, result)
-    tests_proc = start_tests(args.out, args.dry_run) if "tests" in args.only else None
+    tests_proc = start_tests(args.out) if "tests" in args.only else None
     started = time.perf_counter()
 
     if "memory" in args.only:

@@ -46,7 +46,7 @@ def _run(args, mode: str, work: Path) -> dict:
     """One training run in this process; returns its iteration times and the manager's blocked time."""
     from isotrain.checkpoint.manager import CheckpointManager
     from isotrain.config import build_config
-    from isotrain.train.loop import train
+    from isotrain.recipes.sft import train
 
     data = work / "data.jsonl"
     rng = random.Random(0)

@@ -36,8 +36,8 @@ from rich.console import Console
 from isotrain.config import build_config
 from isotrain.data import GlobalBatchSampler, collate, prepare_dataset
 from isotrain.models.tokenizer import train_tokenizer
-from isotrain.train import loop
-from isotrain.train.loop import train
+from isotrain import session
+from isotrain.recipes.sft import train
 from isotrain.train.metrics import peak_tflops
 from sft_lengths import LengthModel, document_lengths_of, write_documents
 
@@ -186,19 +186,19 @@ def run_isotrain(s: Setting, cfg) -> StepClock:
     clock = StepClock(s)
     rows = []
 
-    class ClockedWriter(loop.MetricsWriter):
+    class ClockedWriter(session.MetricsWriter):
         def write(self, row: dict) -> None:
             super().write(row)
             previous = rows[-1]["tokens_seen"] if rows else 0
             rows.append(row)
             clock.mark(row["tokens_seen"] - previous)
 
-    original = loop.MetricsWriter
-    loop.MetricsWriter = ClockedWriter  # the loop's one hook; the step itself is untouched
+    original = session.MetricsWriter
+    session.MetricsWriter = ClockedWriter  # the session's one hook; the step itself is untouched
     try:
         result = train(cfg, console=Console(file=io.StringIO()))
     finally:
-        loop.MetricsWriter = original
+        session.MetricsWriter = original
     del result
     return clock
 

@@ -86,7 +86,8 @@ from isotrain.config import build_config, load_config  # noqa: E402
 from isotrain.models.loading import build_model  # noqa: E402
 from isotrain.models.tokenizer import train_tokenizer  # noqa: E402
 from isotrain.recipes import RECIPES_DIR  # noqa: E402
-from isotrain.rl import loop as rl_loop  # noqa: E402
+from isotrain import session  # noqa: E402
+from isotrain.recipes.rl import rl_train  # noqa: E402
 from isotrain.rl.prompts import read_prompts  # noqa: E402
 from isotrain.rl.rewards import exact_match  # noqa: E402
 
@@ -112,7 +113,7 @@ def build_shared_model(model_dir: Path) -> None:
 _thread_local = threading.local()
 
 
-class TurnTakingWriter(rl_loop.MetricsWriter):
+class TurnTakingWriter(session.MetricsWriter):
     """isotrain's metrics writer; after each RL step's row (log_every=1) it hands the turn on."""
 
     def write(self, row: dict) -> None:
@@ -140,8 +141,8 @@ def run_isotrain(args, work: Path, model_dir: Path, after_step, pack: bool) -> l
         "logging": {"progress": False},
     })
     _thread_local.after_step = after_step
-    rl_loop.MetricsWriter = TurnTakingWriter  # the only hook the loop offers; the step itself is untouched
-    rl_loop.rl_train(cfg, console=Console(file=io.StringIO()))
+    session.MetricsWriter = TurnTakingWriter  # the only hook the session offers; the step itself is untouched
+    rl_train(cfg, console=Console(file=io.StringIO()))
     rows = [json.loads(line) for line in (work / name / "metrics.jsonl").read_text().splitlines()]
     return [{k: row[k] for k in PHASES} | {"response_len": row["response_len_mean"]} for row in rows]
 

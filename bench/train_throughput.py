@@ -61,8 +61,8 @@ from isotrain.data.packing import pack_examples
 from isotrain.data.tokenize import Example
 from isotrain.models.loading import build_model
 from isotrain.models.tokenizer import train_tokenizer
-from isotrain.train import loop
-from isotrain.train.loop import train
+from isotrain import session
+from isotrain.recipes.sft import train
 from isotrain.train.loss import loss_weights, token_losses
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import StepOptions, global_counts, grad_norm_and_clip, train_step
@@ -159,7 +159,7 @@ def run_minimal(cfg, tokenizer, dataset, micro: int, steps: int, warmup: int, af
 _thread_local = threading.local()
 
 
-class TurnTakingWriter(loop.MetricsWriter):
+class TurnTakingWriter(session.MetricsWriter):
     """isotrain's metrics writer; after each step's row (log_every=1) it hands the turn on."""
 
     def write(self, row: dict) -> None:
@@ -173,7 +173,7 @@ def run_isotrain(work: Path, name: str, micro: int, steps: int, warmup: int, com
         torch._dynamo.reset()  # a fresh model per run must not run into dynamo's recompile limit
     cfg = isotrain_config(work, name, micro, warmup + steps, compile_model, **config)
     _thread_local.after_step = after_step
-    loop.MetricsWriter = TurnTakingWriter  # the only hook the loop offers; the step itself is untouched
+    session.MetricsWriter = TurnTakingWriter  # the only hook the session offers; the step itself is untouched
     train(cfg, console=Console(file=io.StringIO()))
     rows = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
     tokens = [row["tokens_seen"] - (rows[i - 1]["tokens_seen"] if i else 0) for i, row in enumerate(rows)]
@@ -366,7 +366,7 @@ def run_lengths_tool(tool: str, args, work: Path, inputs: dict, name: str, after
         rate = run_isotrain(work, name, PACKED_ROWS_PER_MICRO, inputs["iso_steps"] - warmup, warmup, compiled,
                             after_step, global_batch=inputs["global_rows"], max_seq_len=inputs["max_seq_len"],
                             packing=True, loss_chunk_tokens=CHUNK_TOKENS if tool.endswith("chunked") else 0)
-        # Compiled, every row is padded to max_seq_len (train/loop.py): one shape to compile.
+        # Compiled, every row is padded to max_seq_len (recipes/sft.py): one shape to compile.
         return rate, inputs["iso_real_share_fixed" if compiled else "iso_real_share"]
     hparams = {"learning_rate": LR, "lr_scheduler_type": "constant", "weight_decay": 0.0, "adam_beta1": BETAS[0],
                "adam_beta2": BETAS[1], "adam_epsilon": EPS, "max_grad_norm": 1.0, "seed": SEED}

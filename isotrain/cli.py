@@ -34,7 +34,7 @@ def cmd_train(args) -> int:
         if os.environ.get("RANK", "0") == "0":
             _print_estimate(cfg, int(os.environ.get("WORLD_SIZE", "1")), None, as_json=False)
         return 0
-    from isotrain.train.loop import train
+    from isotrain.recipes.sft import train
 
     train(cfg)
     return 0
@@ -48,7 +48,7 @@ def cmd_rl(args) -> int:
     cfg = load_config(path, overrides, default=default_rl_recipe_path())
     if path is None:
         _warm_start(cfg)
-    from isotrain.rl.loop import rl_train
+    from isotrain.recipes.rl import rl_train
 
     rl_train(cfg)
     return 0
@@ -67,7 +67,7 @@ def cmd_embed(args) -> int:
         cfg = load_config(None, [*bundled, *overrides], default=default_embed_recipe_path())
     else:
         cfg = load_config(path, overrides)
-    from isotrain.embed.loop import embed_evaluate, embed_train
+    from isotrain.recipes.embed import embed_evaluate, embed_train
 
     if args.eval_only:
         embed_evaluate(cfg)
@@ -91,7 +91,7 @@ def _warm_start(cfg) -> None:
         raise ConfigError(f"{model_dir} does not exist yet; run `isotrain rl` once on one process to train it, "
                           "or set model.name_or_path to a model directory")
     print(f"{model_dir} is absent: training it first with the bundled SFT recipe ({' '.join(sft_overrides)})")
-    from isotrain.train.loop import train
+    from isotrain.recipes.sft import train
 
     train(load_config(None, sft_overrides))
 

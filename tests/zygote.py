@@ -25,7 +25,7 @@ from helpers import REPO, free_port, subprocess_env
 
 ZYGOTE = r"""
 import json, os, resource, signal, sys, traceback
-import isotrain.cli, isotrain.rl.loop, isotrain.train.loop  # the seconds of start-up, paid once
+import isotrain.cli, isotrain.recipes.embed, isotrain.recipes.rl, isotrain.recipes.sft  # the seconds of start-up, paid once
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # else imported by every run
 
 # Runs are not reaped the moment they end: a run that fails at once stays a zombie until the test holds a pidfd of

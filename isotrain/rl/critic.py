@@ -50,17 +50,18 @@ def token_values(critic, batch: RolloutBatch, pad_id: int, micro_batch_size: int
                               lambda mb: _values(critic, mb, device), layout)
 
 
-def critic_step(critic, optimizer, mbs: list[dict], denominator: float, ctx, lr: float) -> tuple[float, float, torch.Tensor]:
-    """One optimizer step of the critic on the policy's micro-batches; (loss, grad norm, CRITIC_STATS token sums)."""
-    rl = ctx.cfg.rl
-    stats = torch.zeros(len(CRITIC_STATS), dtype=torch.float64, device=ctx.device)
+def critic_step(critic, optimizer, mbs: list[dict], denominator: float, rl, grad_clip: float, options,
+                device: torch.device, lr: float) -> tuple[float, float, torch.Tensor]:
+    """One optimizer step of the critic on the policy's micro-batches; (loss, grad norm, CRITIC_STATS token sums).
+    `rl` is the run's rl section, `options` its StepOptions."""
+    stats = torch.zeros(len(CRITIC_STATS), dtype=torch.float64, device=device)
 
     def loss_sum(mb: dict, autocast) -> torch.Tensor:
-        mask = mb["mask"].to(ctx.device)
-        weights, _ = aggregation_weights(mask, rl.loss_agg, rl.max_new_tokens, mb["sequence_ids"].to(ctx.device))
+        mask = mb["mask"].to(device)
+        weights, _ = aggregation_weights(mask, rl.loss_agg, rl.max_new_tokens, mb["sequence_ids"].to(device))
         with autocast:
-            values = _values(critic, mb, ctx.device)
-        old, returns = mb["old_values"].to(ctx.device), mb["returns"].to(ctx.device)
+            values = _values(critic, mb, device)
+        old, returns = mb["old_values"].to(device), mb["returns"].to(device)
         losses = value_loss(values, old, returns, rl.value_clip)
         on = mask > 0
         with torch.no_grad():
@@ -69,7 +70,7 @@ def critic_step(critic, optimizer, mbs: list[dict], denominator: float, ctx, lr:
                                     torch.where(on, values, 0.0).double().sum()]))
         return torch.where(on, losses * weights, 0.0).sum()
 
-    loss = accumulate_gradients(critic, mbs, loss_sum, denominator, ctx.options, ctx.device)
+    loss = accumulate_gradients(critic, mbs, loss_sum, denominator, options, device)
     parameters = [p for p in critic.parameters() if p.requires_grad]
-    norm = optimizer_step(optimizer, parameters, lr, ctx.cfg.train.grad_clip, loss, of="the critic's ")
+    norm = optimizer_step(optimizer, parameters, lr, grad_clip, loss, of="the critic's ")
     return loss, norm, stats

@@ -17,12 +17,13 @@ reference get none.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from isotrain.config import RLConfig
+from isotrain.config import Config, RLConfig
 from isotrain.moe.objective import RouterStep, RouterValues
 from isotrain.parallel.dist import all_reduce_sum
 from isotrain.rl.algos import (
@@ -33,9 +34,10 @@ from isotrain.rl.algos import (
     reinforce_pp_advantages,
 )
 from isotrain.rl.critic import CRITIC_STATS, critic_step
-from isotrain.rl.experience import RolloutBatch, forward_output, make_micro_batch
+from isotrain.rl.experience import RolloutBatch, RowLayout, forward_output, make_micro_batch
 from isotrain.rl.objective import STAT_NAMES, RLObjective
-from isotrain.train.step import accumulate_objective, optimizer_step
+from isotrain.sizes import RLBatchPlan
+from isotrain.train.step import StepOptions, accumulate_objective, optimizer_step
 
 
 def pad_rows(rows: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,12 +149,25 @@ def _policy_loss_sum(objective: RLObjective, model, device: torch.device, stats:
     return loss_sum
 
 
-def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, step: int, lr_of) -> UpdateTotals:
-    """Every optimizer step of one rollout; `lr_of(k)` is the learning rate of the k-th step of this rollout.
+@dataclass(frozen=True)
+class UpdateContext:
+    """What every optimizer step of a rollout works with, fixed for the run."""
 
-    ctx carries: cfg, plan, rank (DP rank), device, options (StepOptions), pad_id, layout (RowLayout: padded
-    or packed micro-batches), before_update, and for
-    PPO critic and critic_optimizer (None otherwise): the critic takes one step on every mini-batch too."""
+    cfg: Config
+    plan: RLBatchPlan
+    dp_rank: int
+    device: torch.device
+    options: StepOptions
+    pad_id: int
+    layout: RowLayout  # padded or packed micro-batches (rl/packing.py)
+    before_update: Callable[[], None]  # after the backward, before clipping (the checkpoint's staging hook)
+    critic: torch.nn.Module | None = None  # PPO: the critic takes one step on every mini-batch too
+    critic_optimizer: torch.optim.Optimizer | None = None
+
+
+def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx: UpdateContext, step: int,
+                lr_of) -> UpdateTotals:
+    """Every optimizer step of one rollout; `lr_of(k)` is the learning rate of the k-th step of this rollout."""
     cfg, plan, rl = ctx.cfg, ctx.plan, ctx.cfg.rl
     objective = RLObjective(rl)
     totals = UpdateTotals()
@@ -161,7 +176,7 @@ def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, ste
     for epoch in range(rl.ppo_epochs):
         for samples in mini_batch_samples(step, epoch, cfg.train.seed, plan.prompts_per_step,
                                           plan.mini_batch_prompts, plan.group_size):
-            mine = samples[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+            mine = samples[ctx.dp_rank * per_rank : (ctx.dp_rank + 1) * per_rank]
             micro = [mine[i : i + plan.micro_batch_size] for i in range(0, len(mine), plan.micro_batch_size)]
             mbs = [make_micro_batch(batch.select(ix), ctx.pad_id, rl.mask_truncated,
                                     {k: ([v[i] for i in ix] if v is not None else None) for k, v in per_token.items()},
@@ -181,8 +196,9 @@ def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx, ste
             ctx.before_update()
             totals.lr = lr_of(totals.num_updates)
             totals.grad_norm_sum += optimizer_step(optimizer, parameters, totals.lr, cfg.train.grad_clip, loss)
-            if getattr(ctx, "critic", None) is not None:
-                critic_loss, _, critic_stats = critic_step(ctx.critic, ctx.critic_optimizer, mbs, denominator, ctx,
+            if ctx.critic is not None:
+                critic_loss, _, critic_stats = critic_step(ctx.critic, ctx.critic_optimizer, mbs, denominator, rl,
+                                                           cfg.train.grad_clip, ctx.options, ctx.device,
                                                            rl.critic_lr or totals.lr)
                 totals.critic_loss_sum += critic_loss
                 totals.critic_stats += all_reduce_sum(critic_stats, ctx.options.dp_group).cpu()

@@ -31,6 +31,13 @@ def lr_at(step: int, *, lr: float, schedule: str, warmup_steps: int, max_steps: 
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * factor)
 
 
+def lr_of_step(train, step: int, max_steps: int | None = None) -> float:
+    """`lr_at` with the run's train.* settings; RL passes its number of optimizer steps as `max_steps`
+    (train.max_steps counts its RL steps, each of several updates)."""
+    return lr_at(step, lr=train.lr, schedule=train.schedule, warmup_steps=train.warmup_steps,
+                 max_steps=train.max_steps if max_steps is None else max_steps, min_lr_ratio=train.min_lr_ratio)
+
+
 def schedule_settings(train) -> dict:
     """The train.* settings `lr_at` depends on, as a checkpoint records them."""
     return {key: getattr(train, key) for key in ("lr", "schedule", "warmup_steps", "max_steps", "min_lr_ratio")}

@@ -8,10 +8,8 @@ ranks then read its result, so every rank sees byte-identical inputs.
 
 from __future__ import annotations
 
-import functools
 import os
 import random
-from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +25,6 @@ from isotrain.parallel.dist import DistInfo, barrier
 from isotrain.parallel.mesh import ParallelState
 from isotrain.rl.lora import lora_adapter
 from isotrain.train.optim import build_optimizer
-from isotrain.train.run_dir import own_output_dir
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -40,44 +37,6 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
-
-
-def start_run(cfg: Config, info: DistInfo, console, plan, degrees, scope: ExitStack) -> Path:
-    """After the sizes were checked: the run directory (checked and locked until `scope` closes, before any file
-    is written: run_dir.py), the printed sizes, and every RNG seeded."""
-    log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
-    output_dir = scope.enter_context(own_output_dir(Path(cfg.output_dir), info, log))
-    if info.is_main:
-        console.print(plan_table(plan, degrees))
-        log(placement_line(info, degrees))
-    barrier()
-    seed_everything(cfg.train.seed, cfg.train.deterministic)
-    return output_dir
-
-
-def placement_line(info: DistInfo, degrees) -> str:
-    """Where the run computes: the device, the process group's backend, and whether FSDP2 shards the model."""
-    import torch.distributed as dist
-
-    device = str(info.device)
-    if info.device.type == "cuda":
-        device += f" ({torch.cuda.get_device_name(info.device)})"
-    if dist.is_initialized():
-        count = f"{info.world_size} process" + ("es" if info.world_size > 1 else "")
-        group = f"process group: {dist.get_backend()}, {count}"
-    else:
-        group = "one process, no process group"
-    sharded = f"; FSDP2 over {degrees.dp_shard} rank(s)" if degrees.fsdp else ""
-    return f"device: {device}; {group}{sharded}"
-
-
-def plan_table(plan, degrees):
-    from rich.table import Table
-
-    table = Table(title="batch sizes", show_header=False)
-    for name, value in [*degrees.as_rows(), *plan.as_rows()]:
-        table.add_row(name, str(value))
-    return table
 
 
 def row_texts(rows: list[dict], fmt: str) -> list[str]:

@@ -12,7 +12,7 @@ from isotrain.data import prepare_dataset
 from isotrain.data.collate import collate
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.train.loss import token_losses
-from isotrain.train.loop import train
+from isotrain.recipes.sft import train
 
 SMALL = [
     "model.config.hidden_size=32",

@@ -27,7 +27,7 @@ from isotrain.checkpoint.manifest import verify_checkpoint
 from isotrain.checkpoint.save import CheckpointError
 from isotrain.config import load_config
 from isotrain.models.expert_keys import expert_format, fused_name
-from isotrain.train.loop import train
+from isotrain.recipes.sft import train
 from test_resume import command, metrics, run
 
 SHAPE = ["model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=2",

@@ -90,7 +90,7 @@ def test_added_special_tokens_reach_the_embedding_model(data, tmp_path):
     from transformers import AutoModel, AutoTokenizer
 
     from isotrain.config import load_config
-    from isotrain.embed.loop import embed_train
+    from isotrain.recipes.embed import embed_train
 
     cfg = load_config(None, [*overrides(data, tmp_path / "r"), "train.micro_batch_size=8", "train.max_steps=1",
                              "checkpoint.every_steps=0", 'model.add_special_tokens=["<q>","<d>"]'])

@@ -21,7 +21,6 @@ ids), so every layout runs the packed forward; test_rl_packing.py compares packe
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -38,7 +37,7 @@ from isotrain.parallel.mesh import build_parallel
 from isotrain.rl.algos import LOSS_AGG_MODES
 from isotrain.rl.experience import RolloutBatch, RowLayout, make_micro_batch, response_logprobs
 from isotrain.rl.objective import STAT_NAMES, RLObjective
-from isotrain.rl.update import advantages, mini_batch_samples, run_updates
+from isotrain.rl.update import UpdateContext, advantages, mini_batch_samples, run_updates
 from isotrain.train.step import step_options
 from isotrain.sizes import plan_rl_batches
 from isotrain.train.optim import build_optimizer
@@ -133,9 +132,8 @@ def run_mode(info, parallel, loss_agg: str, mask_truncated: bool, micro_batch: i
         captured["grads"] = {n: full(p.grad) for n, p in unwrap(model).named_parameters()}
 
     router = router_settings(cfg.moe, unwrap(model).config)
-    ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=parallel.dp_rank, device=info.device, pad_id=0, layout=LAYOUT,
-                          options=step_options(cfg, parallel, loss_parallel=False, router=router),
-                          before_update=before_update)
+    ctx = UpdateContext(cfg, plan, parallel.dp_rank, info.device, step_options(cfg, parallel, loss_parallel=False,
+                                                                                router=router), 0, LAYOUT, before_update)
     totals = run_updates(model, optimizer, batch, per_token, ctx, step=0, lr_of=lambda k: LR)
     return {"loss": totals.loss_sum, "grads": captured["grads"], "stats": totals.stats.clone(),
             "grad_norm": totals.grad_norm_sum, "input_tokens": totals.input_tokens, "samples": totals.samples,

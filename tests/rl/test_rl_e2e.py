@@ -510,7 +510,7 @@ def test_bundled_rl_recipe_runs_from_its_warm_start(sft, tmp_path):
 
 
 def test_warm_start_trains_the_missing_sft_model_with_the_bundled_recipe(tmp_path, monkeypatch):
-    import isotrain.train.loop
+    import isotrain.recipes.sft
     from isotrain.cli import _warm_start
     from isotrain.config import load_config
     from isotrain.errors import ConfigError
@@ -518,7 +518,7 @@ def test_warm_start_trains_the_missing_sft_model_with_the_bundled_recipe(tmp_pat
 
     monkeypatch.chdir(tmp_path)
     trained = []
-    monkeypatch.setattr(isotrain.train.loop, "train", trained.append)
+    monkeypatch.setattr(isotrain.recipes.sft, "train", trained.append)
     cfg = load_config(None, [], default=default_rl_recipe_path())
     assert cfg.model.name_or_path == RL_WARM_START[0]
     _warm_start(cfg)

@@ -13,7 +13,6 @@ packed sequences apart by its position ids; OPT ignores them and gets isotrain's
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from isotrain.parallel.mesh import single_process
 from isotrain.rl.critic import token_values
 from isotrain.rl.experience import PADDED, RolloutBatch, RowLayout, make_micro_batch, per_sample, response_logprobs
 from isotrain.rl.packing import row_layout
-from isotrain.rl.update import advantages, run_updates
+from isotrain.rl.update import UpdateContext, advantages, run_updates
 from isotrain.sizes import plan_rl_batches
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import step_options
@@ -119,9 +118,8 @@ def rl_trainer_step(tokenizer, config: dict, algorithm: str, loss_agg: str, layo
     if critic is not None:  # the critic's step has no hook: wrap its optimizer's step
         step = critic_optimizer.step
         critic_optimizer.step = lambda *a, **k: (capture_grads(critic, critic_grads), step(*a, **k))[1]
-    ctx = SimpleNamespace(cfg=cfg, plan=plan, rank=0, device=CPU, pad_id=tokenizer.pad_token_id, layout=layout,
-                          options=step_options(cfg, parallel, loss_parallel=False), critic=critic,
-                          critic_optimizer=critic_optimizer, before_update=lambda: capture_grads(policy, grads))
+    ctx = UpdateContext(cfg, plan, 0, CPU, step_options(cfg, parallel, loss_parallel=False), tokenizer.pad_token_id,
+                        layout, lambda: capture_grads(policy, grads), critic, critic_optimizer)
     totals = run_updates(policy, build_optimizer(policy, cfg.train), batch, per_token, ctx, 0, lambda k: 1e-2)
     assert totals.num_updates == 1 and len(grads) == 1
     return {"per_token": {"own": own, "ref": ref, "values": values, "advantages": token_advantages},

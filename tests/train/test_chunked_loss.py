@@ -178,7 +178,7 @@ def test_a_run_with_chunks_logs_the_losses_of_a_run_without(tmp_path, monkeypatc
 
     import isotrain.train.chunked_loss as chunked
     from isotrain.config import load_config
-    from isotrain.train.loop import train
+    from isotrain.recipes.sft import train
 
     from test_trainer_e2e import SMALL, small_data
 

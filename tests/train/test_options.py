@@ -40,7 +40,7 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_close_loss():
 
 def _run(tmp_path, name, *overrides):
     from isotrain.config import load_config
-    from isotrain.train.loop import train
+    from isotrain.recipes.sft import train
 
     from test_trainer_e2e import SMALL, small_data
 
@@ -57,8 +57,8 @@ def test_packing_counts_every_token_once_and_trains(tmp_path):
     unpacked = _run(tmp_path, "unpacked", "train.max_steps=4")  # 64 rows, global batch 16: one epoch
     assert num_packed < 64 // 2  # several documents share each 32-token sample
     # One epoch of packed samples holds every document exactly once.
-    assert packed.counters.trained_tokens == unpacked.counters.trained_tokens == packed.data_stats.total_trained_tokens
-    assert packed.counters.tokens_seen == unpacked.counters.tokens_seen
+    assert packed.counters["trained_tokens"] == unpacked.counters["trained_tokens"] == packed.data_stats.total_trained_tokens
+    assert packed.counters["tokens_seen"] == unpacked.counters["tokens_seen"]
     rows = [json.loads(line) for line in (tmp_path / "packed" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["loss"] for r in rows[-5:]) < sum(r["loss"] for r in rows[:5])
 

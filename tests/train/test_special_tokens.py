@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from helpers import model_weights
 from isotrain.config import load_config
-from isotrain.train.loop import train
+from isotrain.recipes.sft import train
 
 SMALL = [
     "train.global_batch_size=16",

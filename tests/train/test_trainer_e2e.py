@@ -87,7 +87,7 @@ def test_saved_model_loads_in_transformers_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from isotrain.config import load_config
-    from isotrain.train.loop import train
+    from isotrain.recipes.sft import train
 
     _, data_args = small_data(tmp_path)
     cfg = load_config(None, [*SMALL, *data_args, "train.max_steps=3", f"output_dir={tmp_path / 'run'}"])

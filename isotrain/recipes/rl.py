@@ -1,0 +1,237 @@
+"""RL post-training (`isotrain rl`): what the recipe adds to the run session (session.py).
+
+    sizes      prompts, samples, mini-batches and GA of a step (sizes.py plan_rl_batches); MoE and layout checks;
+               the reward function, the prompts and the held-out prompts read
+    build      tokenizer -> the policy, its frozen reference (a KL term without LoRA) and PPO's critic on the
+               mesh -> packed or padded rows, probed on these models -> the rollout engine with its own copy
+    start      the policy's weights sent to the engine; the held-out score before RL
+    step k     generate and score a rollout (generate.py) -> the trainer's log-probs -> advantages and
+               optimizer steps (update.py) -> the new weights sent to the engine -> the metrics row
+    finish     the held-out score after RL
+
+A resume must find the same starting model: the frozen reference (and a LoRA base) is rebuilt from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+from rich.console import Console
+from rich.markup import escape
+
+from isotrain.config import Config
+from isotrain.errors import ConfigError, TrainingError
+from isotrain.models.loading import check_layout_fits, checked_config, count_parameters, model_config
+from isotrain.models.unwrap import hf_model
+from isotrain.models.weights import sync_named_tensors
+from isotrain.moe.settings import check_moe_section, router_settings
+from isotrain.parallel.dist import barrier
+from isotrain.rl.critic import build_critic, token_values
+from isotrain.rl.experience import all_gather_lists, response_logprobs
+from isotrain.rl.generate import collect, evaluate
+from isotrain.rl.metrics import rl_metrics_row
+from isotrain.rl.packing import row_layout
+from isotrain.rl.policy import build_policy, make_engine, start_fingerprint
+from isotrain.rl.prompts import PromptStream, check_rl_lengths, read_prompts
+from isotrain.rl.rewards import format_gated, load_reward
+from isotrain.rl.update import UpdateContext, advantages, run_updates
+from isotrain.session import Recipe, RunResult, Session, run_session
+from isotrain.sizes import pin_rl_global_batch, plan_rl_batches
+from isotrain.train.run_loop import RunState
+from isotrain.train.schedule import lr_of_step
+from isotrain.train.setup import prepare_tokenizer
+from isotrain.train.step import step_options
+
+RL_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen", "prompt_rounds", "optimizer_steps")
+
+
+def rl_train(cfg: Config, console: Console | None = None) -> RunResult:
+    """RL post-training of `cfg.model` on the prompts of `cfg.data.path`; held-out scores before and after."""
+    return run_session(cfg, RL, console)
+
+
+class RL(Recipe):
+    counter_keys = RL_COUNTERS
+    batch_field = "rl.prompts_per_step"
+
+    def __init__(self, cfg: Config, degrees):
+        self.cfg = cfg
+        self.plan = plan_rl_batches(cfg, degrees)
+        pin_rl_global_batch(cfg, self.plan)
+        if cfg.data.packing:
+            raise ConfigError("data.packing=true does not apply to RL, whose rows are one prompt and its sampled "
+                              "response each; remove data.packing from the RL config")
+        if cfg.train.loss_chunk_tokens:
+            raise ConfigError(f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} applies to the SFT "
+                              "cross-entropy only, and RL's losses are not chunked; remove train.loss_chunk_tokens "
+                              "from the RL config")
+        check_moe_section(cfg.moe, checked_config(cfg))  # a dense policy with moe.* set: refused before any work
+        check_layout_fits(cfg.model, degrees)
+        self.eval_every = cfg.rl.eval_every
+        self.reward_fn = load_reward(cfg.rl.reward)
+        if cfg.rl.format_pattern:
+            self.reward_fn = format_gated(self.reward_fn, cfg.rl.format_pattern, cfg.rl.format_penalty)
+        self.prompts = read_prompts(cfg.data.path)
+        self.held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples, "eval.path") if cfg.eval.path else None
+        self.engine = None
+        self.reward_error_shown = False
+
+    def build(self, session: Session) -> None:
+        cfg, info, parallel, plan = self.cfg, session.info, session.parallel, self.plan
+        self.session = session
+        self.tokenizer = prepare_tokenizer(cfg, info, session.output_dir, session.log)
+        check_rl_lengths(cfg, self.tokenizer, self.prompts, self.held_out)
+        self.stream = PromptStream(len(self.prompts.prompts), plan.prompts_per_step, cfg.train.seed)
+        self.model, self.optimizer, self.reference = build_policy(cfg, info.device, self.tokenizer, parallel)
+        critic, critic_optimizer = None, None
+        if cfg.rl.advantage == "gae":
+            critic, critic_optimizer = build_critic(cfg, self.tokenizer, info.device, parallel)
+        skipped = self.prompts.num_skipped
+        session.log(f"policy: {count_parameters(self.model):,} parameters; {len(self.prompts.prompts)} prompts"
+                    + (f" ({skipped} malformed rows skipped)" if skipped else "")
+                    + ("; frozen reference for the KL" if self.reference is not None else "")
+                    + (f"; critic: {count_parameters(critic):,} parameters" if critic is not None else ""))
+        layout = row_layout(cfg, parallel, info.device, session.log, self.model, critic)  # on these models
+        options = step_options(cfg, parallel, loss_parallel=False,
+                               router=router_settings(cfg.moe, hf_model(self.model).config))
+        # before_update is looked up at each step: the checkpoint manager exists only after build.
+        self.ctx = UpdateContext(cfg, plan, parallel.dp_rank, info.device, options, self.tokenizer.pad_token_id,
+                                 layout, lambda: session.checkpoints.before_update(), critic, critic_optimizer)
+        self.engine = make_engine(cfg, model_config(cfg.model, self.tokenizer), self.tokenizer, session.output_dir)
+
+    def extra_state(self) -> dict:
+        return {"sampler": self.stream.state_dict(), "data_fingerprint": _file_sha256(self.cfg.data.path),
+                "start_model_sha256": start_fingerprint(self.cfg)}
+
+    def components(self) -> tuple:
+        ctx = self.ctx
+        return (("critic", ctx.critic, ctx.critic_optimizer),) if ctx.critic is not None else ()
+
+    def check_resumed(self, resumed) -> None:
+        """The frozen reference (and, with LoRA, the base weights) is rebuilt from the starting model: refuse a
+        resume whose start has changed."""
+        cfg = self.cfg
+        if resumed is None or resumed.weights_only or (cfg.rl.kl_coef == 0 and cfg.lora.r == 0):
+            return
+        saved = json.loads((resumed.path / "train_state" / "state.json").read_text()).get("start_model_sha256")
+        if saved is not None and saved != start_fingerprint(cfg):
+            raise ConfigError(
+                f"the starting model {cfg.model.name_or_path or 'model.config'} differs from the one checkpoint "
+                f"{resumed.path} started from, so the KL reference or LoRA base would change; restore it or start a "
+                "new output_dir"
+            )
+
+    def start(self, state: RunState) -> None:
+        self.engine.update_weights(sync_named_tensors(self.model))  # resumed weights (a fresh run sends the same)
+        self.eval_before = self._evaluate("before RL")
+
+    def step(self, state: RunState) -> dict:
+        """RL step `state.step`: rollout, log-probs, advantages, updates, weight sync; returns its metrics row."""
+        cfg, rl, plan, ctx, counters = self.cfg, self.cfg.rl, self.plan, self.ctx, state.counters
+        start = time.perf_counter()
+        batch, rounds = collect(self.engine, self.tokenizer, self.prompts, self.stream, counters["prompt_rounds"], rl,
+                                self.reward_fn, cfg.train.seed, ctx.dp_rank, plan.dp_size, ctx.options.dp_group)
+        generate_s = time.perf_counter() - start
+        _refuse_failed_rewards(rl.reward, rounds)
+        old, ref, values, logprob_s = self._trainer_logprobs(batch)
+        token_advantages, returns = advantages(batch, rl, old, ref, values)
+        per_token = {"advantages": token_advantages, "old_logprobs": old, "ref_logprobs": ref,
+                     "engine_logprobs": batch.engine_logprobs, "old_values": values, "returns": returns}
+        # The schedule runs over optimizer steps: several per RL step.
+        first, total_updates = counters["optimizer_steps"], cfg.train.max_steps * plan.optimizer_steps_per_rollout
+        update_start = time.perf_counter()
+        totals = run_updates(self.model, self.optimizer, batch, per_token, ctx, state.step,
+                             lambda k: lr_of_step(cfg.train, first + k, total_updates))
+        update_s = time.perf_counter() - update_start
+        sync_start = time.perf_counter()
+        self.engine.update_weights(sync_named_tensors(self.model))
+        sync_s = time.perf_counter() - sync_start
+        counters["prompt_rounds"] += rounds.rounds
+        counters["optimizer_steps"] += totals.num_updates
+        counters["tokens_seen"] += totals.input_tokens
+        counters["trained_tokens"] += int(totals.stats[0])
+        counters["samples_seen"] += totals.samples
+        self._report_reward_errors(state.step + 1, rounds)
+        return rl_metrics_row(counters, batch, rounds, totals, ctx.critic is not None, time.perf_counter() - start,
+                              {"generate_s": generate_s, "logprob_s": logprob_s, "update_s": update_s,
+                               "sync_s": sync_s})
+
+    def _trainer_logprobs(self, batch) -> tuple[list | None, list | None, list | None, float]:
+        """Old (pre-update) and reference log-probs, and PPO's values, of every sample: each rank scores its own
+        slice, then all share."""
+        rl, plan, ctx = self.cfg.rl, self.plan, self.ctx
+        start = time.perf_counter()
+        per_rank = len(batch) // plan.dp_size
+        mine = batch.select(range(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank))
+        # On-policy shortcut: with one optimizer step per rollout the old policy is the current one.
+        need_old = plan.optimizer_steps_per_rollout > 1 or (rl.kl_coef > 0 and rl.kl_in_reward)
+        score = functools.partial(response_logprobs, batch=mine, pad_id=ctx.pad_id,
+                                  micro_batch_size=plan.micro_batch_size, temperature=rl.temperature,
+                                  device=ctx.device, autocast_dtype=ctx.options.autocast_dtype, layout=ctx.layout)
+        group = ctx.options.dp_group
+        old = all_gather_lists(score(self.model), group) if need_old else None
+        ref = None
+        if self.reference is not None:
+            ref = all_gather_lists(score(self.reference), group)
+        elif rl.kl_coef > 0:  # LoRA: the reference is the policy with its adapters disabled
+            from isotrain.rl.lora import reference_logits_context
+
+            with reference_logits_context(self.model):
+                ref = all_gather_lists(score(self.model), group)
+        values = None
+        if ctx.critic is not None:
+            values = all_gather_lists(token_values(ctx.critic, mine, ctx.pad_id, plan.micro_batch_size, ctx.device,
+                                                   ctx.options.autocast_dtype, ctx.layout), group)
+        return old, ref, values, time.perf_counter() - start
+
+    def _report_reward_errors(self, step: int, rounds) -> None:
+        """Some samples' rewards failed (scored 0): show the first exception once per run, then only counts."""
+        if not rounds.reward_errors:
+            return
+        if rounds.first_error is not None and not self.reward_error_shown:
+            self.reward_error_shown = True
+            self.session.log(f"[yellow]step {step}: the reward function raised {escape(rounds.first_error)} on a "
+                             "sample; such samples are scored 0 and counted in the metric reward_errors[/]")
+        else:
+            self.session.log(f"[yellow]step {step}: the reward function failed on {rounds.reward_errors} "
+                             "sample(s), scored 0[/]")
+
+    def evaluate(self, step: int) -> dict:
+        """rl.eval_every: the held-out score after `step` RL steps, as the metrics field eval_reward."""
+        return {"eval_reward": self._evaluate(f"step {step}")}
+
+    def finish(self, state: RunState, model_dir) -> None:
+        self.eval_after = self._evaluate("after RL")
+
+    def _evaluate(self, when: str) -> float | None:
+        if self.held_out is None:
+            return None
+        value = None
+        if self.session.info.is_main:
+            value = evaluate(self.engine, self.tokenizer, self.held_out, self.reward_fn, self.cfg.eval.max_new_tokens)
+            what = "exact-match accuracy" if self.cfg.rl.reward == "exact_match" else "mean greedy reward"
+            self.session.log(f"{when}: {what} on {len(self.held_out.prompts)} held-out prompts: {value:.1%}")
+        barrier()
+        return value
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _file_sha256(path: str) -> str:
+    from pathlib import Path
+
+    from isotrain.checkpoint.digest import sha256_file
+
+    return sha256_file(Path(path))
+
+
+def _refuse_failed_rewards(reward: str, rounds) -> None:
+    """A rollout whose every reward failed has no signal to learn from: stop before updating on it.
+    Both counts are global, so every rank stops at the same step."""
+    if rounds.num_scored and rounds.reward_errors == rounds.num_scored:
+        raise TrainingError(f"the reward function failed on all {rounds.num_scored} samples of this step, first "
+                            f"with {rounds.first_error}; fix rl.reward={reward!r} and run again")

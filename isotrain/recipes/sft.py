@@ -1,0 +1,140 @@
+"""Pre-training / SFT (`isotrain train`): what the recipe adds to the run session (session.py).
+
+    sizes      GA steps from the global batch (sizes.py); model, MoE, layout and chunked-loss checks; the
+               held-out rows read, so that a wrong eval.path is reported before training
+    build      tokenizer -> dataset (tokenized once, cached) -> model and optimizer on the mesh -> the
+               packing check on this model -> the world-size-free sampler
+    step k     this rank's micro-batches of global batch k -> train_step (one globally normalised
+               gradient, one optimizer step) -> exact counters and the metrics row
+    after      exact-match accuracy of the final model on the held-out prompts
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from isotrain.config import Config
+from isotrain.data.collate import collate
+from isotrain.data.sampler import GlobalBatchSampler
+from isotrain.data.sources import read_rows
+from isotrain.models.checks import check_prompt_room, max_positions
+from isotrain.models.loading import check_layout_fits, checked_config, count_parameters
+from isotrain.models.packing_check import packing_needs_mask
+from isotrain.models.unwrap import hf_model, unwrap
+from isotrain.moe.metrics import router_metrics
+from isotrain.moe.settings import check_moe_section, router_settings
+from isotrain.session import Recipe, RunResult, Session, run_session
+from isotrain.sizes import plan_batches
+from isotrain.train.chunked_loss import check_chunked_loss_settings, check_head_is_linear
+from isotrain.train.evaluate import exact_match
+from isotrain.train.metrics import flops_per_token, peak_tflops
+from isotrain.train.run_loop import RunState
+from isotrain.train.schedule import lr_of_step
+from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer
+from isotrain.train.step import step_options, train_step
+
+
+def train(cfg: Config, console: Console | None = None) -> RunResult:
+    """Pre-train or fine-tune `cfg.model` on `cfg.data`; with eval.path, report the final exact-match accuracy."""
+    return run_session(cfg, SFT, console)
+
+
+class SFT(Recipe):
+    def __init__(self, cfg: Config, degrees):
+        self.cfg = cfg
+        self.plan = plan_batches(cfg, degrees)
+        self.model_config = checked_config(cfg)
+        check_moe_section(cfg.moe, self.model_config)
+        check_layout_fits(cfg.model, degrees)
+        check_chunked_loss_settings(cfg.train.loss_chunk_tokens, degrees.tp)
+        self.eval_rows = None
+        if cfg.eval.path is not None:
+            self.eval_rows = read_rows(cfg.eval.path, "prompt_completion", "eval.path").rows[: cfg.eval.max_samples]
+
+    def build(self, session: Session) -> None:
+        cfg, info, parallel = self.cfg, session.info, session.parallel
+        self.session = session
+        self.tokenizer = prepare_tokenizer(cfg, info, session.output_dir, session.log)
+        positions = max_positions(self.model_config)
+        if self.eval_rows and positions is not None:
+            check_prompt_room(self.tokenizer, [row["prompt"] for row in self.eval_rows], cfg.eval.max_new_tokens,
+                              "eval.max_new_tokens", positions, f"the model's {positions} positions",
+                              f"eval.path={cfg.eval.path!r}")
+        self.dataset = prepare_data(cfg, info, self.tokenizer, session.log)
+        self.data_stats = self.dataset.stats
+        self.model, self.optimizer = prepare_model(cfg, info, self.tokenizer, parallel)
+        document_mask = packing_needs_mask(cfg, self.model, parallel, info.device, session.log)  # on this model
+        if cfg.train.loss_chunk_tokens:
+            check_head_is_linear(self.model, info.device)
+        self.num_params = count_parameters(self.model)
+        session.log(f"model: {self.num_params:,} parameters; data: {len(self.dataset)} samples, "
+                    f"{self.data_stats.total_input_tokens:,} tokens, {self.data_stats.total_trained_tokens:,} trained")
+        self.sampler = GlobalBatchSampler(len(self.dataset), self.plan.global_batch_size, cfg.train.seed)
+        self.options = step_options(cfg, parallel, document_mask=document_mask,
+                                    router=router_settings(cfg.moe, hf_model(self.model).config))
+        peak = peak_tflops(cfg.train.peak_tflops, info.device)
+        self.world_peak_tflops = peak * info.world_size if peak else None  # None when unknown: no mfu field
+
+    def extra_state(self) -> dict:
+        cache = self.dataset.cache_path
+        return {"sampler": self.sampler.state_dict(), "data_fingerprint": Path(cache).name if cache else None}
+
+    def step(self, state: RunState) -> dict:
+        """Step `state.step`: this rank's micro-batches of global batch `state.step` -> one optimizer step."""
+        cfg, plan, session = self.cfg, self.plan, self.session
+        index_lists = self.sampler.micro_batches(state.step, session.parallel.dp_rank, plan.dp_size,
+                                                 plan.micro_batch_size)
+        # Compiled and packed: every row is padded to data.max_seq_len, so the model compiles for one shape
+        # instead of one per row length (packed rows nearly fill max_seq_len, so the padding costs little).
+        length = cfg.data.max_seq_len if cfg.train.compile and cfg.data.packing else None
+        pad_id = self.tokenizer.pad_token_id
+        micro_batches = [collate([self.dataset[i] for i in indices], pad_id, length) for indices in index_lists]
+        lr = lr_of_step(cfg.train, state.step)
+        start = time.perf_counter()
+        result = train_step(self.model, self.optimizer, micro_batches, lr, self.options, session.info.device,
+                            before_update=session.checkpoints.before_update)
+        step_s = time.perf_counter() - start
+        state.counters["tokens_seen"] += result.num_input_tokens
+        state.counters["trained_tokens"] += result.num_trained_tokens
+        state.counters["samples_seen"] += result.num_samples
+        return self._metrics_row(state.counters, result, lr, step_s)
+
+    def _metrics_row(self, counters: dict, result, lr: float, step_s: float) -> dict:
+        tokens_per_s = result.num_input_tokens / step_s
+        row = {"loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens_seen": counters["tokens_seen"],
+               "trained_tokens": counters["trained_tokens"], "samples_seen": counters["samples_seen"],
+               "tokens_per_s": tokens_per_s, "step_s": step_s}
+        if self.world_peak_tflops is not None:
+            base = unwrap(self.model).config
+            mean_len = result.num_input_tokens / max(result.num_samples, 1)
+            flops_tok = flops_per_token(self.num_params, base.num_hidden_layers, base.hidden_size, mean_len)
+            row["mfu"] = tokens_per_s * flops_tok / (self.world_peak_tflops * 1e12)
+        if result.router is not None:
+            row.update(router_metrics(result.router))
+        return row
+
+    def loading_hint(self, model_dir: Path) -> str:
+        return f" (load with AutoModelForCausalLM.from_pretrained({str(model_dir)!r}))"
+
+    def after_shutdown(self, result: RunResult) -> None:
+        # Several processes: the saved directory is evaluated once the process group is gone (from_pretrained
+        # on one rank inside a group can hang in transformers 5).
+        if not self.session.info.is_main or self.eval_rows is None or result.stopped:
+            return
+        model = result.model if result.model is not None else _load_saved(result.model_dir)
+        result.eval_after = self.eval_after = exact_match(model, self.tokenizer, self.eval_rows,
+                                                          self.cfg.eval.max_new_tokens)
+        self.session.console.print(f"exact-match accuracy on {len(self.eval_rows)} held-out prompts: "
+                                   f"{result.eval_after:.1%}")
+
+
+def _load_saved(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own output says what was loaded
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

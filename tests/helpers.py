@@ -53,6 +53,11 @@ def model_weights(directory) -> dict:
     return tensors
 
 
+# How long a test waits for a run before calling it hung. Far beyond any run of this suite on a loaded machine
+# (the longest takes a few minutes on a quiet one), so only a real hang trips it, never a busy machine.
+HANG_S = 1800
+
+
 def free_port() -> int:
     """A TCP port free on this machine now (for MASTER_PORT)."""
     with socket.socket() as s:
@@ -68,7 +73,7 @@ def subprocess_env() -> dict:
     return env
 
 
-def torchrun(nproc: int, args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], timeout: float = HANG_S, **kwargs) -> subprocess.CompletedProcess:
     """Launch `nproc` real processes on this machine with torchrun (gloo on CPU)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     env = kwargs.pop("env", None) or subprocess_env()
@@ -89,7 +94,7 @@ def failure(proc: subprocess.CompletedProcess, tail: int = 3000) -> str:
     return "\n".join(["[earlier error lines]", *lines[-60:], "[last lines]", end])
 
 
-def isotrain_cli(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+def isotrain_cli(args: list[str], timeout: float = HANG_S, **kwargs) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "isotrain", *args]
     return subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout, **kwargs)
 
@@ -136,7 +141,7 @@ def kill_after_commit(cmd: list[str], run_dir, step: int) -> list[Path]:
     target = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
     proc = subprocess.Popen(cmd, env=subprocess_env(), cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + HANG_S
     while not target.is_dir():  # a step directory appears only by the commit's rename
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline, "the run never committed its checkpoint"

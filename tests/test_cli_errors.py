@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from helpers import REPO, TINY_RUN, isotrain_cli, run_concurrently
+from helpers import HANG_S, REPO, TINY_RUN, isotrain_cli, run_concurrently
 
 
 def write(path, text):
@@ -209,6 +209,6 @@ def test_a_config_error_is_reported_before_torch_is_imported():
 
     code = ("import sys\nfrom isotrain.cli import main\ntry:\n    main(['train', 'train.lrr=0.1'])\n"
             "except SystemExit as exit:\n    print(exit.code, sorted({'torch', 'transformers'} & set(sys.modules)))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=HANG_S)
     assert proc.stdout.split("\n")[0] == "2 []", (proc.stdout, proc.stderr)
     assert "did you mean train.lr?" in proc.stderr

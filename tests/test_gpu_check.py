@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, subprocess_env
+from helpers import HANG_S, REPO, subprocess_env
 
 TOOLS = ["minimal loop", "isotrain eager", "HF Trainer", "isotrain packed", "minimal loop (again)"]
 
@@ -21,7 +21,7 @@ TOOLS = ["minimal loop", "isotrain eager", "HF Trainer", "isotrain packed", "min
 def test_dry_run_writes_every_part(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(out)], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=900)
+                          env=subprocess_env(), capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu_check.json").read_text())
     assert result["dry_run"] and result["environment"]["device"] == "cpu"
@@ -54,6 +54,6 @@ def test_dry_run_writes_every_part(tmp_path):
 def test_without_a_gpu_and_without_dry_run_it_says_what_to_do(tmp_path):
     proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(tmp_path)], cwd=REPO,
                           env={**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_S)
     assert proc.returncode == 2
     assert "no CUDA GPU is visible" in proc.stdout and "--dry-run" in proc.stdout

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from helpers import subprocess_env
+from helpers import HANG_S, subprocess_env
 from zygote import fork_ranks, run_forked_ranks, shared_zygote
 
 REFUSED = ["train", "nosuch.key=1"]  # a config error: the forked run ends within milliseconds
@@ -32,7 +32,7 @@ def test_runs_that_end_at_once_are_tracked_under_load():
         with tempfile.TemporaryDirectory() as tmp:  # several ranks of a run, each ending at once
             logs = [Path(tmp) / f"rank{rank}.txt" for rank in range(4)]
             forked = fork_ranks(shared_zygote(), 4, REFUSED, logs)
-            forked.finish(120)
+            forked.finish(HANG_S)
             assert forked.exit_codes() == [2, 2, 2, 2]
     finally:
         for proc in busy:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from helpers import REPO, free_port, subprocess_env
+from helpers import HANG_S, REPO, free_port, subprocess_env
 
 ZYGOTE = r"""
 import json, os, resource, signal, sys, traceback
@@ -116,7 +116,7 @@ class Zygote:
 
     def close(self) -> None:
         self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        self.proc.wait(timeout=HANG_S)
 
 
 @dataclass
@@ -138,7 +138,7 @@ class Forked:
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
             except ProcessLookupError:  # this rank had already ended
                 pass
-        self.wait(60)
+        self.wait(HANG_S)
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -207,7 +207,7 @@ def shared_zygote() -> Zygote:
 PORT_TAKEN = "EADDRINUSE"
 
 
-def run_forked_ranks(nproc: int, argv: list[str], timeout: float = 300, cwd=REPO) -> subprocess.CompletedProcess:
+def run_forked_ranks(nproc: int, argv: list[str], timeout: float = HANG_S, cwd=REPO) -> subprocess.CompletedProcess:
     """`isotrain argv` on `nproc` forked ranks, waited for, as one finished process: every rank's stdout, then every
     rank's stderr, in rank order, and the first non-zero exit code."""
     for _ in range(3):

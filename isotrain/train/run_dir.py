@@ -30,7 +30,7 @@ from isotrain.parallel.dist import DistInfo, broadcast_from_main
 
 LOCK = ".isotrain.lock"
 MARKER = ".isotrain"
-# What a run writes into its output_dir (train/loop.py, rl/loop.py, train/setup.py, train/metrics.py).
+# What a run writes into its output_dir (session.py, recipes/, train/setup.py, train/metrics.py).
 RUN_FILES = {"config.yaml", "metrics.jsonl", "checkpoints", "model", "tokenizer", "engine_tokenizer", "tensorboard",
              LOCK, MARKER}
 # Only these prove that an isotrain run wrote a directory (a config.yaml alone may be the user's own).

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TINY_RUN, counted_metrics, subprocess_env
+from helpers import HANG_S, REPO, TINY_RUN, counted_metrics, subprocess_env
 from zygote import Forked, Zygote, fork_ranks
 from isotrain.checkpoint.layout import committed, leftovers, read_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
@@ -70,7 +70,7 @@ def command(layout: str, args: list[str]) -> list[str]:
 
 
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=600, **kwargs)
+    return subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=HANG_S, **kwargs)
 
 
 # ----- runs forked from a process that has imported everything (tests/zygote.py) -----------------
@@ -88,7 +88,7 @@ def run_forked(zygote: Zygote, layout: str, argv: list[str], log_prefix, max_fil
                late_failure_s: dict | None = None) -> Forked:
     """A forked run, waited for to its end (a hang fails the test)."""
     forked = fork_run(zygote, layout, argv, log_prefix, max_file_bytes, late_failure_s)
-    forked.finish(300)
+    forked.finish(HANG_S)
     return forked
 
 
@@ -173,7 +173,7 @@ def kill_during_save(forked: Forked, root, step: int, stale: set[str], rng: rand
     """
     aim = rng.choice(["start", "commit"])
     delay = rng.uniform(0, 0.010) if aim == "start" else rng.uniform(0, 0.002)
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + HANG_S
     while True:
         assert forked.running(), f"{context}: the run ended before the kill:\n{forked.output()[-3000:]}"
         assert time.monotonic() < deadline, f"{context}: the save of step {step} never began"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TINY_RUN, counted_metrics, free_port, rewrite_as_sha256_manifest
+from helpers import TINY_RUN, counted_metrics, rewrite_as_sha256_manifest
 from zygote import run_forked_ranks
 from isotrain.checkpoint.digest import PIECE_BYTES
 from isotrain.checkpoint.files import write_safetensors
@@ -175,14 +175,12 @@ def test_each_piece_is_checked_once_by_the_rank_that_holds_most_of_it():
     assert assign([[10, 10], [10, 10]], [10, 10]) == [0, 1]  # replicas (DDP) split the work
 
 
-def _two_rank_check(rank: int, port: int, directory: str, num_rows: int, out: str) -> None:
+def _two_rank_check(rank: int, store: str, directory: str, num_rows: int, out: str) -> None:
     """Rank 1 loaded the whole tensor (and altered one value of its copy); rank 0 loaded nothing."""
-    import os
-
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # A file store, not a TCP port: no other program can take it between choosing and binding.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     directory = Path(directory)
     record = {}
     if rank == 1:
@@ -200,8 +198,7 @@ def test_a_problem_found_by_one_rank_is_every_ranks_verdict(tmp_path):
     import torch.multiprocessing as mp
 
     _, header_end, _ = small_checkpoint(tmp_path, num_rows=1024)  # header + one 12 MB piece
-    port = free_port()
-    mp.start_processes(_two_rank_check, args=(port, str(tmp_path), 1024, str(tmp_path)), nprocs=2,
+    mp.start_processes(_two_rank_check, args=(str(tmp_path / "store"), str(tmp_path), 1024, str(tmp_path)), nprocs=2,
                        start_method="spawn")
     verdicts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     size = (tmp_path / "model.safetensors").stat().st_size

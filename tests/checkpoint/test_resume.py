@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import COUNTED, REPO, kill_after_commit, model_weights, run_concurrently, subprocess_env, torchrun
+from helpers import COUNTED, HANG_S, REPO, kill_after_commit, model_weights, run_concurrently, subprocess_env, torchrun
 from zygote import run_forked_ranks
 from isotrain.checkpoint.layout import write_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
@@ -150,12 +150,12 @@ def test_a_resume_that_changes_the_math_is_refused(tmp_path, fsdp2_reference):
     shutil.copytree(fsdp2_reference / "checkpoints", run_dir / "checkpoints")
     base = [sys.executable, "-m", "isotrain", "train", *TINY, "train.micro_batch_size=4", f"output_dir={run_dir}"]
     proc = subprocess.run([*base, "train.global_batch_size=32"], env=subprocess_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "train.global_batch_size differs from checkpoint" in proc.stderr
     assert "(16 in the checkpoint, 32 now)" in proc.stderr and "checkpoint.allow_changes" in proc.stderr
     proc = subprocess.run([*base, "train.seed=7", "checkpoint.allow_changes=[seed]", "train.max_steps=13"],
-                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
 
@@ -201,7 +201,7 @@ def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path, fsdp2_referenc
     shutil.copytree(fsdp2_reference / "checkpoints", run_dir / "checkpoints")
     proc = subprocess.run([sys.executable, "-m", "isotrain", "train", *TINY, "train.micro_batch_size=4",
                            "model.config.intermediate_size=96", f"output_dir={run_dir}"],
-                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "model.layers.0.mlp.gate_proj.weight of shape [128, 64] but the model has [96, 64]" in proc.stderr
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 from blake3 import blake3
 
+from helpers import HANG_S
+
 from isotrain.checkpoint.digest import piece_ranges
 from isotrain.checkpoint.files import CHUNK_BYTES
 from isotrain.checkpoint.save import write_order
@@ -78,7 +80,7 @@ def test_a_file_size_limit_inside_a_direct_piece_reports_the_file_too_large(tmp_
     size, limit = CHUNK_BYTES + 2 * ALIGN, CHUNK_BYTES // 2 + 1000
     path = tmp_path / "big.safetensors"
     code = LIMITED.format(limit=limit, size=size)
-    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 3, proc.stderr
     number, filename, _ = proc.stdout.split(" ", 2)
     assert int(number) == errno.EFBIG and filename == str(path), proc.stdout

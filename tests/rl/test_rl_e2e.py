@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, isotrain_cli, kill_after_commit, model_weights, run_concurrently
+from helpers import HANG_S, REPO, isotrain_cli, kill_after_commit, model_weights, run_concurrently
 from zygote import run_forked_ranks
 
 SFT_STEPS = 400
@@ -83,7 +83,7 @@ def sft(tmp_path_factory):
     return run_dir
 
 
-def rl_cli(sft_dir, run_dir, *overrides, timeout: float = 300) -> subprocess.CompletedProcess:
+def rl_cli(sft_dir, run_dir, *overrides, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     """`isotrain rl` (bundled RL recipe) from the SFT model, in the run's parent directory, forked from a process
     that has done the imports (tests/zygote.py)."""
     args = ["rl", f"model.name_or_path={sft_dir / 'model'}", f"output_dir={run_dir}", "logging.progress=false",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TINY_RUN, isotrain_cli, subprocess_env, torchrun
+from helpers import HANG_S, REPO, TINY_RUN, isotrain_cli, subprocess_env, torchrun
 from isotrain.checkpoint.manifest import verify_checkpoint
 
 TINY = [*TINY_RUN, "train.log_every=1", "checkpoint.every_steps=5"]
@@ -53,7 +53,7 @@ def test_a_second_run_into_a_directory_in_use_is_refused_and_the_first_finishes_
             second = isotrain_cli(["train", *TINY, "train.max_steps=10", f"output_dir={run_dir}"])
         finally:
             os.kill(first.pid, signal.SIGCONT)
-        out, err = first.communicate(timeout=300)
+        out, err = first.communicate(timeout=HANG_S)
     finally:
         first.kill()
     assert (held["pid"], held["host"]) == (first.pid, socket.gethostname())
@@ -123,7 +123,7 @@ def test_output_dir_dot_in_a_folder_of_other_files_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine\n")
     (tmp_path / "config.yaml").write_text("my: own settings\n")
     proc = subprocess.run([sys.executable, "-m", "isotrain", "train", *TINY, "output_dir=."], env=subprocess_env(),
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
     assert_refused(proc, "output_dir . holds files that isotrain did not write (e.g. notes.txt); choose a new or "
                          "empty output_dir, or move those files away")
     assert sorted(os.listdir(tmp_path)) == ["config.yaml", "notes.txt"]
@@ -158,7 +158,7 @@ def test_every_rank_gets_the_refusal_and_none_hangs(tmp_path):
     run_dir.mkdir()
     (run_dir / "data.csv").write_text("a,b\n")
     proc = torchrun(2, ["-m", "isotrain", "train", *TINY, "parallel.dp_replicate=2", f"output_dir={run_dir}"],
-                    timeout=120)
+                    timeout=HANG_S)
     sentence = (f"output_dir {run_dir} holds files that isotrain did not write (e.g. data.csv); choose a new or empty "
                 "output_dir, or move those files away")
     assert proc.returncode != 0

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import COUNTED, REPO, TINY_RUN, model_weights, run_concurrently, subprocess_env
+from helpers import COUNTED, HANG_S, REPO, TINY_RUN, model_weights, run_concurrently, subprocess_env
 from isotrain.checkpoint.layout import committed
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -32,7 +32,7 @@ def cli(args: list[str]) -> list[str]:
 
 
 def finish(args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cli(args), env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cli(args), env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -42,14 +42,14 @@ def ctrl_c_after_first_step(args: list[str], run_dir: Path) -> subprocess.Comple
     proc = subprocess.Popen(cli(args), env=subprocess_env(), cwd=REPO, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + HANG_S
     try:
         while not (metrics.is_file() and metrics.read_text()):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "the run never logged a step"
             time.sleep(0.002)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=240)
+        out, err = proc.communicate(timeout=HANG_S)
     finally:
         proc.kill()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

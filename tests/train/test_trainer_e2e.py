@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from helpers import REPO, free_port, isotrain_cli, run_concurrently, subprocess_env, torchrun
+from helpers import HANG_S, REPO, free_port, isotrain_cli, run_concurrently, subprocess_env, torchrun
+from zygote import PORT_TAKEN
 
 SMALL = [
     "model.config.hidden_size=32",
@@ -102,15 +103,21 @@ def test_saved_model_loads_in_transformers_with_the_same_logits(tmp_path):
 def test_two_nodes_with_c10d_rendezvous_match_one_process(tmp_path):
     _, data_args = small_data(tmp_path)
     common = [*SMALL, *data_args, "train.max_steps=3", "eval.path=null"]
-    port = free_port()
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=isotrain-test",
-              "-m", "isotrain", "train", *common, f"output_dir={tmp_path / 'multi'}"]
+    def launch(port: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=isotrain-test",
+                "-m", "isotrain", "train", *common, f"output_dir={tmp_path / 'multi'}"]
 
     def two_nodes():
-        nodes = [subprocess.Popen(launch, env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
-        outputs = [node.communicate(timeout=300) for node in nodes]
+        # Another program may take the port between free_port() and the rendezvous: that start failed
+        # before any training, so it is started again on another port.
+        for _ in range(3):
+            command = launch(free_port())
+            nodes = [subprocess.Popen(command, env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for _ in range(2)]
+            outputs = [node.communicate(timeout=HANG_S) for node in nodes]
+            if all(node.returncode == 0 for node in nodes) or PORT_TAKEN not in outputs[0][1] + outputs[1][1]:
+                break
         assert all(node.returncode == 0 for node in nodes), outputs[0][1][-2000:] + outputs[1][1][-2000:]
 
     # The one-process run is independent of the two nodes: it runs beside them.

@@ -20,6 +20,7 @@ and the state it saves beside the model. Adding a recipe, or a parallel axis, to
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from isotrain.parallel.mesh import ParallelState, build_parallel
 from isotrain.parallel.tp import check_replicated
 from isotrain.train.metrics import MetricsWriter
 from isotrain.train.run_dir import own_output_dir
-from isotrain.train.run_loop import RunState, run_loop, stopped_message
+from isotrain.train.run_loop import LoopSettings, RunState, run_loop, stopped_message
 from isotrain.train.schedule import schedule_settings
 from isotrain.train.setup import seed_everything
 
@@ -67,14 +68,10 @@ class Session:
     console: Console
     degrees: ParallelDims
     plan: object  # the recipe's batch plan (sizes.py)
+    log: Callable[..., None] = print  # prints on rank 0 only (rank_log)
     output_dir: Path | None = None  # set once the run owns it
     parallel: ParallelState | None = None  # the mesh, built after the run directory
     checkpoints: CheckpointManager | None = None  # set after `Recipe.build`, before the first step
-
-    def log(self, *args, **kwargs) -> None:
-        """Print on rank 0 only; soft_wrap keeps paths whole in a terminal and in a log file alike."""
-        if self.info.is_main:
-            self.console.print(*args, soft_wrap=True, **kwargs)
 
 
 class Recipe:
@@ -147,7 +144,7 @@ def run_session(cfg: Config, make_recipe, console: Console | None = None) -> Run
         with ExitStack() as scope:  # the run's hold on output_dir, released however the run ends
             degrees = resolve_dims(cfg.parallel, info.world_size)
             recipe = make_recipe(cfg, degrees)  # every size and early check, before any work
-            session = Session(cfg, info, console, degrees, recipe.plan)
+            session = Session(cfg, info, console, degrees, recipe.plan, rank_log(info, console))
             _own(session, scope)
             try:
                 result = _run(session, recipe)
@@ -188,8 +185,8 @@ def _run(session: Session, recipe: Recipe) -> RunResult:
     model_dir = None
     try:
         _write_row(writer, state.step, recipe.start(state))
-        run_loop(cfg, info, state, recipe.step, checkpoints, writer, session.console,
-                 recipe.evaluate if recipe.eval_every else None, recipe.eval_every,
+        settings = LoopSettings(cfg.train.max_steps, cfg.train.log_every, cfg.logging.progress, recipe.eval_every)
+        run_loop(settings, info, state, recipe.step, checkpoints, writer, session.console, recipe.evaluate,
                  after_first_step=lambda: check_replicated(recipe.model, session.parallel.tp_group))
         if state.stopped_by is None:
             model_dir = checkpoints.save_model(session.output_dir / MODEL_DIR)
@@ -262,5 +259,5 @@ def plan_table(plan, degrees: ParallelDims):
 
 
 def rank_log(info: DistInfo, console: Console):
-    """`log` of a process: prints on rank 0 only."""
+    """`log` of a process: prints on rank 0 only; soft_wrap keeps paths whole in a terminal and a log file alike."""
     return functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)

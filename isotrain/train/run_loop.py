@@ -34,6 +34,16 @@ class RunState:
     stopped_by: str | None = None  # the signal that ended the run early, if one did
 
 
+@dataclass(frozen=True)
+class LoopSettings:
+    """The loop's part of the config: train.max_steps, train.log_every, logging.progress, the recipe's eval_every."""
+
+    max_steps: int
+    log_every: int = 1
+    progress: bool = True
+    eval_every: int = 0  # 0: no evaluation inside the loop
+
+
 # Runs step number `state.step` (0-based), adds to `state.counters` and returns the step's metrics row
 # without "step"; the row holds at least "loss" and "tokens_per_s" (shown by the progress bar).
 StepFn = Callable[[RunState], dict]
@@ -41,17 +51,16 @@ StepFn = Callable[[RunState], dict]
 EvaluateFn = Callable[[int], dict]
 
 
-def run_loop(cfg, info, state: RunState, step_fn: StepFn, checkpoints, writer, console,
-             evaluate: EvaluateFn | None = None, eval_every: int = 0,
-             after_first_step: Callable[[], None] | None = None) -> RunState:
+def run_loop(settings: LoopSettings, info, state: RunState, step_fn: StepFn, checkpoints, writer, console,
+             evaluate: EvaluateFn | None = None, after_first_step: Callable[[], None] | None = None) -> RunState:
     """Steps state.step .. train.max_steps - 1; returns `state`, with `stopped_by` set if a signal ended it early.
 
     `checkpoints` is the run's CheckpointManager: it decides whether a save is due; the loop waits for the
     last (asynchronous) save before returning. `after_first_step` runs once, after this run's first step
     (the tensor-parallel replica check)."""
-    max_steps = cfg.train.max_steps
+    max_steps, eval_every = settings.max_steps, settings.eval_every
     first_step = state.step
-    enabled = info.is_main and cfg.logging.progress
+    enabled = info.is_main and settings.progress
     with GracefulStop() as stop, ProgressBar(max_steps, enabled, console, state.step) as bar:
         while state.step < max_steps:
             try:
@@ -67,7 +76,7 @@ def run_loop(cfg, info, state: RunState, step_fn: StepFn, checkpoints, writer, c
             row = {"step": state.step, **row}
             if evaluate is not None and eval_every and state.step % eval_every == 0 and state.step < max_steps:
                 row.update(evaluate(state.step))
-            if state.step % cfg.train.log_every == 0 or state.step == max_steps:
+            if state.step % settings.log_every == 0 or state.step == max_steps:
                 writer.write(row)
             bar.update(state.step, row["loss"], row["tokens_per_s"])
             # Every rank learns of a signal, or of a failed background save, on any rank here, so all stop

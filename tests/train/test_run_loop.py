@@ -19,7 +19,7 @@ from isotrain.models.tokenizer import train_tokenizer
 from isotrain.parallel.dist import DistInfo
 from isotrain.train.metrics import MetricsWriter
 from isotrain.train.optim import build_optimizer
-from isotrain.train.run_loop import RunState, run_loop
+from isotrain.train.run_loop import LoopSettings, RunState, run_loop
 
 INFO = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 TINY = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
@@ -57,10 +57,11 @@ def fake_step(state: RunState, seen: list[int], signal_at: int | None = None) ->
 def run(tmp_path, cfg, manager, state: RunState, **kwargs) -> tuple[RunState, list[dict], str]:
     seen: list[int] = []
     signal_at = kwargs.pop("signal_at", None)
+    settings = LoopSettings(cfg.train.max_steps, cfg.train.log_every, cfg.logging.progress, kwargs.pop("eval_every", 0))
     console_text = io.StringIO()
     writer = MetricsWriter(tmp_path, True, False, start_step=state.step)
     try:
-        run_loop(cfg, INFO, state, lambda s: fake_step(s, seen, signal_at), manager, writer,
+        run_loop(settings, INFO, state, lambda s: fake_step(s, seen, signal_at), manager, writer,
                  Console(file=console_text, width=120), **kwargs)
     finally:
         writer.close()

@@ -20,7 +20,6 @@ import torch
 
 from isotrain.checkpoint.files import (
     FileEntry,
-    commit,
     safetensors_header,
     tensor_view,
     write_chunks,
@@ -31,6 +30,7 @@ from isotrain.checkpoint.manifest import MODEL_INDEX, read_manifest, verify_chec
 from isotrain.checkpoint.save import CheckpointError
 from isotrain.checkpoint.state import OPTIMIZER_STATE_KEYS
 from isotrain.checkpoint.tools import directory_bytes
+from isotrain.disk import commit
 from isotrain.models.expert_keys import Part, expert_format, is_fused, saved_name, saved_parts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -18,8 +18,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from isotrain.checkpoint.digest import HASH, LEGACY_HASH, PIECE_BYTES, file_pieces_ok, piece_ranges, sha256_file
+from isotrain.checkpoint.digest import HASH, LEGACY_HASH, PIECE_BYTES, file_pieces_ok, piece_ranges
 from isotrain.checkpoint.files import FileEntry, read_safetensors_header, write_json
+from isotrain.disk import sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "isotrain-checkpoint"

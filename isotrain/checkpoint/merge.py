@@ -33,18 +33,17 @@ from isotrain.checkpoint import merge_methods as methods
 from isotrain.checkpoint.export import DTYPES, _plan_shards, _source_dtype
 from isotrain.checkpoint.files import (
     FileEntry,
-    commit,
     safetensors_header,
     tensor_view,
     write_chunks,
     write_json,
 )
-from isotrain.checkpoint.digest import sha256_file
 from isotrain.checkpoint.load import CheckpointReader
 from isotrain.checkpoint.manifest import MODEL_INDEX, read_manifest, verify_checkpoint, write_manifest
 from isotrain.checkpoint.save import CheckpointError
 from isotrain.checkpoint.tools import directory_bytes
 from isotrain.config import read_yaml, validate_tree
+from isotrain.disk import commit, sha256_file
 
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")

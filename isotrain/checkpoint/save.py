@@ -27,8 +27,6 @@ import torch.distributed as dist
 from isotrain.checkpoint.files import (
     CHUNK_BYTES,
     FileEntry,
-    commit,
-    fsync_dir,
     safetensors_header,
     tensor_view,
     write_chunks,
@@ -38,6 +36,7 @@ from isotrain.checkpoint.layout import committed as committed_steps
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_manifest
 from isotrain.checkpoint.state import Item, box_index, is_empty
 from isotrain.checkpoint.stream import StreamingFile
+from isotrain.disk import commit, fsync_dir
 from isotrain.errors import IsotrainError
 
 

@@ -137,7 +137,7 @@ def cmd_verify(args) -> int:
 
 def cmd_export(args) -> int:
     from isotrain.checkpoint.export import export_adapter, export_checkpoint
-    from isotrain.checkpoint.save import CheckpointError
+    from isotrain.errors import CheckpointError
 
     if args.adapter:
         if args.dtype or args.drop_keys:

@@ -27,10 +27,10 @@ from isotrain.checkpoint.files import (
 )
 from isotrain.checkpoint.load import CheckpointReader
 from isotrain.checkpoint.manifest import MODEL_INDEX, read_manifest, verify_checkpoint, write_manifest
-from isotrain.checkpoint.save import CheckpointError
 from isotrain.checkpoint.state import OPTIMIZER_STATE_KEYS
 from isotrain.checkpoint.tools import directory_bytes
 from isotrain.disk import commit
+from isotrain.errors import CheckpointError
 from isotrain.models.expert_keys import Part, expert_format, is_fused, saved_name, saved_parts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -22,7 +22,6 @@ from torch import nn
 
 from isotrain.checkpoint.files import SAFETENSORS_DTYPES, read_safetensors_header, tensor_view
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX
-from isotrain.checkpoint.save import CheckpointError
 from isotrain.checkpoint.state import (
     OPTIMIZER_STATE_KEYS,
     Box,
@@ -37,6 +36,7 @@ from isotrain.checkpoint.state import (
     shard_spec,
     within,
 )
+from isotrain.errors import CheckpointError
 from isotrain.models.expert_keys import Part, expert_format, key_problems, num_experts
 from isotrain.models.unwrap import hf_model
 

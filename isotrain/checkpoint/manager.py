@@ -32,7 +32,7 @@ from isotrain.checkpoint.layout import (
 from isotrain.checkpoint.load import CheckpointReader, load_adapter, load_component, load_model, load_optimizer
 from isotrain.checkpoint.manifest import verify_checkpoint
 from isotrain.checkpoint.onepass import check_loaded
-from isotrain.checkpoint.save import CheckpointError, SaveRequest, _broadcast, rotate, save
+from isotrain.checkpoint.save import SaveRequest, _broadcast, rotate, save
 from isotrain.checkpoint.state import (
     Item,
     assign_owners,
@@ -44,7 +44,7 @@ from isotrain.checkpoint.state import (
     set_rng_state,
 )
 from isotrain.config import Config, dump_config
-from isotrain.errors import ConfigError
+from isotrain.errors import CheckpointError, ConfigError
 from isotrain.models.unwrap import hf_model, is_lora
 
 MODEL_DIR = "model"

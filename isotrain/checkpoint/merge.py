@@ -40,10 +40,10 @@ from isotrain.checkpoint.files import (
 )
 from isotrain.checkpoint.load import CheckpointReader
 from isotrain.checkpoint.manifest import MODEL_INDEX, read_manifest, verify_checkpoint, write_manifest
-from isotrain.checkpoint.save import CheckpointError
 from isotrain.checkpoint.tools import directory_bytes
 from isotrain.config import read_yaml, validate_tree
 from isotrain.disk import commit, sha256_file
+from isotrain.errors import CheckpointError
 
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")

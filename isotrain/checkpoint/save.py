@@ -37,12 +37,7 @@ from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_man
 from isotrain.checkpoint.state import Item, box_index, is_empty
 from isotrain.checkpoint.stream import StreamingFile
 from isotrain.disk import commit, fsync_dir
-from isotrain.errors import IsotrainError
-
-
-class CheckpointError(IsotrainError):
-    """A checkpoint could not be written, read or trusted."""
-
+from isotrain.errors import CheckpointError
 
 @dataclass
 class SaveRequest:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from isotrain.errors import CheckpointError
 from isotrain.models.expert_keys import Part, expert_format, is_fused, num_experts, saved_parts
 from isotrain.models.unwrap import hf_model, is_lora, unwrap
 from isotrain.models.weights import sync_named_tensors
@@ -199,8 +200,6 @@ def model_parts(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None
         for name, t in tensors.items():
             if is_fused(name, tuple(t.shape)) and t.shape[0] != num_experts(config):
                 # Expert ids are global dim-0 indices: a rank's local slice would be numbered from 0 again.
-                from isotrain.checkpoint.save import CheckpointError
-
                 raise CheckpointError(f"{name} holds {t.shape[0]} experts but the model has {num_experts(config)}; "
                                       "experts split over ranks must be DTensors (Shard(0) over their global ids) so "
                                       "that checkpoints store every expert under its global id")

@@ -13,7 +13,7 @@ from pathlib import Path
 from isotrain.checkpoint.files import read_safetensors_header
 from isotrain.checkpoint.layout import CHECKPOINTS_DIR, committed, leftovers, read_latest, set_aside
 from isotrain.checkpoint.manifest import read_manifest, verify_checkpoint
-from isotrain.checkpoint.save import CheckpointError
+from isotrain.errors import CheckpointError
 
 def directory_bytes(path: Path) -> int:
     if path.is_file():

@@ -24,8 +24,8 @@ from helpers import kill_after_commit, model_weights, rewrite_as_sha256_manifest
 from isotrain.checkpoint.export import export_checkpoint
 from isotrain.checkpoint.layout import write_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
-from isotrain.checkpoint.save import CheckpointError
 from isotrain.config import load_config
+from isotrain.errors import CheckpointError
 from isotrain.models.expert_keys import expert_format, fused_name
 from isotrain.train.loop import train
 from test_resume import command, metrics, run

@@ -185,7 +185,7 @@ def export_adapter(source: Path, out: Path) -> ExportReport:
     """The LoRA adapters of a LoRA run's checkpoint as a peft adapter directory (adapter_config.json and
     adapter_model.safetensors) that `peft.PeftModel.from_pretrained(base, out)` loads."""
     from isotrain.config import build_config, read_yaml
-    from isotrain.rl.lora import lora_config
+    from isotrain.models.lora import lora_config
 
     source, out = Path(source), Path(out)
     _check_source_and_out(source, out)

@@ -32,6 +32,7 @@ from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.build import build
 from isotrain.models.loading import check_layout_fits, checked_config, count_parameters, model_config
+from isotrain.models.lora import lora_adapter
 from isotrain.models.unwrap import hf_model
 from isotrain.moe.metrics import router_metrics
 from isotrain.moe.settings import check_moe_section, router_settings
@@ -43,7 +44,6 @@ from isotrain.rl.critic import build_critic, token_values
 from isotrain.rl.experience import all_gather_lists, response_logprobs
 from isotrain.rl.packing import row_layout
 from isotrain.rl.generate import collect, evaluate
-from isotrain.rl.lora import lora_adapter
 from isotrain.rl.prompts import PromptSet, PromptStream, check_rl_lengths, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
 from isotrain.rl.update import UpdateTotals, advantages, run_updates
@@ -269,7 +269,7 @@ def _trainer_logprobs(ctx, model, batch) -> tuple[list | None, list | None, list
     if ctx.reference is not None:
         ref = all_gather_lists(score(ctx.reference), group)
     elif rl.kl_coef > 0:  # LoRA: the reference is the policy with its adapters disabled
-        from isotrain.rl.lora import reference_logits_context
+        from isotrain.models.lora import reference_logits_context
 
         with reference_logits_context(model):
             ref = all_gather_lists(score(model), group)

@@ -32,7 +32,7 @@ from isotrain.checkpoint.layout import (
 from isotrain.checkpoint.load import CheckpointReader, load_adapter, load_component, load_model, load_optimizer
 from isotrain.checkpoint.manifest import verify_checkpoint
 from isotrain.checkpoint.onepass import check_loaded
-from isotrain.checkpoint.save import SaveRequest, _broadcast, rotate, save
+from isotrain.checkpoint.save import SaveRequest, broadcast_in_group, rotate, save
 from isotrain.checkpoint.state import (
     Item,
     assign_owners,
@@ -160,7 +160,7 @@ class CheckpointManager:
         self.save_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         # Saves talk over their own group so a background save never interleaves with training collectives.
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
-        self.run_id = _broadcast(uuid.uuid4().hex[:12], rank, self.group)
+        self.run_id = broadcast_in_group(uuid.uuid4().hex[:12], rank, self.group)
         self.static = static_files(model, tokenizer, self.save_dtype) if rank == 0 else {}
         self.last_saved_step: int | None = None
         self.blocked_s = 0.0  # time the loop spent waiting on saves
@@ -178,7 +178,7 @@ class CheckpointManager:
             if removed:
                 names = ", ".join(p.name for p in removed)
                 self.log(f"removed {len(removed)} leftover(s) of an interrupted save: {names}")
-        _broadcast(None, self.rank, self.group)
+        broadcast_in_group(None, self.rank, self.group)
 
     def _choose(self, failed: set[Path]) -> Path | None:
         """Rank 0 picks the checkpoint to resume from, or None to start fresh: the newest one whose
@@ -230,7 +230,7 @@ class CheckpointManager:
                     choice = str(path) if path else None
                 except CheckpointError as err:
                     choice = err
-            choice = _broadcast(choice, self.rank, self.group)
+            choice = broadcast_in_group(choice, self.rank, self.group)
             if isinstance(choice, BaseException):
                 raise choice
             if choice is None:

@@ -244,7 +244,8 @@ def _exchange(payload, rank: int, group) -> list | None:
     return gathered
 
 
-def _broadcast(value, rank: int, group):
+def broadcast_in_group(value, rank: int, group):
+    """The group's first rank's `value` (any picklable object) on every rank of `group` (None: this process alone)."""
     if group is None or dist.get_world_size(group) == 1:
         return value
     box = [value if rank == 0 else None]
@@ -265,7 +266,7 @@ def save(root: Path, request: SaveRequest, rank: int, group, run_id: str, name: 
             tmp.mkdir()
         except OSError as err:
             message = f"could not create {tmp}: {err.strerror or err}"
-    message = _broadcast(message, rank, group)  # the directory exists before any rank writes into it
+    message = broadcast_in_group(message, rank, group)  # the directory exists before any rank writes into it
     committed = False
     if message is None:
         try:
@@ -279,7 +280,7 @@ def save(root: Path, request: SaveRequest, rank: int, group, run_id: str, name: 
                 root, tmp, final, gathered, request.info, run_id, latest=name is None)
             if message and not committed:
                 shutil.rmtree(tmp, ignore_errors=True)
-        message, committed = _broadcast((message, committed), rank, group)
+        message, committed = broadcast_in_group((message, committed), rank, group)
     if message:
         # The final model/ is saved here too (with step 0): the sentence names what was not saved.
         what = f"checkpoint step {request.step}" if name is None else f"the model directory {final}"

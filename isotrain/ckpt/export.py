@@ -28,7 +28,7 @@ from isotrain.checkpoint.files import (
 from isotrain.checkpoint.load import CheckpointReader
 from isotrain.checkpoint.manifest import MODEL_INDEX, read_manifest, verify_checkpoint, write_manifest
 from isotrain.checkpoint.state import OPTIMIZER_STATE_KEYS
-from isotrain.checkpoint.tools import directory_bytes
+from isotrain.ckpt.inspection import directory_bytes
 from isotrain.disk import commit
 from isotrain.errors import CheckpointError
 from isotrain.models.expert_keys import Part, expert_format, is_fused, saved_name, saved_parts
@@ -50,12 +50,14 @@ class ExportReport:
     from_master: bool
 
 
-def _source_dtype(directory: Path) -> str:
+def source_dtype(directory: Path) -> str:
+    """The dtype a model directory's config.json names (what an export or merge writes unless told otherwise)."""
     config = json.loads((directory / "config.json").read_text())
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
-def _plan_shards(shapes: dict[str, tuple[torch.Size, torch.dtype]], max_bytes: int) -> list[list[str]]:
+def plan_shards(shapes: dict[str, tuple[torch.Size, torch.dtype]], max_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into safetensors shards of at most `max_bytes` each (a larger tensor alone), in order."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, (shape, dtype) in shapes.items():
@@ -82,7 +84,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_ke
                       max_shard_bytes: int = 5 << 30) -> ExportReport:
     source, out = Path(source), Path(out)
     _check_source_and_out(source, out)
-    target_name = dtype or _source_dtype(source)
+    target_name = dtype or source_dtype(source)
     if target_name not in DTYPES:
         raise CheckpointError(f"--dtype {target_name} is not supported; use one of {', '.join(DTYPES)}")
     target = DTYPES[target_name]
@@ -117,7 +119,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_ke
         return torch.Size(reader.shape(stored) if part is None else part.shape)
 
     shapes = {k: (out_shape(k), out_dtype(k)) for k in kept}
-    shards = _plan_shards(shapes, max_shard_bytes)
+    shards = plan_shards(shapes, max_shard_bytes)
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
     manifest = read_manifest(source)
     tmp.mkdir(parents=True)

@@ -37,8 +37,9 @@ from isotrain.checkpoint.state import (
     within,
 )
 from isotrain.errors import CheckpointError
-from isotrain.models.expert_keys import Part, expert_format, key_problems, num_experts
+from isotrain.models.expert_keys import Part, expert_format, key_problems
 from isotrain.models.unwrap import hf_model
+from isotrain.parallel.dims import num_experts
 
 
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}

@@ -24,9 +24,10 @@ from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from isotrain.errors import CheckpointError
-from isotrain.models.expert_keys import Part, expert_format, is_fused, num_experts, saved_parts
+from isotrain.models.expert_keys import Part, expert_format, is_fused, saved_parts
 from isotrain.models.unwrap import hf_model, is_lora, unwrap
 from isotrain.models.weights import sync_named_tensors
+from isotrain.parallel.dims import num_experts
 
 OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 _SHARDS = (Shard, _StridedShard)  # FSDP2 over TP marks the dim it shards again as _StridedShard, not a Shard

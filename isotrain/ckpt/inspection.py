@@ -90,7 +90,8 @@ class Inspection:
 def describe_experts(directory: Path, keys: list[str]) -> str | None:
     """One line on a MoE model's experts: how many layers and experts, and whether they are stored per expert
     under global ids (the keys `save_pretrained` writes) or fused (older isotrain checkpoints)."""
-    from isotrain.models.expert_keys import expert_format, layers_with_experts, num_experts
+    from isotrain.models.expert_keys import expert_format, layers_with_experts
+    from isotrain.parallel.dims import num_experts
 
     try:
         config = json.loads((directory / "config.json").read_text())

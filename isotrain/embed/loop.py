@@ -32,8 +32,8 @@ from isotrain.embed.loss import LossSettings
 from isotrain.embed.model import build_embedder, embed_tokenizer
 from isotrain.errors import ConfigError
 from isotrain.models.loading import declared_config
-from isotrain.moe.settings import check_moe_section, num_experts
-from isotrain.parallel.dims import resolve_dims
+from isotrain.moe.settings import check_moe_section
+from isotrain.parallel.dims import num_experts, resolve_dims
 from isotrain.parallel.dist import DistInfo, init_distributed, shutdown_distributed
 from isotrain.sizes import plan_batches
 from isotrain.train.metrics import MetricsWriter

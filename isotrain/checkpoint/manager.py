@@ -76,6 +76,9 @@ class Resumed:
     step: int
     counters: dict
     weights_only: bool
+    # The checkpoint's own values of the contract's `extra_state` keys (those it has), as saved in its
+    # train_state/state.json: what a recipe compares its current values against (e.g. RL's start_model_sha256).
+    extra_state: dict = field(default_factory=dict)
 
 
 def static_files(model, tokenizer, save_dtype: torch.dtype) -> dict[str, bytes]:
@@ -283,7 +286,7 @@ class CheckpointManager:
                 if self.cfg.checkpoint.ignore_keys else ""
             self.log(f"started from the weights of {path} (step {state['step']}); optimizer and counters are "
                      f"new{kept}")
-            return Resumed(path, 0, {}, True)
+            return Resumed(path, 0, {}, True, self._saved_extra_state(state))
         self._restore_rng(path, state)
         if self.rank == 0 and path.parent.resolve() == self.root.resolve():
             moved = set_aside_newer(self.root, state["step"], self.run_id)
@@ -296,7 +299,10 @@ class CheckpointManager:
         self.log(f"resumed from {path} at step {state['step']} (saved on {state['layout']['world_size']} "
                  f"rank(s), now {self.world_size})")
         counters = {key: state[key] for key in self.contract.counter_keys}
-        return Resumed(path, state["step"], counters, False)
+        return Resumed(path, state["step"], counters, False, self._saved_extra_state(state))
+
+    def _saved_extra_state(self, state: dict) -> dict:
+        return {key: state[key] for key in self.contract.extra_state if key in state}
 
     def _check_compatible(self, directory: Path, state: dict) -> None:
         allowed = set(self.cfg.checkpoint.allow_changes)

@@ -42,11 +42,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 # Upward imports that remain on purpose, each with the reason and what would remove it:
 # (importer, imported).
 ALLOWED_UPWARD: set[tuple[str, str]] = {
-    # build() loads pretrained weights with the checkpoint reader (each rank reads only its bytes) and places
-    # tensors with the checkpoint's DTensor geometry; removing it needs the load step out of models/ or the
-    # reader below it.
+    # build()'s last step, `load_pretrained`, reads a Hugging Face directory with the checkpoint reader (each
+    # rank reads only its bytes: CheckpointReader, load_hf_weights). It goes when the composition "build,
+    # parallelise, materialise, load" moves above checkpoint/ (the run session), or the loader is passed in.
     ("isotrain.models.build", "isotrain.checkpoint.load"),
-    ("isotrain.models.build", "isotrain.checkpoint.state"),
 }
 
 

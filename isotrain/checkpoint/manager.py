@@ -22,13 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from isotrain.checkpoint.layout import (
-    checkpoints_root,
-    committed,
-    remove_leftovers,
-    set_aside_newer,
-    write_latest,
-)
+from isotrain.checkpoint.layout import checkpoints_root, committed, remove_leftovers, set_aside_newer, write_latest
 from isotrain.checkpoint.load import CheckpointReader, load_adapter, load_component, load_model, load_optimizer
 from isotrain.checkpoint.manifest import verify_checkpoint
 from isotrain.checkpoint.onepass import check_loaded
@@ -39,13 +33,12 @@ from isotrain.checkpoint.state import (
     balance,
     collect_items,
     component_items,
-    model_tensors,
     rng_state,
     set_rng_state,
 )
 from isotrain.config import Config, dump_config
 from isotrain.errors import CheckpointError, ConfigError
-from isotrain.models.unwrap import hf_model, is_lora
+from isotrain.models.unwrap import hf_model, is_lora, model_tensors
 
 MODEL_DIR = "model"
 SFT_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen")

@@ -24,20 +24,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from isotrain.checkpoint.files import (
-    CHUNK_BYTES,
-    FileEntry,
-    safetensors_header,
-    tensor_view,
-    write_chunks,
+from isotrain.checkpoint.files import CHUNK_BYTES, FileEntry, safetensors_header, tensor_view, write_chunks
+from isotrain.checkpoint.layout import (
+    LATEST,
+    checkpoints_root,
+    committed as committed_steps,
+    step_dir_name,
+    write_latest,
 )
-from isotrain.checkpoint.layout import LATEST, checkpoints_root, step_dir_name, write_latest
-from isotrain.checkpoint.layout import committed as committed_steps
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_manifest
-from isotrain.checkpoint.state import Item, box_index, is_empty
+from isotrain.checkpoint.state import Item
 from isotrain.checkpoint.stream import StreamingFile
 from isotrain.disk import commit, fsync_dir
 from isotrain.errors import CheckpointError
+from isotrain.parallel.boxes import box_index, is_empty
 
 @dataclass
 class SaveRequest:

@@ -77,7 +77,7 @@ def loss_only(steps: int) -> None:
     hidden = torch.randn(2, 1024, 256, requires_grad=True)
     labels = torch.randint(0, 8192, (2, 1024))
     weights = torch.ones(2, 1024)
-    eager_chunk = chunked._chunk_loss_sum
+    eager_chunk = chunked.chunk_loss_sum
     compiled_chunk = torch.compile(eager_chunk, dynamic=True)
 
     def unchunked():
@@ -85,7 +85,7 @@ def loss_only(steps: int) -> None:
 
     def chunked_with(fn):
         def run():
-            chunked._chunk_loss_sum = fn
+            chunked.chunk_loss_sum = fn
             return chunked.chunked_loss_sum(head, hidden, labels, weights, 1024)
         return run
 
@@ -102,7 +102,7 @@ def loss_only(steps: int) -> None:
                 times[name].append(time.perf_counter() - start)
             losses[name] = float(loss)
             head.weight.grad = hidden.grad = None
-    chunked._chunk_loss_sum = eager_chunk
+    chunked.chunk_loss_sum = eager_chunk
     print(f"loss alone, 2 x 1024 tokens, hidden 256, vocabulary 8192, {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.1f}:")
     for name, values in times.items():

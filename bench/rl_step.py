@@ -83,7 +83,7 @@ from rich.console import Console  # noqa: E402
 from train_throughput import run_in_turns  # noqa: E402  (bench/ is the script's folder, so on sys.path)
 
 from isotrain.config import build_config, load_config  # noqa: E402
-from isotrain.models.loading import build_model  # noqa: E402
+from isotrain.models.build import build_plain  # noqa: E402
 from isotrain.models.tokenizer import train_tokenizer  # noqa: E402
 from isotrain.recipes import RECIPES_DIR  # noqa: E402
 from isotrain import session  # noqa: E402
@@ -104,7 +104,7 @@ def build_shared_model(model_dir: Path) -> None:
     recipe = load_config(None, [])
     prompts = read_prompts(str(DATA))
     tokenizer = train_tokenizer([p + a for p, a in zip(prompts.prompts, prompts.answers)], "char", 0)
-    model = build_model(recipe.model, tokenizer, SEED)
+    model = build_plain(recipe.model, tokenizer, SEED)
     model.config.use_cache = True  # generation in both tools uses the KV cache
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)

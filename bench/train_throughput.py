@@ -1,6 +1,6 @@
 """Training throughput, side by side: a minimal PyTorch loop, isotrain and the Hugging Face Trainer.
 
-All tools train the same fresh Llama (built by isotrain's `build_model`, seed 0: vocab 8192, hidden
+All tools train the same fresh Llama (built by isotrain's `build_plain`, seed 0: vocab 8192, hidden
 256, 4 layers, 4 heads / 4 kv heads, intermediate 688, untied embeddings; fp32) on the same token
 ids (isotrain's own tokenized samples of a generated JSONL: every sample is exactly 256 tokens, so
 no padding), 8 sequences per optimizer step, AdamW lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight
@@ -59,7 +59,7 @@ from isotrain.config import TrainConfig, build_config
 from isotrain.data import GlobalBatchSampler, collate, prepare_dataset
 from isotrain.data.packing import pack_examples
 from isotrain.data.tokenize import Example
-from isotrain.models.loading import build_model
+from isotrain.models.build import build_plain
 from isotrain.models.tokenizer import train_tokenizer
 from isotrain import session
 from isotrain.recipes.sft import train
@@ -134,7 +134,7 @@ def rate(tokens: list[int], seconds: list[float], warmup: int) -> float:
 
 
 def run_minimal(cfg, tokenizer, dataset, micro: int, steps: int, warmup: int, after_step) -> float:
-    model = build_model(cfg.model, tokenizer, SEED)
+    model = build_plain(cfg.model, tokenizer, SEED)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
     sampler = GlobalBatchSampler(len(dataset), GLOBAL_BATCH, SEED)
@@ -184,7 +184,7 @@ def run_hf_trainer(work: Path, name: str, cfg, tokenizer, dataset, micro: int, s
     from transformers import PrinterCallback, Trainer, TrainingArguments, default_data_collator
 
 
-    model = build_model(cfg.model, tokenizer, SEED)
+    model = build_plain(cfg.model, tokenizer, SEED)
     rows = [{"input_ids": torch.from_numpy(s.input_ids), "labels": torch.from_numpy(s.input_ids)}
             for s in dataset.samples]
     args = TrainingArguments(
@@ -370,7 +370,7 @@ def run_lengths_tool(tool: str, args, work: Path, inputs: dict, name: str, after
         return rate, inputs["iso_real_share_fixed" if compiled else "iso_real_share"]
     hparams = {"learning_rate": LR, "lr_scheduler_type": "constant", "weight_decay": 0.0, "adam_beta1": BETAS[0],
                "adam_beta2": BETAS[1], "adam_epsilon": EPS, "max_grad_norm": 1.0, "seed": SEED}
-    model = build_model(inputs["cfg"].model, inputs["tokenizer"], SEED)
+    model = build_plain(inputs["cfg"].model, inputs["tokenizer"], SEED)
     rate, real_share = run_hf_variable(work, name, model, inputs["tokenizer"], inputs["documents"],
                                        tool == "HF Trainer flattening", DOCS_PER_MICRO,
                                        DOCS_PER_STEP // DOCS_PER_MICRO, hparams, args.warmup, after_step)
@@ -457,7 +457,7 @@ def profile(args, work: Path) -> None:
     cfg, tokenizer, dataset = shared_inputs(work)
     micro, pad_id = GLOBAL_BATCH // args.ga[0], tokenizer.pad_token_id
     micro_samples = [dataset.samples[i : i + micro] for i in range(0, GLOBAL_BATCH, micro)]
-    model = build_model(cfg.model, tokenizer, SEED)
+    model = build_plain(cfg.model, tokenizer, SEED)
     iso_opt = build_optimizer(model, TrainConfig(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0))
     fused_opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, fused=True)
     foreach_opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0, foreach=True)

@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "visible here, else cpu)")
     memory.set_defaults(func=cmd_estimate_memory)
 
-    from isotrain.checkpoint.commands import add_parser as add_ckpt_parser
+    from isotrain.ckpt.commands import add_parser as add_ckpt_parser
 
     add_ckpt_parser(commands)
     return parser

@@ -15,3 +15,7 @@ class DataError(IsotrainError):
 
 class TrainingError(IsotrainError):
     """Training cannot go on without making garbage: a non-finite loss or gradient, a reward that always fails."""
+
+
+class CheckpointError(IsotrainError):
+    """A checkpoint could not be written, read or trusted."""

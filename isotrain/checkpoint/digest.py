@@ -1,5 +1,5 @@
-"""The manifest's hash: BLAKE3 of each piece of a file, and sha256 of whole files for checkpoints
-written before BLAKE3.
+"""The manifest's hash: BLAKE3 of each piece of a file (checkpoints written before BLAKE3 list one
+sha256 per whole file, checked with `isotrain.disk.sha256_file`).
 
 A file is cut into pieces: the first `first_bytes` bytes (for a safetensors file, its header, so
 that a reader can trust the header before it plans a single read), then pieces of `PIECE_BYTES`
@@ -11,7 +11,6 @@ a file in order. `isotrain ckpt verify` checks every piece.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -98,11 +97,3 @@ def file_pieces_ok(path: Path, num_bytes: int, first_bytes: int, digests: list[s
 
 def piece_mismatch(path: Path, start: int, stop: int) -> str:
     return f"{path} (bytes {start}-{stop}) does not match its {HASH} in the manifest (altered or corrupted)"
-
-
-def sha256_file(path: Path, piece_bytes: int = PIECE_BYTES) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(piece_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -4,7 +4,7 @@ Every checkpoint file goes through `write_chunks` (or `StreamingFile`), so its B
 (digest.py) cost no second read of the data
 and no file is ever reported written before it is on disk (invariant 5). Everything that must appear
 whole or not at all (a checkpoint, an exported model, a data-cache entry, `latest`, config.yaml) is
-written under a temporary name and given its real one by `commit`.
+written under a temporary name and given its real one by `commit` (isotrain/disk.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shutil
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from isotrain.checkpoint.digest import HASH, PIECE_BYTES, PieceDigest
+from isotrain.disk import commit
 
 CHUNK_BYTES = 16 << 20  # hash and write in pieces that stay in cache between the two
 
@@ -46,14 +46,6 @@ class FileEntry:
     def of(cls, digest: PieceDigest) -> FileEntry:
         digests, first = digest.finish()
         return cls(digest.num_bytes, tuple(digests), first)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def with_path(err: OSError, path: Path) -> OSError:
@@ -127,28 +119,6 @@ def write_text(path: Path, text: str) -> FileEntry:
 
 def write_json(path: Path, value) -> FileEntry:
     return write_text(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
-
-
-def commit(tmp: Path, final: Path, aside: str | None = None) -> None:
-    """Give `tmp`, written in full (a file or a directory, every file in it fsynced), the name `final`.
-
-    A reader sees the old `final` or the new one, never a part: fsync `tmp`'s list of names (a
-    directory), rename (atomic), then fsync the parent so that the new name itself is on disk.
-    A file replaces an existing `final` in that one rename; a directory can replace only an empty
-    one, so with `aside` an existing `final` directory is first renamed to `<final>.<aside>` and
-    deleted after the commit (in between no `final` exists); without it, renaming onto a non-empty
-    directory raises OSError and leaves both as they were.
-    """
-    if tmp.is_dir():
-        fsync_dir(tmp)
-    old = None
-    if aside is not None and final.is_dir():
-        old = final.with_name(f"{final.name}.{aside}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

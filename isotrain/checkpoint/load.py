@@ -22,23 +22,12 @@ from torch import nn
 
 from isotrain.checkpoint.files import SAFETENSORS_DTYPES, read_safetensors_header, tensor_view
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX
-from isotrain.checkpoint.save import CheckpointError
-from isotrain.checkpoint.state import (
-    OPTIMIZER_STATE_KEYS,
-    Box,
-    box_index,
-    full_box,
-    is_empty,
-    is_whole,
-    local_part,
-    model_parts,
-    model_tensors,
-    part_view,
-    shard_spec,
-    within,
-)
-from isotrain.models.expert_keys import Part, expert_format, key_problems, num_experts
-from isotrain.models.unwrap import hf_model
+from isotrain.checkpoint.state import OPTIMIZER_STATE_KEYS, is_whole, model_parts, part_view, within
+from isotrain.errors import CheckpointError
+from isotrain.models.expert_keys import Part, expert_format, key_problems
+from isotrain.models.unwrap import hf_model, model_tensors
+from isotrain.parallel.boxes import Box, box_index, full_box, is_empty, local_part, shard_spec
+from isotrain.parallel.dims import num_experts
 
 
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}

@@ -22,30 +22,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from isotrain.checkpoint.layout import (
-    checkpoints_root,
-    committed,
-    remove_leftovers,
-    set_aside_newer,
-    write_latest,
-)
+from isotrain.checkpoint.layout import checkpoints_root, committed, remove_leftovers, set_aside_newer, write_latest
 from isotrain.checkpoint.load import CheckpointReader, load_adapter, load_component, load_model, load_optimizer
 from isotrain.checkpoint.manifest import verify_checkpoint
 from isotrain.checkpoint.onepass import check_loaded
-from isotrain.checkpoint.save import CheckpointError, SaveRequest, _broadcast, rotate, save
+from isotrain.checkpoint.save import SaveRequest, broadcast_in_group, rotate, save
 from isotrain.checkpoint.state import (
     Item,
     assign_owners,
     balance,
     collect_items,
     component_items,
-    model_tensors,
     rng_state,
     set_rng_state,
 )
 from isotrain.config import Config, dump_config
-from isotrain.errors import ConfigError
-from isotrain.models.unwrap import hf_model, is_lora
+from isotrain.errors import CheckpointError, ConfigError
+from isotrain.models.unwrap import hf_model, is_lora, model_tensors
 
 MODEL_DIR = "model"
 SFT_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen")
@@ -76,6 +69,9 @@ class Resumed:
     step: int
     counters: dict
     weights_only: bool
+    # The checkpoint's own values of the contract's `extra_state` keys (those it has), as saved in its
+    # train_state/state.json: what a recipe compares its current values against (e.g. RL's start_model_sha256).
+    extra_state: dict = field(default_factory=dict)
 
 
 def static_files(model, tokenizer, save_dtype: torch.dtype) -> dict[str, bytes]:
@@ -160,7 +156,7 @@ class CheckpointManager:
         self.save_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         # Saves talk over their own group so a background save never interleaves with training collectives.
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
-        self.run_id = _broadcast(uuid.uuid4().hex[:12], rank, self.group)
+        self.run_id = broadcast_in_group(uuid.uuid4().hex[:12], rank, self.group)
         self.static = static_files(model, tokenizer, self.save_dtype) if rank == 0 else {}
         self.last_saved_step: int | None = None
         self.blocked_s = 0.0  # time the loop spent waiting on saves
@@ -178,7 +174,7 @@ class CheckpointManager:
             if removed:
                 names = ", ".join(p.name for p in removed)
                 self.log(f"removed {len(removed)} leftover(s) of an interrupted save: {names}")
-        _broadcast(None, self.rank, self.group)
+        broadcast_in_group(None, self.rank, self.group)
 
     def _choose(self, failed: set[Path]) -> Path | None:
         """Rank 0 picks the checkpoint to resume from, or None to start fresh: the newest one whose
@@ -230,7 +226,7 @@ class CheckpointManager:
                     choice = str(path) if path else None
                 except CheckpointError as err:
                     choice = err
-            choice = _broadcast(choice, self.rank, self.group)
+            choice = broadcast_in_group(choice, self.rank, self.group)
             if isinstance(choice, BaseException):
                 raise choice
             if choice is None:
@@ -283,7 +279,7 @@ class CheckpointManager:
                 if self.cfg.checkpoint.ignore_keys else ""
             self.log(f"started from the weights of {path} (step {state['step']}); optimizer and counters are "
                      f"new{kept}")
-            return Resumed(path, 0, {}, True)
+            return Resumed(path, 0, {}, True, self._saved_extra_state(state))
         self._restore_rng(path, state)
         if self.rank == 0 and path.parent.resolve() == self.root.resolve():
             moved = set_aside_newer(self.root, state["step"], self.run_id)
@@ -296,7 +292,10 @@ class CheckpointManager:
         self.log(f"resumed from {path} at step {state['step']} (saved on {state['layout']['world_size']} "
                  f"rank(s), now {self.world_size})")
         counters = {key: state[key] for key in self.contract.counter_keys}
-        return Resumed(path, state["step"], counters, False)
+        return Resumed(path, state["step"], counters, False, self._saved_extra_state(state))
+
+    def _saved_extra_state(self, state: dict) -> dict:
+        return {key: state[key] for key in self.contract.extra_state if key in state}
 
     def _check_compatible(self, directory: Path, state: dict) -> None:
         allowed = set(self.cfg.checkpoint.allow_changes)

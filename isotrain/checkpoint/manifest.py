@@ -18,8 +18,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from isotrain.checkpoint.digest import HASH, LEGACY_HASH, PIECE_BYTES, file_pieces_ok, piece_ranges, sha256_file
+from isotrain.checkpoint.digest import HASH, LEGACY_HASH, PIECE_BYTES, file_pieces_ok, piece_ranges
 from isotrain.checkpoint.files import FileEntry, read_safetensors_header, write_json
+from isotrain.disk import sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT = "isotrain-checkpoint"
@@ -172,7 +173,8 @@ def verify_checkpoint(directory: Path, hash_files: bool = True, threads: int = 2
 def expert_problems(directory: Path) -> list[str]:
     """For a MoE model directory: every expert of every layer held exactly once, in range (expert_keys.py),
     counted over the headers of every model file; [] for a dense model or unreadable files (named above)."""
-    from isotrain.models.expert_keys import expert_format, key_problems, num_experts
+    from isotrain.models.expert_keys import expert_format, key_problems
+    from isotrain.parallel.dims import num_experts
 
     try:
         config = json.loads((directory / "config.json").read_text())

@@ -24,26 +24,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from isotrain.checkpoint.files import (
-    CHUNK_BYTES,
-    FileEntry,
-    commit,
-    fsync_dir,
-    safetensors_header,
-    tensor_view,
-    write_chunks,
+from isotrain.checkpoint.files import CHUNK_BYTES, FileEntry, safetensors_header, tensor_view, write_chunks
+from isotrain.checkpoint.layout import (
+    LATEST,
+    checkpoints_root,
+    committed as committed_steps,
+    step_dir_name,
+    write_latest,
 )
-from isotrain.checkpoint.layout import LATEST, checkpoints_root, step_dir_name, write_latest
-from isotrain.checkpoint.layout import committed as committed_steps
 from isotrain.checkpoint.manifest import MODEL_INDEX, OPTIMIZER_INDEX, write_manifest
-from isotrain.checkpoint.state import Item, box_index, is_empty
+from isotrain.checkpoint.state import Item
 from isotrain.checkpoint.stream import StreamingFile
-from isotrain.errors import IsotrainError
-
-
-class CheckpointError(IsotrainError):
-    """A checkpoint could not be written, read or trusted."""
-
+from isotrain.disk import commit, fsync_dir
+from isotrain.errors import CheckpointError
+from isotrain.parallel.boxes import box_index, is_empty
 
 @dataclass
 class SaveRequest:
@@ -250,7 +244,8 @@ def _exchange(payload, rank: int, group) -> list | None:
     return gathered
 
 
-def _broadcast(value, rank: int, group):
+def broadcast_in_group(value, rank: int, group):
+    """The group's first rank's `value` (any picklable object) on every rank of `group` (None: this process alone)."""
     if group is None or dist.get_world_size(group) == 1:
         return value
     box = [value if rank == 0 else None]
@@ -271,7 +266,7 @@ def save(root: Path, request: SaveRequest, rank: int, group, run_id: str, name: 
             tmp.mkdir()
         except OSError as err:
             message = f"could not create {tmp}: {err.strerror or err}"
-    message = _broadcast(message, rank, group)  # the directory exists before any rank writes into it
+    message = broadcast_in_group(message, rank, group)  # the directory exists before any rank writes into it
     committed = False
     if message is None:
         try:
@@ -285,7 +280,7 @@ def save(root: Path, request: SaveRequest, rank: int, group, run_id: str, name: 
                 root, tmp, final, gathered, request.info, run_id, latest=name is None)
             if message and not committed:
                 shutil.rmtree(tmp, ignore_errors=True)
-        message, committed = _broadcast((message, committed), rank, group)
+        message, committed = broadcast_in_group((message, committed), rank, group)
     if message:
         # The final model/ is saved here too (with step 0): the sentence names what was not saved.
         what = f"checkpoint step {request.step}" if name is None else f"the model directory {final}"

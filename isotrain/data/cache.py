@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from isotrain.checkpoint.files import commit
 from isotrain.data.packing import Sample
+from isotrain.disk import commit, sha256_file
 
 # Bump when the arrays, their meaning (e.g. label shifting) or tokenization rules change.
-CACHE_FORMAT = "isotrain-tokenized-v1"
+CACHE_FORMAT = "isotrain-tokenized-v2"  # v2: manifest sha256 is the plain sha256 of a file
 _ARRAYS = ("input_ids", "labels", "sample_offsets", "doc_lengths", "doc_row_ids", "sample_doc_offsets")
 
 
@@ -126,12 +126,6 @@ def _unflatten(arrays: dict[str, np.ndarray]) -> list[Sample]:
     return samples
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    _hash_path(digest, path)
-    return digest.hexdigest()
-
-
 def load_entry(entry: Path) -> tuple[list[Sample], dict] | None:
     """(samples, stats) of a cache entry, None if there is none; CacheUnreadable if it is damaged."""
     if not entry.exists():
@@ -140,7 +134,7 @@ def load_entry(entry: Path) -> tuple[list[Sample], dict] | None:
         manifest = json.loads((entry / "manifest.json").read_text())
         for name, meta in manifest["files"].items():
             path = entry / name
-            if path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+            if path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
                 raise CacheUnreadable(f"{name} does not match manifest.json")
         arrays = {name: np.load(entry / f"{name}.npy", allow_pickle=False) for name in _ARRAYS}
         stats = json.loads((entry / "stats.json").read_text())
@@ -175,7 +169,7 @@ def save_entry(entry: Path, samples: list[Sample], stats: dict) -> None:
         files["stats.json"] = None
         manifest = {
             "format": CACHE_FORMAT,
-            "files": {name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in files},
+            "files": {name: {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in files},
         }
         _write_file(tmp / "manifest.json", lambda h: h.write(json.dumps(manifest, indent=1).encode()))
         try:

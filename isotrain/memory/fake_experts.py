@@ -8,7 +8,7 @@ Two things stop the MoE layers' own code from running on fake tensors:
   same saved tensors (GroupedMmBackward0 saves the input, the weight and the offsets);
 - expert parallelism (parallel/ep.py) sizes its all-to-alls from the routing counts, which a fake forward
   cannot know: `BalancedExpertParallel` runs the same dispatch and the same per-expert code
-  (`_local_experts_forward`) under **balanced routing**: every expert gets tokens × top_k / E of each rank's
+  (`local_experts_forward`) under **balanced routing**: every expert gets tokens × top_k / E of each rank's
   (token, slot) pairs, so each rank receives as many rows as it sends. Skewed routing makes the busiest rank
   receive more (up to ep × as many rows for the experts' activations).
 """
@@ -20,7 +20,7 @@ import contextlib
 import torch
 from torch import nn
 
-from isotrain.parallel.ep import EXPERT_PARAMS, _local_experts_forward, expert_modules
+from isotrain.parallel.ep import EXPERT_PARAMS, local_experts_forward, expert_modules
 
 
 class _GroupedMm(torch.autograd.Function):
@@ -92,7 +92,7 @@ class BalancedExpertParallel(nn.Module):
         arrived = _Exchange.apply(tokens, sum(map(sum, received)))
         by_expert = torch.argsort(torch.zeros(arrived.shape[0], dtype=torch.long), stable=True)
         per_expert = [sum(row[e] for row in received) for e in range(self.num_experts // self.ep)]
-        computed = _local_experts_forward(arrived[by_expert], per_expert, gate_up, down, self.act_fn)
+        computed = local_experts_forward(arrived[by_expert], per_expert, gate_up, down, self.act_fn)
         results = torch.empty_like(computed).index_copy(0, by_expert, computed)
         returned = _Exchange.apply(results, sum(map(sum, sent)))
         weighted = returned * top_k_weights.reshape(-1)[order, None]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from isotrain.memory.saved import _local, count_saved, forward_loss
+from isotrain.memory.saved import local_tensor, count_saved, forward_loss
 from isotrain.parallel.apply import decoder_layers
 
 
@@ -24,7 +24,7 @@ def storage_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        storage = _local(t).untyped_storage()
+        storage = local_tensor(t).untyped_storage()
         if storage._cdata not in seen:
             seen.add(storage._cdata)
             total += storage.nbytes()

@@ -32,7 +32,8 @@ _VIEW_NODES = {"TBackward0", "ViewBackward0", "TransposeBackward0", "AliasBackwa
                "_ToTorchTensorBackward"}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor, or `t` itself: what owns storage on this rank."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -77,7 +78,7 @@ class SavedBytes:
         origin = _param_origin(t)
         if origin == "parameter":
             return
-        storage = _local(t).untyped_storage()
+        storage = local_tensor(t).untyped_storage()
         key = storage._cdata
         if key in self.storages:
             return
@@ -128,7 +129,7 @@ def count_saved(model: nn.Module, layers: list[nn.Module]):
 
 
 def _note_logits(saved: SavedBytes, out: torch.Tensor) -> None:
-    local = _local(out)
+    local = local_tensor(out)
     saved.logits_bytes = local.untyped_storage().nbytes()
     saved.logits_dtype, saved.logits_numel = local.dtype, local.numel()
 
@@ -141,7 +142,7 @@ def _chunked_loss_fn(labels, weights, chunk_tokens: int, saved: SavedBytes | Non
     keeps them without autograd's saved-tensor hooks). Every position is trained (the estimate's assumption
     and the measured batches'), so the trained positions need no data-dependent `nonzero`, which fake tensors
     cannot run."""
-    from isotrain.train.chunked_loss import _chunk_loss_sum, chunked_loss_sum
+    from isotrain.train.chunked_loss import chunk_loss_sum, chunked_loss_sum
 
     trained = torch.arange(labels.numel(), device=labels.device)
 
@@ -151,7 +152,7 @@ def _chunked_loss_fn(labels, weights, chunk_tokens: int, saved: SavedBytes | Non
         if saved is not None:
             saved.add(kept, "logits_loss")
         first = slice(0, chunk_tokens)
-        _chunk_loss_sum(head, kept[first], labels.reshape(-1)[first], weights.reshape(-1)[first])
+        chunk_loss_sum(head, kept[first], labels.reshape(-1)[first], weights.reshape(-1)[first])
         return loss
 
     return loss_fn

@@ -23,11 +23,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from isotrain.checkpoint.state import box_index, shard_spec
 from isotrain.config import ModelConfig
 from isotrain.models.checks import attention_kernel
 from isotrain.models.loading import model_config
+from isotrain.models.unwrap import model_tensors
 from isotrain.parallel.apply import parallelize, wrap_replicas
+from isotrain.parallel.boxes import box_index, shard_spec
 from isotrain.parallel.dims import ParallelDims, check_model_fits
 from isotrain.parallel.mesh import ParallelState, single_process
 
@@ -51,7 +52,7 @@ def parameters_on_meta():
 
 def copy_into(target: torch.Tensor, full: torch.Tensor, rank: int) -> None:
     """Copy this rank's block of the full tensor `full` into `target` (a plain tensor or a DTensor); the block
-    is the one the checkpoint code reads and writes for this rank (checkpoint/state.py `shard_spec`)."""
+    is the one the checkpoint code reads and writes for this rank (parallel/boxes.py `shard_spec`)."""
     spec = shard_spec(target)
     with torch.no_grad():
         local = target.to_local() if isinstance(target, DTensor) else target
@@ -179,7 +180,6 @@ def load_pretrained(path: str, model: nn.Module, skeleton: PreTrainedModel, seed
     value head is initialised fresh). Any other missing or mismatched tensor is refused by the loader.
     """
     from isotrain.checkpoint.load import CheckpointReader, load_hf_weights
-    from isotrain.checkpoint.state import model_tensors
 
     reader = CheckpointReader(path)
     try:

@@ -69,20 +69,6 @@ def expert_format(config) -> ExpertFormat | None:
     return FORMATS.get(model_type)
 
 
-# The config fields that hold E: config.json of qwen3_moe says `num_local_experts` (its attribute map's target),
-# qwen2_moe and olmoe `num_experts`; a transformers config object answers both through its attribute map.
-_NUM_EXPERTS_FIELDS = ("num_experts", "num_local_experts")
-
-
-def num_experts(config) -> int | None:
-    """E, the number of routed experts per MoE layer, from a config or config.json as a dict."""
-    for field in _NUM_EXPERTS_FIELDS:
-        value = config.get(field) if isinstance(config, dict) else getattr(config, field, None)
-        if value is not None:
-            return int(value)
-    return None
-
-
 @dataclass(frozen=True)
 class Part:
     """One saved tensor that holds the block `box` of an in-memory tensor.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM
 
 from isotrain.config import Config, ModelConfig
 from isotrain.errors import ConfigError
@@ -106,13 +106,6 @@ def model_config(cfg: ModelConfig, tokenizer):
     config = _directory_config(cfg.name_or_path)
     config.vocab_size = max(config.vocab_size, len(tokenizer))
     return config
-
-
-def build_model(cfg: ModelConfig, tokenizer, seed: int) -> PreTrainedModel:
-    """The whole model in this process, with the same weights every layout starts from (models/build.py)."""
-    from isotrain.models.build import build_plain
-
-    return build_plain(cfg, tokenizer, seed)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -28,3 +28,12 @@ def hf_model(model: nn.Module) -> nn.Module:
     if hasattr(model, "get_base_model"):
         return model.get_base_model()  # PeftModel -> the HF model with LoRA layers injected
     return model.model  # a bare LoraModel
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers under their Hugging Face names (tied weights once)."""
+    base = unwrap(model)
+    persistent = set(base.state_dict().keys())
+    tensors = dict(base.named_parameters())
+    tensors.update((name, buf) for name, buf in base.named_buffers() if name in persistent)
+    return tensors

@@ -1,7 +1,7 @@
-"""Which models are mixture-of-experts models, and the router terms a run trains them with (config section `moe`).
+"""The router terms a run trains a mixture-of-experts model with (config section `moe`).
 
-transformers' MoE families name their sizes differently: Qwen2/3-MoE `num_experts`, Mixtral `num_local_experts`;
-all of them `num_experts_per_tok` (top-k) and `router_aux_loss_coef`.
+Whether a model is MoE is decided by `parallel.dims.num_experts` (one rule for the whole package); the router
+terms also read the config's `num_experts_per_tok` (top-k) and `router_aux_loss_coef`.
 """
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from isotrain.errors import ConfigError
-
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+from isotrain.parallel.dims import num_experts
 
 
 @dataclass(frozen=True)
@@ -22,15 +21,6 @@ class RouterSettings:
     aux_loss_coef: float
     aux_loss_scope: str  # "global" | "micro_batch"
     z_loss_coef: float
-
-
-def num_experts(model_config) -> int | None:
-    """The number of routed experts of an MoE config; None for a dense model."""
-    for key in _EXPERT_COUNT_KEYS:
-        value = getattr(model_config, key, None)
-        if value and getattr(model_config, "num_experts_per_tok", None):
-            return int(value)
-    return None
 
 
 def check_moe_section(moe_cfg, model_config) -> None:
@@ -50,8 +40,13 @@ def router_settings(moe_cfg, model_config) -> RouterSettings | None:
     experts = num_experts(model_config)
     if experts is None:
         return None
+    top_k = getattr(model_config, "num_experts_per_tok", None)
+    if not top_k:
+        raise ConfigError(f"the model ({model_config.model_type}) has {experts} experts but its config has no "
+                          "num_experts_per_tok (experts per token); isotrain's router terms need it: set it in the "
+                          "model config")
     coef = moe_cfg.aux_loss_coef
     if coef is None:
         coef = float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0)
-    return RouterSettings(num_experts=experts, top_k=int(model_config.num_experts_per_tok), aux_loss_coef=coef,
+    return RouterSettings(num_experts=experts, top_k=int(top_k), aux_loss_coef=coef,
                           aux_loss_scope=moe_cfg.aux_loss_scope, z_loss_coef=moe_cfg.z_loss_coef)

@@ -105,14 +105,28 @@ def check_ep(dims: ParallelDims) -> None:
         )
 
 
+# The one rule for "is this a mixture-of-experts model", used by parallelism, checkpoints and the router terms:
+# its config names a positive number of routed experts. transformers' families spell it `num_experts` (Qwen2/3-MoE,
+# OLMoE, Jamba, Switch), `num_local_experts` (Mixtral, PhiMoE, GraniteMoE, GPT-OSS, Llama 4) or `n_routed_experts`
+# (DeepSeek V2/V3); a config object answers the other spellings through its attribute map, a config.json dict
+# does not. `num_experts_per_tok` (top-k) does not decide it: it describes the router, and Switch Transformers
+# routes to one expert with no such field; a config with experts but no top-k is still MoE.
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 def num_experts(config) -> int | None:
-    """The number of routed experts of a mixture-of-experts model config; None for a dense model
-    (Qwen-MoE families call it `num_experts`, Mixtral `num_local_experts`)."""
-    for field in ("num_experts", "num_local_experts"):
-        value = getattr(config, field, None)
-        if isinstance(value, int) and value > 0:
+    """E, the number of routed experts per MoE layer, of a transformers config (or config.json as a dict);
+    None for a dense model."""
+    for field in EXPERT_COUNT_FIELDS:
+        value = config.get(field) if isinstance(config, dict) else getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def is_moe(config) -> bool:
+    """Whether a transformers config (or config.json dict) describes a mixture-of-experts model."""
+    return num_experts(config) is not None
 
 
 def _check_experts_fit(ep: int, config) -> None:

@@ -100,7 +100,7 @@ class ExpertParallelExperts(nn.Module):
                                        self.group, self.num_experts)
 
 
-def _local_experts_forward(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
+def local_experts_forward(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor,
                            act_fn) -> torch.Tensor:
     """Each local expert on its consecutive block of `rows` (counts[e] rows for expert e): transformers'
     gated MLP, down(act(gate(x)) · up(x)). Every expert runs, on zero rows if it received none, so its
@@ -144,7 +144,7 @@ def expert_parallel_forward(hidden_states: torch.Tensor, top_k_index: torch.Tens
         torch.tensor(received, device=arrived.device).reshape(-1))
     by_expert = torch.argsort(local_expert_of_row, stable=True)
     per_expert = [sum(received[s][e] for s in range(ep)) for e in range(local_experts)]
-    computed = _local_experts_forward(arrived[by_expert], per_expert, gate_up, down, act_fn)
+    computed = local_experts_forward(arrived[by_expert], per_expert, gate_up, down, act_fn)
     results = torch.empty_like(computed).index_copy(0, by_expert, computed)  # back to (source rank, expert) order
     # 5. combine: back to the sending ranks, in `order`; weight and add as transformers does.
     returned = _all_to_all(results, send_splits, recv_splits, group)

@@ -30,7 +30,8 @@ from isotrain.embed.loss import LossSettings
 from isotrain.embed.model import build_embedder, embed_tokenizer
 from isotrain.errors import ConfigError
 from isotrain.models.loading import declared_config
-from isotrain.moe.settings import check_moe_section, num_experts
+from isotrain.moe.settings import check_moe_section
+from isotrain.parallel.dims import num_experts
 from isotrain.parallel.dist import DistInfo
 from isotrain.session import Recipe, RunResult, Session, run_session
 from isotrain.sizes import plan_batches

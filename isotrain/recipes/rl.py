@@ -15,13 +15,13 @@ A resume must find the same starting model: the frozen reference (and a LoRA bas
 from __future__ import annotations
 
 import functools
-import json
 import time
 
 from rich.console import Console
 from rich.markup import escape
 
 from isotrain.config import Config
+from isotrain.disk import sha256_file
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.loading import check_layout_fits, checked_config, count_parameters, model_config
 from isotrain.models.unwrap import hf_model
@@ -102,7 +102,7 @@ class RL(Recipe):
         self.engine = make_engine(cfg, model_config(cfg.model, self.tokenizer), self.tokenizer, session.output_dir)
 
     def extra_state(self) -> dict:
-        return {"sampler": self.stream.state_dict(), "data_fingerprint": _file_sha256(self.cfg.data.path),
+        return {"sampler": self.stream.state_dict(), "data_fingerprint": sha256_file(self.cfg.data.path),
                 "start_model_sha256": start_fingerprint(self.cfg)}
 
     def components(self) -> tuple:
@@ -115,7 +115,7 @@ class RL(Recipe):
         cfg = self.cfg
         if resumed is None or resumed.weights_only or (cfg.rl.kl_coef == 0 and cfg.lora.r == 0):
             return
-        saved = json.loads((resumed.path / "train_state" / "state.json").read_text()).get("start_model_sha256")
+        saved = resumed.extra_state.get("start_model_sha256")
         if saved is not None and saved != start_fingerprint(cfg):
             raise ConfigError(
                 f"the starting model {cfg.model.name_or_path or 'model.config'} differs from the one checkpoint "
@@ -176,7 +176,7 @@ class RL(Recipe):
         if self.reference is not None:
             ref = all_gather_lists(score(self.reference), group)
         elif rl.kl_coef > 0:  # LoRA: the reference is the policy with its adapters disabled
-            from isotrain.rl.lora import reference_logits_context
+            from isotrain.models.lora import reference_logits_context
 
             with reference_logits_context(self.model):
                 ref = all_gather_lists(score(self.model), group)
@@ -219,14 +219,6 @@ class RL(Recipe):
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
-
-
-def _file_sha256(path: str) -> str:
-    from pathlib import Path
-
-    from isotrain.checkpoint.digest import sha256_file
-
-    return sha256_file(Path(path))
 
 
 def _refuse_failed_rewards(reward: str, rounds) -> None:

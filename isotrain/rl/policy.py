@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from isotrain.config import Config
-from isotrain.checkpoint.digest import sha256_file
+from isotrain.disk import sha256_file
 from isotrain.models.build import build
-from isotrain.rl.lora import lora_adapter
+from isotrain.models.lora import lora_adapter
 from isotrain.train.optim import build_optimizer
 from isotrain.train.setup import compute_dtype
 

@@ -20,10 +20,10 @@ from isotrain.data import prepare_dataset
 from isotrain.data.sources import read_rows
 from isotrain.models.build import build
 from isotrain.models.loading import check_model_dir
+from isotrain.models.lora import lora_adapter
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
 from isotrain.parallel.dist import DistInfo, barrier
 from isotrain.parallel.mesh import ParallelState
-from isotrain.rl.lora import lora_adapter
 from isotrain.train.optim import build_optimizer
 
 

@@ -23,7 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from isotrain.checkpoint.load import CheckpointReader, load_model, load_optimizer
 from isotrain.checkpoint.save import SaveRequest, save
-from isotrain.checkpoint.state import assign_owners, collect_items, model_tensors
+from isotrain.checkpoint.state import assign_owners, collect_items
+from isotrain.models.unwrap import model_tensors
 from isotrain.parallel.dist import shutdown_distributed
 
 

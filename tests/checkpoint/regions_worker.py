@@ -22,7 +22,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from isotrain.checkpoint.load import CheckpointReader, load_hf_weights, load_model, load_optimizer
 from isotrain.checkpoint.save import SaveRequest, save
-from isotrain.checkpoint.state import assign_owners, box_index, collect_items, full_box, model_tensors, shard_spec
+from isotrain.checkpoint.state import assign_owners, collect_items
+from isotrain.models.unwrap import model_tensors
+from isotrain.parallel.boxes import box_index, full_box, shard_spec
 from isotrain.parallel.dist import shutdown_distributed
 
 LAYOUTS = {1: ["single"], 2: ["tp2", "fsdp2"], 4: ["fsdp2xtp2"]}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from isotrain.checkpoint.files import atomic_write_text, commit, write_text
+from isotrain.checkpoint.files import atomic_write_text, write_text
+from isotrain.disk import commit
 
 
 def test_a_file_replaces_the_old_one_in_one_rename(tmp_path):

@@ -21,11 +21,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from helpers import kill_after_commit, model_weights, rewrite_as_sha256_manifest, run_concurrently
-from isotrain.checkpoint.export import export_checkpoint
+from isotrain.ckpt.export import export_checkpoint
 from isotrain.checkpoint.layout import write_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
-from isotrain.checkpoint.save import CheckpointError
 from isotrain.config import load_config
+from isotrain.errors import CheckpointError
 from isotrain.models.expert_keys import expert_format, fused_name
 from isotrain.recipes.sft import train
 from test_resume import command, metrics, run

@@ -68,7 +68,7 @@ def test_experts_held_as_a_local_slice_are_refused_rather_than_renumbered():
     from torch import nn
 
     from ep_worker import tiny_moe
-    from isotrain.checkpoint.save import CheckpointError
+    from isotrain.errors import CheckpointError
     from isotrain.checkpoint.state import collect_items
 
     model = tiny_moe(0)

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from helpers import TINY_LLAMA, model_weights, torchrun
 from isotrain.checkpoint.files import write_safetensors
-from isotrain.checkpoint.load import BLOCK_BYTES, RUN_BYTES, CheckpointReader, load_hf_weights, plan_reads
-from isotrain.checkpoint.save import CheckpointError
-from isotrain.checkpoint.state import box_index
+from isotrain.checkpoint.load import BLOCK_BYTES, CheckpointReader, RUN_BYTES, load_hf_weights, plan_reads
+from isotrain.errors import CheckpointError
+from isotrain.parallel.boxes import box_index
 
 WORKER = str(Path(__file__).with_name("regions_worker.py"))
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from isotrain.checkpoint.manager import stage
-from isotrain.checkpoint.state import Item, ShardSpec
+from isotrain.checkpoint.state import Item
+from isotrain.parallel.boxes import ShardSpec
 
 
 def items(seed: int) -> list[Item]:

@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from isotrain.checkpoint.state import box_index
-from isotrain.models.expert_keys import FORMATS, expert_format, fused_name, key_problems, num_experts, saved_parts
+from isotrain.models.expert_keys import FORMATS, expert_format, fused_name, key_problems, saved_parts
+from isotrain.parallel.boxes import box_index
+from isotrain.parallel.dims import num_experts
 
 SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=100)

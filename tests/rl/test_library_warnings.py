@@ -9,9 +9,9 @@ import pytest
 import torch
 import engine_models
 
+from isotrain.models.lora import apply_lora
 from isotrain.parallel.apply import apply_activation_checkpointing
 from isotrain.rl.decode import sample
-from isotrain.rl.lora import apply_lora
 
 
 @pytest.fixture

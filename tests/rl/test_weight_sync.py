@@ -16,8 +16,8 @@ import torch
 import engine_models
 
 from isotrain.errors import ConfigError
+from isotrain.models.lora import apply_lora, merged_state_dict, reference_logits_context, save_adapter
 from isotrain.rl.engine_process import ProcessEngine
-from isotrain.rl.lora import apply_lora, merged_state_dict, reference_logits_context, save_adapter
 from isotrain.rl.rollout import HFEngine, SamplingParams
 from isotrain.models.weights import checksums, sync_named_tensors
 

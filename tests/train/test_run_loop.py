@@ -14,7 +14,7 @@ from rich.console import Console
 from isotrain.checkpoint.layout import committed
 from isotrain.checkpoint.manager import SFT_COUNTERS, CheckpointContract, CheckpointManager
 from isotrain.config import build_config
-from isotrain.models.loading import build_model
+from isotrain.models.build import build_plain
 from isotrain.models.tokenizer import train_tokenizer
 from isotrain.parallel.dist import DistInfo
 from isotrain.train.metrics import MetricsWriter
@@ -37,7 +37,7 @@ def setup(tmp_path, max_steps: int, log_every: int, every_steps: int):
         "eval": {"path": None},
     })
     tokenizer = train_tokenizer(["abcdef 0123456789"], "char", cfg.tokenizer.vocab_size)
-    model = build_model(cfg.model, tokenizer, seed=0)
+    model = build_plain(cfg.model, tokenizer, seed=0)
     manager = CheckpointManager(cfg, 0, 1, {"world_size": 1}, model, build_optimizer(model, cfg.train), tokenizer,
                                 CheckpointContract(), log=lambda *a: None)
     return cfg, manager

@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-from isotrain.checkpoint import merge_methods as m
-from isotrain.checkpoint.merge import MergeRecipe, merge_tensor
+from isotrain.ckpt import merge_methods as m
+from isotrain.ckpt.merge import MergeRecipe, merge_tensor
 
 
 def t(*values):

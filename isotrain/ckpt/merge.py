@@ -29,22 +29,21 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from isotrain.checkpoint import merge_methods as methods
-from isotrain.checkpoint.export import DTYPES, _plan_shards, _source_dtype
+from isotrain.ckpt import merge_methods as methods
+from isotrain.ckpt.export import DTYPES, plan_shards, source_dtype
 from isotrain.checkpoint.files import (
     FileEntry,
-    commit,
     safetensors_header,
     tensor_view,
     write_chunks,
     write_json,
 )
-from isotrain.checkpoint.digest import sha256_file
 from isotrain.checkpoint.load import CheckpointReader
 from isotrain.checkpoint.manifest import MODEL_INDEX, read_manifest, verify_checkpoint, write_manifest
-from isotrain.checkpoint.save import CheckpointError
-from isotrain.checkpoint.tools import directory_bytes
+from isotrain.ckpt.inspection import directory_bytes
 from isotrain.config import read_yaml, validate_tree
+from isotrain.disk import commit, sha256_file
+from isotrain.errors import CheckpointError
 
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
@@ -231,7 +230,7 @@ def merge_models(recipe: MergeRecipe, processes: int = 1) -> MergeReport:
     base, models, reference = _open(recipe, verify=True)
     try:
         wanted, dropped = _check_inputs(recipe, reference, [x for x in (base, *models) if x is not None])
-        target_name = recipe.dtype or _source_dtype(reference.path)
+        target_name = recipe.dtype or source_dtype(reference.path)
         target = DTYPES.get(target_name, torch.float32)
         shapes = {n: (torch.Size(reference.reader.shape(n)),
                       target if reference.reader.dtype(n).is_floating_point else reference.reader.dtype(n))
@@ -246,7 +245,7 @@ def merge_models(recipe: MergeRecipe, processes: int = 1) -> MergeReport:
         for item in (base, *models):
             if item is not None:
                 item.close()
-    shards = _plan_shards(shapes, int(recipe.max_shard_gb * 1e9))
+    shards = plan_shards(shapes, int(recipe.max_shard_gb * 1e9))
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")

@@ -20,7 +20,6 @@ import torch
 
 from isotrain.checkpoint.files import (
     FileEntry,
-    commit,
     safetensors_header,
     tensor_view,
     write_chunks,
@@ -28,9 +27,10 @@ from isotrain.checkpoint.files import (
 )
 from isotrain.checkpoint.load import CheckpointReader
 from isotrain.checkpoint.manifest import MODEL_INDEX, read_manifest, verify_checkpoint, write_manifest
-from isotrain.checkpoint.save import CheckpointError
 from isotrain.checkpoint.state import OPTIMIZER_STATE_KEYS
-from isotrain.checkpoint.tools import directory_bytes
+from isotrain.ckpt.inspection import directory_bytes
+from isotrain.disk import commit
+from isotrain.errors import CheckpointError
 from isotrain.models.expert_keys import Part, expert_format, is_fused, saved_name, saved_parts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,12 +50,14 @@ class ExportReport:
     from_master: bool
 
 
-def _source_dtype(directory: Path) -> str:
+def source_dtype(directory: Path) -> str:
+    """The dtype a model directory's config.json names (what an export or merge writes unless told otherwise)."""
     config = json.loads((directory / "config.json").read_text())
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
-def _plan_shards(shapes: dict[str, tuple[torch.Size, torch.dtype]], max_bytes: int) -> list[list[str]]:
+def plan_shards(shapes: dict[str, tuple[torch.Size, torch.dtype]], max_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into safetensors shards of at most `max_bytes` each (a larger tensor alone), in order."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, (shape, dtype) in shapes.items():
@@ -82,7 +84,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_ke
                       max_shard_bytes: int = 5 << 30) -> ExportReport:
     source, out = Path(source), Path(out)
     _check_source_and_out(source, out)
-    target_name = dtype or _source_dtype(source)
+    target_name = dtype or source_dtype(source)
     if target_name not in DTYPES:
         raise CheckpointError(f"--dtype {target_name} is not supported; use one of {', '.join(DTYPES)}")
     target = DTYPES[target_name]
@@ -117,7 +119,7 @@ def export_checkpoint(source: Path, out: Path, dtype: str | None = None, drop_ke
         return torch.Size(reader.shape(stored) if part is None else part.shape)
 
     shapes = {k: (out_shape(k), out_dtype(k)) for k in kept}
-    shards = _plan_shards(shapes, max_shard_bytes)
+    shards = plan_shards(shapes, max_shard_bytes)
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex[:12]}")
     manifest = read_manifest(source)
     tmp.mkdir(parents=True)
@@ -185,7 +187,7 @@ def export_adapter(source: Path, out: Path) -> ExportReport:
     """The LoRA adapters of a LoRA run's checkpoint as a peft adapter directory (adapter_config.json and
     adapter_model.safetensors) that `peft.PeftModel.from_pretrained(base, out)` loads."""
     from isotrain.config import build_config, read_yaml
-    from isotrain.rl.lora import lora_config
+    from isotrain.models.lora import lora_config
 
     source, out = Path(source), Path(out)
     _check_source_and_out(source, out)

@@ -13,7 +13,7 @@ from pathlib import Path
 from isotrain.checkpoint.files import read_safetensors_header
 from isotrain.checkpoint.layout import CHECKPOINTS_DIR, committed, leftovers, read_latest, set_aside
 from isotrain.checkpoint.manifest import read_manifest, verify_checkpoint
-from isotrain.checkpoint.save import CheckpointError
+from isotrain.errors import CheckpointError
 
 def directory_bytes(path: Path) -> int:
     if path.is_file():
@@ -90,7 +90,8 @@ class Inspection:
 def describe_experts(directory: Path, keys: list[str]) -> str | None:
     """One line on a MoE model's experts: how many layers and experts, and whether they are stored per expert
     under global ids (the keys `save_pretrained` writes) or fused (older isotrain checkpoints)."""
-    from isotrain.models.expert_keys import expert_format, layers_with_experts, num_experts
+    from isotrain.models.expert_keys import expert_format, layers_with_experts
+    from isotrain.parallel.dims import num_experts
 
     try:
         config = json.loads((directory / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""`isotrain ckpt list|inspect|verify|export|merge`: print what tools.py, export.py and merge.py find."""
+"""`isotrain ckpt list|inspect|verify|export|merge`: print what inspection.py, export.py and merge.py find."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _first_names(names: list[str], most: int = 5) -> str:
 
 
 def cmd_list(args) -> int:
-    from isotrain.checkpoint.tools import list_run
+    from isotrain.ckpt.inspection import list_run
 
     listing = list_run(args.run_dir)
     console = _console()
@@ -69,7 +69,7 @@ def _layout_text(layout: dict | None) -> str:
 
 
 def cmd_inspect(args) -> int:
-    from isotrain.checkpoint.tools import inspect_checkpoint
+    from isotrain.ckpt.inspection import inspect_checkpoint
 
     found = inspect_checkpoint(args.directory)
     console = _console()
@@ -136,8 +136,8 @@ def cmd_verify(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from isotrain.checkpoint.export import export_adapter, export_checkpoint
-    from isotrain.checkpoint.save import CheckpointError
+    from isotrain.ckpt.export import export_adapter, export_checkpoint
+    from isotrain.errors import CheckpointError
 
     if args.adapter:
         if args.dtype or args.drop_keys:
@@ -163,7 +163,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from isotrain.checkpoint.merge import merge_models, read_recipe
+    from isotrain.ckpt.merge import merge_models, read_recipe
 
     report = merge_models(read_recipe(args.recipe), processes=args.processes)
     console = _console()

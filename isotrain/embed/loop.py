@@ -19,7 +19,7 @@ from rich.console import Console
 
 from isotrain.checkpoint.files import atomic_write_text
 from isotrain.checkpoint.manager import MODEL_DIR, SFT_COUNTERS, CheckpointContract, CheckpointManager
-from isotrain.config import Config, dump_config
+from isotrain.config import EmbedRunConfig as Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.embed.batch import EmbedMicroBatch
@@ -124,8 +124,6 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     degrees = resolve_dims(cfg.parallel, info.world_size)
     check_layout(degrees)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
-    check_moe_section(cfg.moe, declared_config(cfg.model))  # moe.* on a dense model would do nothing
-    _refuse_router_terms(cfg.moe)
     if cfg.train.loss_chunk_tokens:
         raise ConfigError(f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} applies to the SFT cross-entropy "
                           "only, and isotrain embed has no vocabulary logits; remove train.loss_chunk_tokens")

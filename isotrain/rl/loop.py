@@ -27,7 +27,7 @@ from rich.markup import escape
 
 from isotrain.checkpoint.files import atomic_write_text
 from isotrain.checkpoint.manager import MODEL_DIR, CheckpointContract, CheckpointManager
-from isotrain.config import Config, dump_config
+from isotrain.config import RLRunConfig as Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.build import build
@@ -49,7 +49,7 @@ from isotrain.rl.rewards import format_gated, load_reward
 from isotrain.rl.update import UpdateTotals, advantages, run_updates
 from isotrain.train.step import step_options
 from isotrain.models.weights import sync_named_tensors
-from isotrain.sizes import pin_rl_global_batch, plan_rl_batches
+from isotrain.sizes import plan_rl_batches
 from isotrain.train.metrics import MetricsWriter
 from isotrain.train.optim import build_optimizer
 from isotrain.train.run_loop import RunState, run_loop, stopped_message
@@ -148,7 +148,6 @@ def _rl(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> RLRe
     log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
     degrees = resolve_dims(cfg.parallel, info.world_size)
     plan = plan_rl_batches(cfg, degrees)  # invariant 7: every size checked before any work
-    pin_rl_global_batch(cfg, plan)
     if cfg.data.packing:
         raise ConfigError("data.packing=true does not apply to RL, whose rows are one prompt and its sampled "
                           "response each; remove data.packing from the RL config")

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from isotrain.checkpoint.files import atomic_write_text
 from isotrain.checkpoint.manager import MODEL_DIR, SFT_COUNTERS, CheckpointContract, CheckpointManager
-from isotrain.config import Config, dump_config
+from isotrain.config import TrainRunConfig as Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.data.collate import collate
 from isotrain.data.sampler import GlobalBatchSampler

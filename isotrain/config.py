@@ -514,10 +514,9 @@ def recipe_sections(recipe: str) -> list[str]:
 def infer_recipe(tree: dict) -> Recipe:
     """The recipe a config tree is written for, told by the sections only one recipe reads (`rl`, `rollout`,
     `embed`); `train` when it has none of them. For `isotrain config show`, which inspects any recipe's file."""
-    shared = set(RunConfig.model_fields)
+    train = set(recipe_sections("train"))
     for recipe in ("rl", "embed"):
-        own = set(recipe_sections(recipe)) - shared - set(recipe_sections("train"))
-        if own & set(tree):
+        if (set(recipe_sections(recipe)) - train) & set(tree):
             return recipe
     return "train"
 

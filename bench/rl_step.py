@@ -139,7 +139,7 @@ def run_isotrain(args, work: Path, model_dir: Path, after_step, pack: bool) -> l
                   "grad_clip": 1.0, "seed": SEED, "log_every": 1, "compile": args.compile},
         "checkpoint": {"every_steps": 0},
         "logging": {"progress": False},
-    })
+    }, recipe="rl")
     _thread_local.after_step = after_step
     session.MetricsWriter = TurnTakingWriter  # the only hook the session offers; the step itself is untouched
     rl_train(cfg, console=Console(file=io.StringIO()))

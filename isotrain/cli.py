@@ -28,7 +28,7 @@ def cmd_train(args) -> int:
     from isotrain.config import load_config
 
     path, overrides = _split_config_and_overrides(args)
-    cfg = load_config(path, overrides)  # config errors come before the slow torch imports
+    cfg = load_config(path, overrides, recipe="train")  # config errors come before the slow torch imports
     if args.dry_run:
         # The run's own layout (torchrun's WORLD_SIZE), printed once; nothing is trained, read or written.
         if os.environ.get("RANK", "0") == "0":
@@ -42,10 +42,9 @@ def cmd_train(args) -> int:
 
 def cmd_rl(args) -> int:
     from isotrain.config import load_config
-    from isotrain.recipes import default_rl_recipe_path
 
     path, overrides = _split_config_and_overrides(args)
-    cfg = load_config(path, overrides, default=default_rl_recipe_path())
+    cfg = load_config(path, overrides, recipe="rl")  # no config: the bundled RL recipe
     if path is None:
         _warm_start(cfg)
     from isotrain.recipes.rl import rl_train
@@ -58,15 +57,7 @@ def cmd_embed(args) -> int:
     from isotrain.config import load_config
 
     path, overrides = _split_config_and_overrides(args)
-    if path is None:  # the bundled example: all-MiniLM-L6-v2 on standard-library docstrings
-        from isotrain.recipes import bundled_embedder_path, default_embed_recipe_path
-
-        # Overrides naming a model replace the bundled one (and need no `embed` extra).
-        names_model = any(text.split("=", 1)[0].startswith("model.") for text in overrides)
-        bundled = [] if names_model else [f"model.name_or_path={bundled_embedder_path()}"]
-        cfg = load_config(None, [*bundled, *overrides], default=default_embed_recipe_path())
-    else:
-        cfg = load_config(path, overrides)
+    cfg = load_config(path, _embed_overrides(path, overrides), recipe="embed")
     from isotrain.recipes.embed import embed_evaluate, embed_train
 
     if args.eval_only:
@@ -74,6 +65,16 @@ def cmd_embed(args) -> int:
     else:
         embed_train(cfg)
     return 0
+
+
+def _embed_overrides(path: str | None, overrides: list[str]) -> list[str]:
+    """With no config, the bundled example trains all-MiniLM-L6-v2 on standard-library docstrings: its model is
+    set here, unless the overrides name a model (which then needs no `embed` extra)."""
+    if path is not None or any(text.split("=", 1)[0].startswith("model.") for text in overrides):
+        return overrides
+    from isotrain.recipes import bundled_embedder_path
+
+    return [f"model.name_or_path={bundled_embedder_path()}", *overrides]
 
 
 def _warm_start(cfg) -> None:
@@ -93,41 +94,43 @@ def _warm_start(cfg) -> None:
     print(f"{model_dir} is absent: training it first with the bundled SFT recipe ({' '.join(sft_overrides)})")
     from isotrain.recipes.sft import train
 
-    train(load_config(None, sft_overrides))
+    train(load_config(None, sft_overrides, recipe="train"))
 
 
 def cmd_config_show(args) -> int:
-    from isotrain.config import dump_config, load_config
     from pathlib import Path
 
+    from isotrain.config import EmbedRunConfig, RLRunConfig, build_config, dump_config, infer_recipe, load_tree
     from isotrain.errors import ConfigError
-    from isotrain.models.loading import check_layout_fits, checked_config
+    from isotrain.models.loading import check_layout_fits, checked_config, declared_config
     from isotrain.parallel.dims import resolve_dims
-    from isotrain.sizes import pin_rl_global_batch, plan_batches, plan_rl_batches
-
-    from isotrain.recipes import default_rl_recipe_path
+    from isotrain.sizes import plan_batches, plan_rl_batches
 
     path, overrides = _split_config_and_overrides(args)
-    cfg = load_config(path, overrides, default=default_rl_recipe_path() if args.rl else None)
+    recipe = args.recipe or ("rl" if args.rl else None)
+    if recipe == "embed":
+        overrides = _embed_overrides(path, overrides)
+    tree = load_tree(path, overrides, recipe=recipe or "train")
+    # Without --recipe, a config names its recipe by the sections only that recipe reads (rl, rollout, embed).
+    cfg = build_config(tree, recipe or infer_recipe(tree))
     world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size} is invalid; pass the number of processes, 1 or more")
     degrees = resolve_dims(cfg.parallel, world_size)
     source = cfg.model.name_or_path
     if source is None or (Path(source) / "config.json").is_file():
-        checked_config(cfg)
+        # An embedder may be an encoder: only the causal-LM recipes check for a causal LM.
+        declared_config(cfg.model) if isinstance(cfg, EmbedRunConfig) else checked_config(cfg)
         check_layout_fits(cfg.model, degrees)
     else:  # e.g. the bundled RL recipe's start, trained by its first `isotrain rl`: the sizes still print
         print(f"# model checks skipped: {source} does not exist yet")
-    if args.rl or "rl" in cfg.model_fields_set:  # an RL config: its global batch is derived from the rl section
-        plan = plan_rl_batches(cfg, degrees)
-        pin_rl_global_batch(cfg, plan)
-    else:
-        plan = plan_batches(cfg, degrees)
+    plan = plan_rl_batches(cfg, degrees) if isinstance(cfg, RLRunConfig) else plan_batches(cfg, degrees)
     print(dump_config(cfg), end="")
     print("# derived sizes")
     for name, value in [*degrees.as_rows(), *plan.as_rows()]:
         print(f"# {name}: {value}")
+    if isinstance(cfg, RLRunConfig):  # derived, so the printed (and saved) config leaves it null
+        print(f"# train.global_batch_size: {plan.samples_per_optimizer_step} (rl.mini_batch_prompts × rl.group_size)")
     return 0
 
 
@@ -151,7 +154,7 @@ def cmd_estimate_memory(args) -> int:
     from isotrain.config import load_config
 
     path, overrides = _split_config_and_overrides(args)
-    cfg = load_config(path, overrides)
+    cfg = load_config(path, overrides, recipe="train")  # the estimate is of an SFT step (docs/memory.md)
     _print_estimate(cfg, int(os.environ.get("WORLD_SIZE", args.world_size)), args.dtype, args.json, args.device)
     return 0
 
@@ -182,8 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_commands.add_parser("show", help="print the resolved config and every derived size")
     _add_config_args(show)
     show.add_argument("--world-size", type=int, default=1, help="number of processes to derive sizes for")
-    show.add_argument("--rl", action="store_true",
-                      help="derive RL sizes (automatic for a config with an rl section); no config: the bundled RL recipe")
+    show.add_argument("--recipe", choices=("train", "rl", "embed"), default=None,
+                      help="the command whose config tree to show and whose sizes to derive (default: told by the "
+                      "config's own sections: rl or rollout -> rl, embed -> embed, else train); no config: that "
+                      "command's bundled recipe")
+    show.add_argument("--rl", action="store_true", help="the same as --recipe rl")
     show.set_defaults(func=cmd_config_show)
 
     memory = commands.add_parser("estimate-memory", help="per-rank memory of a training run, term by term")

@@ -1,7 +1,9 @@
-"""The one typed config tree: YAML file + dotted command-line overrides -> validated `Config`.
+"""One typed config tree per recipe: YAML file + dotted command-line overrides -> a validated root.
 
+Every recipe's root is built from the shared sections of `RunConfig` plus the sections only it reads
+(`RECIPE_ROOTS`), so a section a recipe does not use is refused by the key check itself.
 Field descriptions are the reference documentation (`docs/config.md` is generated from them).
-Derived sizes (gradient accumulation and friends) are computed in `isotrain.sizes`, not here.
+Derived sizes (gradient accumulation and friends) are computed in `isotrain.sizes`, never written back here.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     name_or_path: str | None = Field(
-        None, description="Local Hugging Face model directory to start from (weights, config, tokenizer)."
+        None, description="Local Hugging Face model directory to start from (weights, config, tokenizer). On the "
+        "command line, `model.name_or_path=DIR` replaces a `model.config` of the YAML file (and `model.config={...}` "
+        "a `model.name_or_path`); setting both on the command line is an error."
     )
     config: dict[str, Any] | None = Field(
         None,
@@ -374,12 +378,26 @@ class RLConfig(Section):
     format_penalty: float = Field(0.0, description="Reward of a completion that fails format_pattern.")
     eval_every: int = Field(0, ge=0, description="Score the held-out prompts (eval.path) every this many steps; 0: at start and end only.")
 
-    @model_validator(mode="after")
-    def _apply_preset(self) -> RLConfig:
-        for name, value in PRESETS[self.algorithm].items():
-            if name in type(self).model_fields and getattr(self, name) is None:
-                object.__setattr__(self, name, value(self) if callable(value) else value)
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        """Fill every field the input leaves unset (or null) from `PRESETS[algorithm]` before validation, so a
+        preset value meets the same checks as one written by hand. A callable preset derives its value from the
+        settings (explicit over defaults): dapo's overlong buffer is a quarter of rl.max_new_tokens."""
+        if not isinstance(data, dict):
+            return data
+        settings = {**{name: field.get_default(call_default_factory=True) for name, field in cls.model_fields.items()},
+                    **data}
+        if settings["algorithm"] not in PRESETS:
+            return data  # the algorithm field's own check names the valid ones
+        filled = dict(data)
+        for name, value in PRESETS[settings["algorithm"]].items():
+            if name in cls.model_fields and settings[name] is None:
+                try:
+                    filled[name] = value(settings) if callable(value) else value
+                except (TypeError, ValueError):
+                    pass  # derived from an invalid setting, which validation then names
+        return filled
 
     @property
     def advantage(self) -> str:
@@ -438,7 +456,18 @@ class EmbedConfig(Section):
         return dims
 
 
-class Config(Section):
+class RLTrainConfig(TrainConfig):
+    """The `train` section of `isotrain rl`: its global batch is derived from the rl section."""
+
+    global_batch_size: int | None = Field(
+        None, gt=0, description="Derived in RL: rl.mini_batch_prompts × rl.group_size sequences per optimizer step "
+        "(docs/rl-batch-sizes.md). null: derived; a value set by hand must equal it."
+    )
+
+
+class RunConfig(Section):
+    """The sections every recipe reads; each recipe's root adds its own (RECIPE_ROOTS)."""
+
     output_dir: str = Field("runs/default", description="Run directory: config, metrics, checkpoints, final model.")
     model: ModelConfig
     tokenizer: TokenizerConfig = TokenizerConfig()
@@ -446,13 +475,50 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
-    moe: MoeConfig = MoeConfig()
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+
+
+class TrainRunConfig(RunConfig):
+    """`isotrain train`: pre-training and SFT, MoE router terms and LoRA adapters included."""
+
+    moe: MoeConfig = MoeConfig()
+    lora: LoraConfig = LoraConfig()
+
+
+class RLRunConfig(RunConfig):
+    """`isotrain rl`: the policy trains like SFT (MoE, LoRA) from rollouts; the global batch is derived."""
+
+    train: RLTrainConfig = RLTrainConfig()
+    moe: MoeConfig = MoeConfig()
+    lora: LoraConfig = LoraConfig()
     rl: RLConfig = RLConfig()
     rollout: RolloutConfig = RolloutConfig()
-    lora: LoraConfig = LoraConfig()
+
+
+class EmbedRunConfig(RunConfig):
+    """`isotrain embed`: a contrastive loss, which has no router terms (no `moe`) and trains every weight (no `lora`)."""
+
     embed: EmbedConfig = EmbedConfig()
+
+
+Recipe = Literal["train", "rl", "embed"]
+RECIPE_ROOTS: dict[str, type[RunConfig]] = {"train": TrainRunConfig, "rl": RLRunConfig, "embed": EmbedRunConfig}
+
+
+def recipe_sections(recipe: str) -> list[str]:
+    """Top-level keys of `recipe`'s root, in declaration order."""
+    return list(RECIPE_ROOTS[recipe].model_fields)
+
+
+def infer_recipe(tree: dict) -> Recipe:
+    """The recipe a config tree is written for, told by the sections only one recipe reads (`rl`, `rollout`,
+    `embed`); `train` when it has none of them. For `isotrain config show`, which inspects any recipe's file."""
+    train = set(recipe_sections("train"))
+    for recipe in ("rl", "embed"):
+        if (set(recipe_sections(recipe)) - train) & set(tree):
+            return recipe
+    return "train"
 
 
 def set_dotted(tree: dict, dotted_key: str, value: Any) -> None:
@@ -481,6 +547,23 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 # Keys that moved to another section: the hint names the new place instead of a look-alike.
 _MOVED = {"data.add_special_tokens": "model.add_special_tokens"}
+
+
+def _check_sections(tree: dict, recipe: str) -> None:
+    """A section of another recipe is refused by name, before the did-you-mean search could offer a look-alike."""
+    for section, value in tree.items():
+        if section in RECIPE_ROOTS[recipe].model_fields:
+            continue
+        owners = [name for name in RECIPE_ROOTS if section in RECIPE_ROOTS[name].model_fields]
+        if not owners:
+            continue  # not a section of any recipe: a typo, for _check_keys
+        first = next(iter(value), None) if isinstance(value, dict) else None
+        key = f"{section}.{first}" if first is not None else section
+        commands = " and ".join(f"isotrain {name}" for name in owners)
+        # One owner: the user may have meant to run it; with two, the run they chose is the likelier intent.
+        alternative = f" (or run {commands})" if len(owners) == 1 else ""
+        raise ConfigError(f"config section {section!r} belongs to {commands}, not isotrain {recipe}; "
+                          f"remove {key}{alternative}")
 
 
 def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
@@ -534,12 +617,17 @@ def validate_tree(tree: dict, model: type[BaseModel], prefix: str = ""):
         raise ConfigError(_describe_validation_error(err)) from None
 
 
-def build_config(tree: dict) -> Config:
-    _check_keys(tree, Config, "")
+def build_config(tree: dict, recipe: Recipe = "train") -> RunConfig:
+    """`tree` as the root of `recipe` (`isotrain train`, `rl` or `embed`), every mistake as one ConfigError."""
+    if recipe not in RECIPE_ROOTS:
+        raise ConfigError(f"recipe {recipe!r} is unknown; use one of {', '.join(RECIPE_ROOTS)}")
+    root = RECIPE_ROOTS[recipe]
+    _check_sections(tree, recipe)
+    _check_keys(tree, root, "")
     if "model" not in tree:
         raise ConfigError("the config has no model section; set model.name_or_path or model.config")
     try:
-        return Config.model_validate(tree)
+        return root.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(_describe_validation_error(err)) from None
 
@@ -564,24 +652,49 @@ def read_yaml(path: str | Path) -> dict:
     return tree
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), default: Path | None = None) -> Config:
-    """Read a YAML config (or `default`, the bundled SFT recipe unless given, when `path` is None) and apply
-    `a.b=value` overrides.
+def _replace_model_source(tree: dict, keys: list[str]) -> None:
+    """A model source given on the command line replaces the file's other one: `model.name_or_path=DIR` over a
+    recipe that builds a fresh model (`model.config`) starts from DIR, and `model.config={...}` over a
+    `model.name_or_path` builds that fresh model. Both on the command line still meet the one-source check."""
+    model = tree.get("model")
+    if not isinstance(model, dict):
+        return
+    touches_config = any(key == "model.config" or key.startswith("model.config.") for key in keys)
+    if "model.name_or_path" in keys and model.get("name_or_path") is not None and not touches_config:
+        model.pop("config", None)
+    if "model.config" in keys and model.get("config") is not None and "model.name_or_path" not in keys:
+        model.pop("name_or_path", None)
+
+
+def load_tree(path: str | Path | None, overrides: list[str] = (), default: Path | None = None,
+              recipe: Recipe = "train") -> dict:
+    """The config tree of a YAML file (or `default`, else the bundled recipe of `recipe`, when `path` is None) with
+    `a.b=value` overrides applied, not yet validated.
 
     Relative paths resolve against the working directory, except in bundled recipes, whose data
     ships inside the package.
     """
-    from isotrain.recipes import RECIPES_DIR, default_recipe_path, resolve_recipe_paths
+    from isotrain.recipes import RECIPES_DIR, bundled_recipe_path, resolve_recipe_paths
 
-    source = Path(path) if path is not None else (default or default_recipe_path())
+    source = Path(path) if path is not None else (default or bundled_recipe_path(recipe))
     tree = read_yaml(source)
     if source.resolve().parent == RECIPES_DIR.resolve():
         resolve_recipe_paths(tree)
+    keys = []
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
-    return build_config(tree)
+        keys.append(key)
+    _replace_model_source(tree, keys)
+    return tree
 
 
-def dump_config(cfg: Config) -> str:
+def load_config(path: str | Path | None, overrides: list[str] = (), default: Path | None = None,
+                recipe: Recipe = "train") -> RunConfig:
+    """Read a YAML config (or `default`, else the bundled recipe of `recipe`, when `path` is None), apply
+    `a.b=value` overrides and validate it as the root of `recipe` (RECIPE_ROOTS)."""
+    return build_config(load_tree(path, overrides, default, recipe), recipe)
+
+
+def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False)

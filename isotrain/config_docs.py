@@ -1,6 +1,7 @@
 """Render the config reference (docs/config.md) from the field descriptions of `isotrain.config`.
 
-The typed config tree is the one source of truth: this module only walks it, so the reference
+The typed config trees (one root per recipe, RECIPE_ROOTS) are the one source of truth: this module only
+walks them, so the reference
 cannot say anything the code does not. `python -m isotrain.config_docs` rewrites docs/config.md;
 `--check` exits 1 when the file differs from what the code would produce (tests/test_docs.py
 runs the same comparison).
@@ -17,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from isotrain.config import Config
+from isotrain.config import RECIPE_ROOTS
 
 DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
@@ -29,7 +30,10 @@ HEADER = """\
 
 Every key can be set in a YAML config or on the command line as `key.sub=value`
 (`isotrain train CONFIG.yaml train.lr=1e-3`). Unknown keys are rejected with a did-you-mean hint.
-`isotrain config show [CONFIG.yaml] [overrides]` prints the resolved config and the derived sizes.
+Each command reads its own config tree: a section that another command reads (e.g. `rl` given to
+`isotrain train`) is refused, naming the command it belongs to.
+`isotrain config show [CONFIG.yaml] [overrides] [--recipe train|rl|embed]` prints the resolved config
+and the derived sizes.
 """
 
 
@@ -86,11 +90,51 @@ def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[
     return found
 
 
+def _commands(recipes: list[str]) -> str:
+    return ", ".join(f"`isotrain {recipe}`" for recipe in recipes)
+
+
+def _recipe_table() -> list[str]:
+    """Which command reads which top-level section."""
+    sections = list(dict.fromkeys(name for root in RECIPE_ROOTS.values() for name in root.model_fields))
+    lines = ["| section | " + " | ".join(f"`isotrain {recipe}`" for recipe in RECIPE_ROOTS) + " |",
+             "| --- |" + " --- |" * len(RECIPE_ROOTS)]
+    for name in sections:
+        if not _is_section(next(root for root in RECIPE_ROOTS.values() if name in root.model_fields)
+                           .model_fields[name].annotation):
+            continue
+        marks = ["yes" if name in root.model_fields else "" for root in RECIPE_ROOTS.values()]
+        lines.append(f"| `{name}` | " + " | ".join(marks) + " |")
+    return lines
+
+
+def _differing_rows(base: type[BaseModel], variant: type[BaseModel], prefix: str) -> list[str]:
+    """The table rows of `variant` that differ from `base` (a recipe's own version of a shared section)."""
+    ours, theirs = _table(base, prefix), _table(variant, prefix)
+    return theirs[:2] + [row for row in theirs[2:] if row not in ours]
+
+
 def render_config_reference() -> str:
-    parts = [HEADER]
-    for prefix, model in _sections(Config):
-        title = f"`{prefix.rstrip('.')}`" if prefix else "Top level"
-        parts.append(f"## {title}\n\n" + "\n".join(_table(model, prefix)) + "\n")
+    """Every section once, in the order of the roots (shared sections first), with the commands that read it;
+    a section that one command reads in a version of its own (RL's `train`) lists the rows that differ."""
+    parts = [HEADER, "## Sections of each command\n\n" + "\n".join(_recipe_table()) + "\n"]
+    seen: dict[str, type[BaseModel]] = {}
+    for recipe, root in RECIPE_ROOTS.items():
+        for prefix, model in _sections(root):
+            if prefix in seen:
+                continue
+            seen[prefix] = model
+            title = f"`{prefix.rstrip('.')}`" if prefix else "Top level"
+            readers = [name for name, other in RECIPE_ROOTS.items() if (prefix, model) in _sections(other)]
+            variants = [(name, m) for name, other in RECIPE_ROOTS.items() for p, m in _sections(other)
+                        if p == prefix and m is not model]
+            if not prefix:  # the roots differ only in their sections, which the table above lists
+                readers, variants = list(RECIPE_ROOTS), []
+            text = f"## {title}\n\nRead by {_commands(readers)}.\n\n" + "\n".join(_table(model, prefix)) + "\n"
+            for name, variant in variants:
+                text += (f"\nIn `isotrain {name}` ({variant.__name__}), these keys differ:\n\n"
+                         + "\n".join(_differing_rows(model, variant, prefix)) + "\n")
+            parts.append(text)
     return "\n".join(parts)
 
 

@@ -1,6 +1,8 @@
 """Defaults that `rl.algorithm` gives to every RL field the config leaves unset.
 
-An explicit setting always wins over the preset. The values follow each method's paper:
+An explicit setting always wins over the preset. The config's validation fills the unset fields
+from here before it checks them (isotrain/config.py, RLConfig), so a preset value meets every check a
+value written by hand does. The values follow each method's paper:
 
 - grpo: group-normalised advantages (mean and std), per-sequence token mean (GRPO paper).
 - dapo: clip-higher 0.2/0.28, token-mean over the mini-batch, dynamic sampling, soft overlong
@@ -31,8 +33,9 @@ _COMMON = {
 PRESETS: dict[str, dict] = {
     "grpo": {**_COMMON, "advantage": "grpo", "loss_agg": "seq-mean-token-mean"},
     "dapo": {**_COMMON, "advantage": "grpo", "clip_high": 0.28, "dynamic_sampling": True,
-             # the last quarter of the response budget is the soft-penalty buffer
-             "overlong_buffer": lambda rl: max(1, rl.max_new_tokens // 4)},
+             # the last quarter of the response budget is the soft-penalty buffer (`rl`: the settings mapping,
+             # explicit over defaults, before validation: int() reads an integer as pydantic would)
+             "overlong_buffer": lambda rl: max(1, int(rl["max_new_tokens"]) // 4)},
     "dr_grpo": {**_COMMON, "advantage": "dr_grpo", "norm_adv_by_std": False, "loss_agg": "seq-mean-token-sum-norm"},
     "rloo": {**_COMMON, "advantage": "rloo"},
     "reinforce_pp": {**_COMMON, "advantage": "reinforce_pp", "kl_coef": 0.001, "kl_in_reward": True},

@@ -30,7 +30,7 @@ from rich.console import Console
 
 from isotrain.checkpoint.files import atomic_write_text
 from isotrain.checkpoint.manager import MODEL_DIR, SFT_COUNTERS, CheckpointContract, CheckpointManager, Resumed
-from isotrain.config import Config, dump_config
+from isotrain.config import RunConfig, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.parallel.dims import ParallelDims, resolve_dims
 from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
@@ -63,7 +63,7 @@ class RunResult:
 class Session:
     """What every recipe builds on: the config, where this process stands, the sizes, the run directory."""
 
-    cfg: Config
+    cfg: RunConfig
     info: DistInfo
     console: Console
     degrees: ParallelDims
@@ -135,7 +135,7 @@ class Recipe:
         """On every process once the process group is gone (work that must not run inside one)."""
 
 
-def run_session(cfg: Config, make_recipe, console: Console | None = None) -> RunResult:
+def run_session(cfg: RunConfig, make_recipe, console: Console | None = None) -> RunResult:
     """Run the recipe `make_recipe(cfg, degrees)` from start to its final model (or a stop signal)."""
     info = init_distributed()
     console = console or Console(stderr=False)

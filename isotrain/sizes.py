@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from isotrain.config import Config
+from isotrain.config import EmbedRunConfig, RLRunConfig, TrainRunConfig
 from isotrain.errors import ConfigError
 from isotrain.parallel.dims import ParallelDims
 from isotrain.presets import GROUP_BASELINES
@@ -33,7 +33,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_batches(cfg: Config, degrees: ParallelDims) -> BatchPlan:
+def plan_batches(cfg: TrainRunConfig | EmbedRunConfig, degrees: ParallelDims) -> BatchPlan:
     global_bs = cfg.train.global_batch_size
     micro_bs = cfg.train.micro_batch_size
     dp = degrees.dp_size
@@ -88,9 +88,10 @@ class RLBatchPlan:
         return list(asdict(self).items())
 
 
-def _check_rl_global_batch(cfg: Config, samples_per_update: int) -> None:
-    # In RL the global batch is derived; a value set by hand that disagrees would mean something else silently.
-    if "global_batch_size" in cfg.train.model_fields_set and cfg.train.global_batch_size != samples_per_update:
+def _check_rl_global_batch(cfg: RLRunConfig, samples_per_update: int) -> None:
+    # In RL the global batch is derived (null in the config, so a saved config.yaml plans the same again);
+    # a value set by hand that disagrees would mean something else silently.
+    if cfg.train.global_batch_size is not None and cfg.train.global_batch_size != samples_per_update:
         raise ConfigError(
             f"train.global_batch_size={cfg.train.global_batch_size} is not used by RL: the global batch is "
             f"rl.mini_batch_prompts × rl.group_size = {samples_per_update} sequences; remove it or set it to "
@@ -98,7 +99,7 @@ def _check_rl_global_batch(cfg: Config, samples_per_update: int) -> None:
         )
 
 
-def plan_rl_batches(cfg: Config, degrees: ParallelDims) -> RLBatchPlan:
+def plan_rl_batches(cfg: RLRunConfig, degrees: ParallelDims) -> RLBatchPlan:
     """Every RL size, or a ConfigError naming the fields and valid values (invariant 7)."""
     rl, dp, micro = cfg.rl, degrees.dp_size, cfg.train.micro_batch_size
     prompts, group = rl.prompts_per_step, rl.group_size
@@ -156,7 +157,3 @@ def plan_rl_batches(cfg: Config, degrees: ParallelDims) -> RLBatchPlan:
         grad_accum_steps=samples_per_update // (micro * dp),
     )
 
-
-def pin_rl_global_batch(cfg: Config, plan: RLBatchPlan) -> None:
-    """Write the derived RL global batch into the config, so the saved config.yaml plans the same sizes again."""
-    cfg.train.global_batch_size = plan.samples_per_optimizer_step

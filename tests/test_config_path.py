@@ -87,22 +87,14 @@ def _configs(tmp_path: Path) -> dict:
             "logging.progress=false", "eval.path=null"]
     return {
         "train": load_config(None, [*tiny, "tokenizer.type=char", f"output_dir={tmp_path / 'sft'}"]),
-        "rl": load_config(None, [*tiny, "model.name_or_path=null", "model.config.model_type=llama", "tokenizer.type=char",
-                                 "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=2",
-                                 "train.micro_batch_size=4", f"output_dir={tmp_path / 'rl'}"],
-                          default=_recipe("rl_default.yaml")),
-        "embed": load_config(None, [*tiny, "model.name_or_path=null", "model.config.model_type=bert",
-                                    "model.config.max_position_embeddings=64", "tokenizer.vocab_size=300",
-                                    "data.max_seq_len=32", f"data.path={data}", "train.global_batch_size=8",
-                                    "train.micro_batch_size=8", f"output_dir={tmp_path / 'embed'}"],
-                             default=_recipe("embed_default.yaml")),
+        "rl": load_config(None, [*tiny, "model.config.model_type=llama", "tokenizer.type=char", "rl.prompts_per_step=2",
+                                 "rl.group_size=2", "rl.max_new_tokens=2", "train.micro_batch_size=4",
+                                 f"output_dir={tmp_path / 'rl'}"], recipe="rl"),
+        "embed": load_config(None, [*tiny, "model.config.model_type=bert", "model.config.max_position_embeddings=64",
+                                    "tokenizer.vocab_size=300", "data.max_seq_len=32", f"data.path={data}",
+                                    "train.global_batch_size=8", "train.micro_batch_size=8",
+                                    f"output_dir={tmp_path / 'embed'}"], recipe="embed"),
     }
-
-
-def _recipe(name: str) -> Path:
-    from isotrain.recipes import RECIPES_DIR
-
-    return RECIPES_DIR / name
 
 
 def _entry(recipe: str):

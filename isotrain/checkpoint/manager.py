@@ -36,7 +36,7 @@ from isotrain.checkpoint.state import (
     rng_state,
     set_rng_state,
 )
-from isotrain.config import Config, dump_config
+from isotrain.config import RunConfig, dump_config
 from isotrain.errors import CheckpointError, ConfigError
 from isotrain.models.unwrap import hf_model, is_lora, model_tensors
 
@@ -148,7 +148,7 @@ def allocate_staging(items: list[Item], rank: int, buffers: dict[str, torch.Tens
 
 
 class CheckpointManager:
-    def __init__(self, cfg: Config, rank: int, world_size: int, layout: dict, model, optimizer, tokenizer,
+    def __init__(self, cfg: RunConfig, rank: int, world_size: int, layout: dict, model, optimizer, tokenizer,
                  contract: CheckpointContract, log=print):
         self.cfg, self.rank, self.world_size, self.layout = cfg, rank, world_size, layout
         self.model, self.optimizer, self.contract, self.log = model, optimizer, contract, log

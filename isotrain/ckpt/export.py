@@ -186,7 +186,7 @@ def _write(source: Path, tmp: Path, shards: list[list[str]], shapes: dict, read,
 def export_adapter(source: Path, out: Path) -> ExportReport:
     """The LoRA adapters of a LoRA run's checkpoint as a peft adapter directory (adapter_config.json and
     adapter_model.safetensors) that `peft.PeftModel.from_pretrained(base, out)` loads."""
-    from isotrain.config import build_config, read_yaml
+    from isotrain.config import LoraConfig, read_yaml, validate_tree
     from isotrain.models.lora import lora_config
 
     source, out = Path(source), Path(out)
@@ -198,13 +198,17 @@ def export_adapter(source: Path, out: Path) -> ExportReport:
         if not names or not run_config.is_file():
             raise CheckpointError(f"{source} holds no LoRA adapters (it was not saved by a run with lora.r > 0); "
                                   "export its full weights without --adapter")
-        cfg = build_config(read_yaml(run_config))
+        # Only the lora and model sections: the run may be `isotrain train` or `isotrain rl` (or an older run that
+        # saved every recipe's sections), and the adapter needs nothing else.
+        run = read_yaml(run_config)
+        lora = validate_tree(run.get("lora") or {}, LoraConfig, "lora.")
+        base_model = (run.get("model") or {}).get("name_or_path")
         # peft saves "<module>.lora_A.weight": the adapter's name ("default") is not part of the file's keys.
         tensors = {k.removeprefix("adapter.").replace(".default.", "."): reader.read(k) for k in names}
     finally:
         reader.close()
-    config = lora_config(cfg.lora).to_dict()
-    config["base_model_name_or_path"] = cfg.model.name_or_path
+    config = lora_config(lora).to_dict()
+    config["base_model_name_or_path"] = base_model
     config["peft_type"] = str(config["peft_type"].value)
     config["task_type"] = str(config["task_type"])
     config["target_modules"] = sorted(config["target_modules"])

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from isotrain.config import Config
+from isotrain.config import TrainRunConfig
 from isotrain.errors import ConfigError
 from isotrain.memory.shards import expert_parameter_names, local_numel, tp_split_dims
 from isotrain.parallel.dims import ParallelDims
@@ -170,7 +170,7 @@ def fsdp_terms(model, config, degrees: ParallelDims, dtype: str) -> list[Term]:
                  "or the root's at the end")]
 
 
-def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str, device: str = "cpu") -> list[Term]:
+def activation_terms(cfg: TrainRunConfig, config, degrees: ParallelDims, dtype: str, device: str = "cpu") -> list[Term]:
     from isotrain.memory.fake_forward import fake_forward
     from isotrain.models.checks import attention_kernel
     from isotrain.moe.settings import router_settings
@@ -215,7 +215,7 @@ def activation_terms(cfg: Config, config, degrees: ParallelDims, dtype: str, dev
     return terms
 
 
-def meta_model(cfg: Config, config):
+def meta_model(cfg: TrainRunConfig, config):
     from transformers import AutoModelForCausalLM
 
     from isotrain.models.checks import attention_kernel
@@ -226,7 +226,7 @@ def meta_model(cfg: Config, config):
                                                                                      AutoModelForCausalLM))
 
 
-def run_vocab_size(cfg: Config, config) -> tuple[int, str]:
+def run_vocab_size(cfg: TrainRunConfig, config) -> tuple[int, str]:
     """The vocabulary the run will have, and how it was found (a trained tokenizer's size is its target)."""
     from isotrain.models.tokenizer import load_tokenizer
 
@@ -250,7 +250,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def estimate_memory(cfg: Config, world_size: int, dtype: str | None = None, vocab_size: int | None = None,
+def estimate_memory(cfg: TrainRunConfig, world_size: int, dtype: str | None = None, vocab_size: int | None = None,
                     checked=None, device: str | None = None) -> MemoryEstimate:
     """Every term of one rank's memory (the largest rank: rank 0) for `cfg` on `world_size` processes computing on
     `device` ("cpu" or "cuda"; default: where a run started here would compute). The device decides the attention

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from isotrain.config import Config, ModelConfig
+from isotrain.config import ModelConfig, RunConfig
 from isotrain.errors import ConfigError
 from isotrain.models.checks import (
     attention_kernel,
@@ -58,7 +58,7 @@ def _directory_config(name_or_path: str):
     return config
 
 
-def checked_config(cfg: Config):
+def checked_config(cfg: RunConfig):
     """Before any work: the run's model config parses, is a causal LM with valid sizes, and its positions hold
     `data.max_seq_len` (the default is lowered to fit). Returns the transformers config (vocabulary not yet
     grown for the tokenizer)."""

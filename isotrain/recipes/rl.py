@@ -20,7 +20,7 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
-from isotrain.config import Config
+from isotrain.config import RLRunConfig
 from isotrain.disk import sha256_file
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.loading import check_layout_fits, checked_config, count_parameters, model_config
@@ -38,7 +38,7 @@ from isotrain.rl.prompts import PromptStream, check_rl_lengths, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
 from isotrain.rl.update import UpdateContext, advantages, run_updates
 from isotrain.session import Recipe, RunResult, Session, run_session
-from isotrain.sizes import pin_rl_global_batch, plan_rl_batches
+from isotrain.sizes import plan_rl_batches
 from isotrain.train.run_loop import RunState
 from isotrain.train.schedule import lr_of_step
 from isotrain.train.setup import prepare_tokenizer
@@ -47,7 +47,7 @@ from isotrain.train.step import step_options
 RL_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen", "prompt_rounds", "optimizer_steps")
 
 
-def rl_train(cfg: Config, console: Console | None = None) -> RunResult:
+def rl_train(cfg: RLRunConfig, console: Console | None = None) -> RunResult:
     """RL post-training of `cfg.model` on the prompts of `cfg.data.path`; held-out scores before and after."""
     return run_session(cfg, RL, console)
 
@@ -56,10 +56,9 @@ class RL(Recipe):
     counter_keys = RL_COUNTERS
     batch_field = "rl.prompts_per_step"
 
-    def __init__(self, cfg: Config, degrees):
+    def __init__(self, cfg: RLRunConfig, degrees):
         self.cfg = cfg
         self.plan = plan_rl_batches(cfg, degrees)
-        pin_rl_global_batch(cfg, self.plan)
         if cfg.data.packing:
             raise ConfigError("data.packing=true does not apply to RL, whose rows are one prompt and its sampled "
                               "response each; remove data.packing from the RL config")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from isotrain.config import Config
+from isotrain.config import TrainRunConfig
 from isotrain.data.collate import collate
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import read_rows
@@ -38,13 +38,13 @@ from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer
 from isotrain.train.step import step_options, train_step
 
 
-def train(cfg: Config, console: Console | None = None) -> RunResult:
+def train(cfg: TrainRunConfig, console: Console | None = None) -> RunResult:
     """Pre-train or fine-tune `cfg.model` on `cfg.data`; with eval.path, report the final exact-match accuracy."""
     return run_session(cfg, SFT, console)
 
 
 class SFT(Recipe):
-    def __init__(self, cfg: Config, degrees):
+    def __init__(self, cfg: TrainRunConfig, degrees):
         self.cfg = cfg
         self.plan = plan_batches(cfg, degrees)
         self.model_config = checked_config(cfg)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from isotrain.config import Config
+from isotrain.config import RLRunConfig
 from isotrain.models.build import build
 from isotrain.rl.algos import aggregation_weights, value_loss
 from isotrain.rl.experience import PADDED, RolloutBatch, RowLayout, forward_logits, per_response_token
@@ -26,7 +26,7 @@ from isotrain.train.step import accumulate_gradients, optimizer_step
 CRITIC_STATS = ("value_loss", "value_clipped", "value_mean")
 
 
-def build_critic(cfg: Config, tokenizer, device: torch.device, parallel):
+def build_critic(cfg: RLRunConfig, tokenizer, device: torch.device, parallel):
     """A value model sharing the policy's initial backbone weights; parallelised; with its own optimizer."""
     from transformers import AutoModelForTokenClassification
 

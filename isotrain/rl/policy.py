@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from isotrain.config import Config
+from isotrain.config import RLRunConfig
 from isotrain.disk import sha256_file
 from isotrain.models.build import build
 from isotrain.models.lora import lora_adapter
@@ -18,7 +18,7 @@ from isotrain.train.optim import build_optimizer
 from isotrain.train.setup import compute_dtype
 
 
-def build_policy(cfg: Config, device: torch.device, tokenizer, parallel):
+def build_policy(cfg: RLRunConfig, device: torch.device, tokenizer, parallel):
     """(policy, its optimizer, the frozen reference or None): both models built on this rank's layout by the one
     model builder (the reference sharded like the policy, without gradients or optimizer)."""
     common = dict(compute_dtype=compute_dtype(cfg))
@@ -32,7 +32,7 @@ def build_policy(cfg: Config, device: torch.device, tokenizer, parallel):
     return model, build_optimizer(model, cfg.train), reference
 
 
-def make_engine(cfg: Config, config, tokenizer, output_dir: Path):
+def make_engine(cfg: RLRunConfig, config, tokenizer, output_dir: Path):
     """The rollout engine, holding its own copy of the weights. It starts with none usable: the recipe sends
     the policy's weights before the first rollout, and after every update."""
     if cfg.rollout.engine == "process":
@@ -48,7 +48,7 @@ def make_engine(cfg: Config, config, tokenizer, output_dir: Path):
     return HFEngine.from_config(config, tokenizer, batch_size=cfg.rollout.batch_size)
 
 
-def start_fingerprint(cfg: Config) -> str:
+def start_fingerprint(cfg: RLRunConfig) -> str:
     """What the frozen reference is rebuilt from on resume: the starting weights' files, or the seeded config."""
     if cfg.model.name_or_path is None:
         return hashlib.sha256(json.dumps([cfg.model.config, cfg.train.seed], sort_keys=True).encode()).hexdigest()

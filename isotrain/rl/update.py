@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from isotrain.config import Config, RLConfig
+from isotrain.config import RLConfig, RLRunConfig
 from isotrain.moe.objective import RouterStep, RouterValues
 from isotrain.parallel.dist import all_reduce_sum
 from isotrain.rl.algos import (
@@ -153,7 +153,7 @@ def _policy_loss_sum(objective: RLObjective, model, device: torch.device, stats:
 class UpdateContext:
     """What every optimizer step of a rollout works with, fixed for the run."""
 
-    cfg: Config
+    cfg: RLRunConfig
     plan: RLBatchPlan
     dp_rank: int
     device: torch.device

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from isotrain.config import Config
+from isotrain.config import RLRunConfig, RunConfig, TrainRunConfig
 from isotrain.data import prepare_dataset
 from isotrain.data.sources import read_rows
 from isotrain.models.build import build
@@ -58,7 +58,7 @@ def rank0_first(info: DistInfo, work):
     return work()
 
 
-def prepare_tokenizer(cfg: Config, info: DistInfo, output_dir: Path, log):
+def prepare_tokenizer(cfg: RunConfig, info: DistInfo, output_dir: Path, log):
     if cfg.model.name_or_path is not None:
         check_model_dir(cfg.model.name_or_path)  # a wrong model path is named as such, not as a tokenizer
     source = cfg.tokenizer.path or cfg.model.name_or_path
@@ -82,7 +82,7 @@ def prepare_tokenizer(cfg: Config, info: DistInfo, output_dir: Path, log):
     return tokenizer
 
 
-def prepare_data(cfg: Config, info: DistInfo, tokenizer, log):
+def prepare_data(cfg: RunConfig, info: DistInfo, tokenizer, log):
     return rank0_first(info, lambda: prepare_dataset(cfg.data, tokenizer, log=log if info.is_main else _quiet))
 
 
@@ -90,11 +90,11 @@ def _quiet(*_args, **_kwargs) -> None:
     pass
 
 
-def compute_dtype(cfg: Config) -> torch.dtype | None:
+def compute_dtype(cfg: RunConfig) -> torch.dtype | None:
     return torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
 
 
-def prepare_model(cfg: Config, info: DistInfo, tokenizer, parallel: ParallelState):
+def prepare_model(cfg: TrainRunConfig | RLRunConfig, info: DistInfo, tokenizer, parallel: ParallelState):
     model = build(cfg.model, tokenizer, cfg.train.seed, parallel, info.device, compute_dtype=compute_dtype(cfg),
                   compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing == "full",
                   loss_parallel=True, adapt=lora_adapter(cfg, parallel.dims),

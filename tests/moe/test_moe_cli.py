@@ -84,7 +84,9 @@ def test_dense_embedder_refuses_moe_keys(capsys, tmp_path):
             "model.config.num_attention_heads=2", "model.config.intermediate_size=64", "eval.path=null"]
     proc = cli(capsys, ["embed", *bert, "moe.z_loss_coef=0.01", f"data.path={tmp_path / 'pairs.jsonl'}",
                         f"output_dir={tmp_path / 'run'}"])
-    assert_error_sentence(proc, _dense_refusal("bert", "z_loss_coef"))
+    # isotrain embed reads no moe section at all (its loss has no router terms): the schema refuses it by name.
+    assert_error_sentence(proc, "config section 'moe' belongs to isotrain train and isotrain rl, not isotrain embed; "
+                                "remove moe.z_loss_coef")
     assert not (tmp_path / "run").exists()  # refused before any work
 
 
@@ -92,6 +94,6 @@ def test_embed_refuses_router_settings_it_cannot_train(capsys, tmp_path):
     """isotrain embed's loss has no router terms, so moe.* is refused even for an MoE model."""
     proc = cli(capsys, ["embed", *TINY_MOE, "moe.aux_loss_coef=0.01", "eval.path=null",
                         f"data.path={tmp_path / 'pairs.jsonl'}", f"output_dir={tmp_path / 'run'}"])
-    assert_error_sentence(proc, "moe.aux_loss_coef=0.01 has no effect in isotrain embed, whose contrastive loss has "
-                                "no router terms; remove moe.aux_loss_coef")
+    assert_error_sentence(proc, "config section 'moe' belongs to isotrain train and isotrain rl, not isotrain embed; "
+                                "remove moe.aux_loss_coef")
     assert not (tmp_path / "run").exists()

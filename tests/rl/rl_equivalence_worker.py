@@ -76,7 +76,7 @@ def make_config(loss_agg: str, mask_truncated: bool, micro_batch: int, dp_replic
                "loss_agg": loss_agg, "mask_truncated": mask_truncated, "max_new_tokens": MAX_NEW_TOKENS,
                "clip_low": 0.1, "clip_high": 0.12, "kl_coef": 0.1, "kl_in_reward": False, "kl_estimator": "k3",
                "entropy_coef": 0.01, "tis_cap": 1.5},
-    })
+    }, recipe="rl")
 
 
 def make_rollout() -> RolloutBatch:

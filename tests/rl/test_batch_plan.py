@@ -14,7 +14,7 @@ import pytest
 from isotrain.config import ParallelConfig, build_config, dump_config, _yaml_load
 from isotrain.errors import ConfigError
 from isotrain.parallel.dims import resolve_dims
-from isotrain.sizes import RLBatchPlan, pin_rl_global_batch, plan_rl_batches
+from isotrain.sizes import RLBatchPlan, plan_rl_batches
 
 
 def make_config(rl: dict, train: dict | None = None, parallel: dict | None = None):
@@ -22,7 +22,7 @@ def make_config(rl: dict, train: dict | None = None, parallel: dict | None = Non
             "train": train or {}}
     if parallel is not None:
         tree["parallel"] = parallel
-    return build_config(tree)
+    return build_config(tree, recipe="rl")
 
 
 def plan(rl: dict, train: dict | None = None, world_size: int = 1, parallel: dict | None = None) -> RLBatchPlan:
@@ -97,9 +97,10 @@ def test_parallel_config_given_directly():
 
 
 def test_default_global_batch_size_is_ignored_by_rl():
-    # train.global_batch_size defaults to 8 for SFT; left unset, it never conflicts with M × n.
+    # train.global_batch_size defaults to 8 for SFT; in RL it is null (derived), so left unset it never conflicts
+    # with M × n.
     cfg = make_config({"prompts_per_step": 16, "group_size": 8})
-    assert cfg.train.global_batch_size == 8 and "global_batch_size" not in cfg.train.model_fields_set
+    assert cfg.train.global_batch_size is None and "global_batch_size" not in cfg.train.model_fields_set
     assert plan_rl_batches(cfg, resolve_dims(cfg.parallel, 1)).samples_per_optimizer_step == 128
 
 
@@ -166,17 +167,23 @@ def test_zero_or_negative_sizes_name_the_field(section, key, value):
     tree = {"model": {"config": {"model_type": "llama"}}, "data": {"path": "x.jsonl"}, section: {key: value}}
     message = f"config value {section}.{key}={value} is invalid: Input should be greater than 0"
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
-        build_config(tree)
+        build_config(tree, recipe="rl")
 
 
-def test_resolved_config_round_trips():
-    # A run pins the derived global batch, then writes dump_config(cfg) to <output_dir>/config.yaml;
-    # reading it back must plan the same batches (the SFT default 8 would be refused as set by hand).
-    cfg = make_config({"prompts_per_step": 16, "group_size": 4})
-    pin_rl_global_batch(cfg, plan_rl_batches(cfg, resolve_dims(cfg.parallel, 1)))
-    again = build_config(_yaml_load(dump_config(cfg)))
-    degrees = resolve_dims(cfg.parallel, 1)
-    assert plan_rl_batches(again, degrees) == plan_rl_batches(cfg, degrees)
+@pytest.mark.parametrize("rl", [{"prompts_per_step": 16, "group_size": 4},
+                                {"prompts_per_step": 16, "group_size": 4, "mini_batch_prompts": 4, "ppo_epochs": 2},
+                                {"algorithm": "dapo", "prompts_per_step": 8, "group_size": 2, "max_new_tokens": 40}])
+def test_resolved_config_round_trips(rl):
+    # A run writes dump_config(cfg) to <output_dir>/config.yaml as it is: the derived global batch is not written
+    # back (it stays null), and reading the file again plans the same batches and presets.
+    cfg = make_config(rl, {"micro_batch_size": 4})
+    degrees = resolve_dims(cfg.parallel, 2)
+    before = plan_rl_batches(cfg, degrees)
+    assert cfg.train.global_batch_size is None
+    text = dump_config(cfg)
+    again = build_config(_yaml_load(text), recipe="rl")
+    assert plan_rl_batches(again, degrees) == before
+    assert again == cfg and dump_config(again) == text
 
 
 # --- rl.algorithm presets: defaults for the fields left unset; explicit values win ---

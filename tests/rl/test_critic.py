@@ -14,7 +14,7 @@ def test_the_critic_has_no_dropout_before_its_value_head():
     from isotrain.parallel.mesh import single_process
     from isotrain.rl.critic import build_critic
 
-    cfg = build_config({"model": {"config": dict(TINY_LLAMA)}, "rl": {"algorithm": "ppo"}})
+    cfg = build_config({"model": {"config": dict(TINY_LLAMA)}, "rl": {"algorithm": "ppo"}}, recipe="rl")
     tokenizer = train_tokenizer(["12+34=46"] * 4, "char", 0)
     critic, _ = build_critic(cfg, tokenizer, torch.device("cpu"), single_process(ParallelDims(1, 1, 1)))
     assert critic.training

@@ -519,7 +519,7 @@ def test_warm_start_trains_the_missing_sft_model_with_the_bundled_recipe(tmp_pat
     monkeypatch.chdir(tmp_path)
     trained = []
     monkeypatch.setattr(isotrain.recipes.sft, "train", trained.append)
-    cfg = load_config(None, [], default=default_rl_recipe_path())
+    cfg = load_config(None, [], default=default_rl_recipe_path(), recipe="rl")
     assert cfg.model.name_or_path == RL_WARM_START[0]
     _warm_start(cfg)
     assert len(trained) == 1
@@ -533,7 +533,7 @@ def test_warm_start_trains_the_missing_sft_model_with_the_bundled_recipe(tmp_pat
     (tmp_path / RL_WARM_START[0]).mkdir(parents=True)
     (tmp_path / RL_WARM_START[0] / "config.json").write_text("{}")
     _warm_start(cfg)
-    other = load_config(None, ["model.name_or_path=elsewhere"], default=default_rl_recipe_path())
+    other = load_config(None, ["model.name_or_path=elsewhere"], default=default_rl_recipe_path(), recipe="rl")
     shutil.rmtree(tmp_path / "runs")
     _warm_start(other)
     assert len(trained) == 1

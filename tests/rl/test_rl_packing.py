@@ -78,7 +78,7 @@ def make_config(config: dict, algorithm: str, loss_agg: str):
           "mask_truncated": loss_agg == "seq-mean-token-sum"}
     return build_config({"model": {"config": config, "attn_implementation": "sdpa"},
                          "train": {"micro_batch_size": 4, "seed": 0, "grad_clip": 1.0, "lr": 1e-2},
-                         "rl": rl})
+                         "rl": rl}, recipe="rl")
 
 
 def capture_grads(model, store: list) -> None:
@@ -208,7 +208,7 @@ def test_packed_rows_are_fewer_and_restart_their_positions(tokenizer):
 
 def test_the_run_decides_the_layout_from_its_models(tokenizer):
     logged = []
-    cfg = build_config({"model": {"config": LLAMA}, "rl": {"max_new_tokens": 4}})
+    cfg = build_config({"model": {"config": LLAMA}, "rl": {"max_new_tokens": 4}}, recipe="rl")
     parallel = single_process(ParallelDims(1, 1, 1))
     llama, opt = (build_plain(model_cfg(c), tokenizer, seed=0) for c in (LLAMA, OPT))
     bloom = build_plain(ModelConfig(config=BLOOM, attn_implementation="eager"), tokenizer, seed=0)
@@ -218,6 +218,6 @@ def test_the_run_decides_the_layout_from_its_models(tokenizer):
     assert logged[-1] == ("rl.pack_sequences: BloomForCausalLM cannot keep packed sequences apart (it ignores "
                           "position-id restarts and cannot take isotrain's per-document mask); the RL forwards use "
                           "padded rows")
-    off = build_config({"model": {"config": LLAMA}, "rl": {"max_new_tokens": 4, "pack_sequences": False}})
+    off = build_config({"model": {"config": LLAMA}, "rl": {"max_new_tokens": 4, "pack_sequences": False}}, recipe="rl")
     assert row_layout(off, parallel, CPU, logged.append, llama) == PADDED
     assert len(logged) == 3  # one line per decision that probed

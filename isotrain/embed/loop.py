@@ -29,12 +29,13 @@ from isotrain.embed.evaluate import evaluate_retrieval
 from isotrain.embed.export import sentence_transformers_files
 from isotrain.embed.gradcache import embed_forward_backward
 from isotrain.embed.loss import LossSettings
-from isotrain.embed.model import build_embedder, embed_tokenizer
+from isotrain.embed.model import build_embedder, check_embed_layout, embed_tokenizer
 from isotrain.errors import ConfigError
 from isotrain.models.loading import declared_config
 from isotrain.moe.settings import check_moe_section, num_experts
 from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import DistInfo, init_distributed, shutdown_distributed
+from isotrain.parallel.mesh import build_parallel
 from isotrain.sizes import plan_batches
 from isotrain.train.metrics import MetricsWriter
 from isotrain.train.optim import build_optimizer
@@ -68,13 +69,6 @@ class EmbedResult:
     counters: dict
     eval_before: dict | None = None  # eval_recall@1, ... (None without eval.path)
     eval_after: dict | None = None
-
-
-def check_layout(degrees) -> None:
-    """Data parallelism only: every rank holds the whole encoder (embedding models are small)."""
-    if degrees.tp > 1 or degrees.fsdp or degrees.ep > 1:
-        raise ConfigError(f"isotrain embed runs data parallel only (got parallel.tp={degrees.tp}, "
-                          f"dp_shard={degrees.dp_shard}, ep={degrees.ep}); set parallel.dp_replicate=-1 and the others to 1")
 
 
 def _refuse_router_terms(moe_cfg) -> None:
@@ -122,7 +116,7 @@ def embed_train(cfg: Config, console: Console | None = None) -> EmbedResult:
 def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> EmbedResult:
     log = functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
     degrees = resolve_dims(cfg.parallel, info.world_size)
-    check_layout(degrees)
+    check_embed_layout(degrees)
     plan = plan_batches(cfg, degrees)  # invariant 7: every size checked before any work
     check_moe_section(cfg.moe, declared_config(cfg.model))  # moe.* on a dense model would do nothing
     _refuse_router_terms(cfg.moe)
@@ -140,7 +134,8 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     texts = [t for row in rows.rows for t in (row["query"], row["positive"], *(row.get("negatives") or []))]
     tokenizer = embed_tokenizer(cfg, texts, info, output_dir, log)
     samples = tokenize_rows(rows.rows, tokenizer, cfg.data.max_seq_len, cfg.embed.hard_negatives, cfg.embed.query_prefix)
-    model = build_embedder(cfg, tokenizer, info.device)
+    parallel = build_parallel(degrees, info.device, info.rank)
+    model = build_embedder(cfg, tokenizer, info.device, parallel)
     if num_experts(model.config) is not None:
         log("note: the model's routers train without a load-balancing loss (isotrain embed has no router terms)")
     optimizer = build_optimizer(model, cfg.train)
@@ -168,7 +163,7 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     options = EncodeOptions(cfg.embed.pooling, tokenizer.pad_token_id, tokenizer.padding_side, cfg.embed.chunk_tokens,
                             cfg.train.seed)
     run = EmbedRun(cfg, info, model, optimizer, samples, sampler, checkpoints, settings, options, plan.dp_size,
-                   dist.group.WORLD if info.is_distributed else None)
+                   parallel.dp_group)
     writer = MetricsWriter(output_dir, info.is_main, cfg.logging.tensorboard, start_step=state.step)
     evaluate = None if held_out is None else functools.partial(_evaluate, run, tokenizer, held_out, log)
     before = after = None

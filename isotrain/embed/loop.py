@@ -23,7 +23,7 @@ from isotrain.config import Config, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.embed.batch import EmbedMicroBatch
-from isotrain.embed.data import read_pairs, skipped_report, text_id, tokenize_rows
+from isotrain.embed.data import read_pairs, read_training_pairs, skipped_report, text_id, tokenize_rows
 from isotrain.embed.encode import EncodeOptions
 from isotrain.embed.evaluate import evaluate_retrieval
 from isotrain.embed.export import sentence_transformers_files
@@ -123,17 +123,18 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     if cfg.train.loss_chunk_tokens:
         raise ConfigError(f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} applies to the SFT cross-entropy "
                           "only, and isotrain embed has no vocabulary logits; remove train.loss_chunk_tokens")
-    rows = read_pairs(cfg.data.path, cfg.embed.hard_negatives)
+    rows, num_negatives, negatives_note = read_training_pairs(cfg.data.path, cfg.embed.hard_negatives)
     report = skipped_report(rows)
     held_out = None  # read now: a wrong eval.path is reported before any work
     if cfg.eval.path is not None:
         held_out = read_pairs(cfg.eval.path, 0, "eval.path").rows[: cfg.eval.max_samples]
     output_dir = start_run(cfg, info, console, plan, degrees, scope)
+    log(negatives_note)
     if report:
         log(f"data.path {cfg.data.path!r}: {report}")
     texts = [t for row in rows.rows for t in (row["query"], row["positive"], *(row.get("negatives") or []))]
     tokenizer = embed_tokenizer(cfg, texts, info, output_dir, log)
-    samples = tokenize_rows(rows.rows, tokenizer, cfg.data.max_seq_len, cfg.embed.hard_negatives, cfg.embed.query_prefix)
+    samples = tokenize_rows(rows.rows, tokenizer, cfg.data.max_seq_len, num_negatives, cfg.embed.query_prefix)
     parallel = build_parallel(degrees, info.device, info.rank)
     model = build_embedder(cfg, tokenizer, info.device, parallel)
     if num_experts(model.config) is not None:
@@ -142,7 +143,7 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
     sampler = GlobalBatchSampler(len(samples), plan.global_batch_size, cfg.train.seed)
     fingerprint = text_id("\n".join(texts) + f"\n{cfg.embed.query_prefix}")
     contract = CheckpointContract(extra_state={"sampler": sampler.state_dict(), "schedule": schedule_settings(cfg.train),
-                                               "data_fingerprint": str(fingerprint),
+                                               "data_fingerprint": str(fingerprint), "hard_negatives": num_negatives,
                                                "tokenizer_sha256": tokenizer_fingerprint(tokenizer)})
     layout = {"world_size": info.world_size, **dict(degrees.as_rows())}
     checkpoints = CheckpointManager(cfg, info.rank, info.world_size, layout, model, optimizer, tokenizer, contract, log)
@@ -155,8 +156,8 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
         else RunState(resumed.step, dict(resumed.counters))
     if info.is_main:
         atomic_write_text(output_dir / "config.yaml", dump_config(cfg))
-    log(f"embedding {len(samples)} pairs ({cfg.embed.hard_negatives} hard negatives each), global batch "
-        f"{plan.global_batch_size}: every query is scored against all {plan.global_batch_size * (1 + cfg.embed.hard_negatives)} "
+    log(f"embedding {len(samples)} pairs ({num_negatives} hard negatives each), global batch "
+        f"{plan.global_batch_size}: every query is scored against all {plan.global_batch_size * (1 + num_negatives)} "
         "documents of its global batch")
     settings = LossSettings(cfg.embed.temperature, cfg.embed.symmetric, tuple(cfg.embed.matryoshka_dims),
                             cfg.embed.mask_duplicates)

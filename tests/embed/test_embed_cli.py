@@ -118,3 +118,22 @@ def test_added_special_tokens_reach_the_embedding_model(data, tmp_path):
     assert tokenizer.encode("<q>", add_special_tokens=False) == [tokenizer.convert_tokens_to_ids("<q>")]
     assert AutoModel.from_pretrained(tmp_path / "r" / "model").get_input_embeddings().weight.shape[0] == len(tokenizer)
     assert tokenizer.convert_tokens_to_ids("<d>") == len(tokenizer) - 1
+
+
+def test_the_rows_negatives_are_used_by_default(data, tmp_path):
+    """Without embed.hard_negatives, rows carrying 2 negatives train with 2, and start-up says so."""
+    import io
+
+    from rich.console import Console
+
+    from isotrain.config import load_config
+    from isotrain.embed.loop import embed_train
+
+    unset = [o for o in overrides(data, tmp_path / "r") if not o.startswith("embed.hard_negatives=")]
+    cfg = load_config(None, [*unset, "train.micro_batch_size=8", "train.max_steps=1", "checkpoint.every_steps=0"])
+    assert cfg.embed.hard_negatives is None
+    out = io.StringIO()
+    embed_train(cfg, Console(file=out, width=400))
+    printed = out.getvalue()
+    assert "hard negatives: 2 per query, the fewest a row carries (40 of 40 rows carry 2)" in printed
+    assert "embedding 40 pairs (2 hard negatives each), global batch 8: every query is scored against all 24" in printed

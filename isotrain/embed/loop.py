@@ -141,9 +141,11 @@ def _embed(cfg: Config, info: DistInfo, console: Console, scope: ExitStack) -> E
         log("note: the model's routers train without a load-balancing loss (isotrain embed has no router terms)")
     optimizer = build_optimizer(model, cfg.train)
     sampler = GlobalBatchSampler(len(samples), plan.global_batch_size, cfg.train.seed)
-    fingerprint = text_id("\n".join(texts) + f"\n{cfg.embed.query_prefix}")
+    # The texts, the query prefix and the hard negatives per query: resuming with another count (a changed setting,
+    # or unset on rows that now resolve otherwise) would change the samples, so the "data" check refuses it.
+    fingerprint = text_id("\n".join(texts) + f"\n{cfg.embed.query_prefix}\n{num_negatives}")
     contract = CheckpointContract(extra_state={"sampler": sampler.state_dict(), "schedule": schedule_settings(cfg.train),
-                                               "data_fingerprint": str(fingerprint), "hard_negatives": num_negatives,
+                                               "data_fingerprint": str(fingerprint),
                                                "tokenizer_sha256": tokenizer_fingerprint(tokenizer)})
     layout = {"world_size": info.world_size, **dict(degrees.as_rows())}
     checkpoints = CheckpointManager(cfg, info.rank, info.world_size, layout, model, optimizer, tokenizer, contract, log)

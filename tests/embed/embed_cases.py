@@ -75,12 +75,13 @@ def grads_of(model) -> dict[str, torch.Tensor]:
 
 
 def run_case(case: str, dp_rank: int, dp_size: int, ga: int, group=None, per_micro_batch: bool = False,
-             parallel=None):
+             parallel=None, dtype: torch.dtype | None = None):
     """(loss, gradients) of one step of `case` on this layout. `per_micro_batch`: the control that takes
     negatives from each micro-batch only (the loss of today's tools), averaged over all micro-batches.
     `parallel`: a ParallelState whose FSDP2 shards the encoder (as `isotrain embed` builds it), whose DP group
-    the step then uses."""
-    num_negatives, settings, train, chunk_tokens, dtype = CASES[case]
+    the step then uses. `dtype`: instead of the case's own."""
+    num_negatives, settings, train, chunk_tokens, case_dtype = CASES[case]
+    dtype = dtype or case_dtype
     model = tiny_encoder().to(dtype).train(train)
     if parallel is not None:
         from isotrain.parallel.apply import parallelize

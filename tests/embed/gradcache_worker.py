@@ -44,6 +44,7 @@ def main(out: str, layouts: str) -> None:
             sharded = sharded or build_parallel(ParallelDims(1, size, 1), torch.device("cpu"), rank)
             for case in CASES:
                 results[(layout, case)] = run_case(case, rank, size, ga, parallel=sharded)
+                results[(layout, case, "fp32")] = run_case(case, rank, size, ga, parallel=sharded, dtype=torch.float32)
             continue
         for case in CASES:
             results[(layout, case)] = run_case(case, rank, size, ga, dist.group.WORLD)

@@ -441,9 +441,10 @@ class EmbedConfig(Section):
         "negatives: duplicates in the global batch are not false negatives.")
     symmetric: bool = Field(False, description="Add the document → query InfoNCE term (the loss is the mean of both).")
     query_prefix: str = Field("", description="Instruction prepended to every query text before tokenization.")
-    hard_negatives: int = Field(
-        0, ge=0, description="Hard negatives used per query: the first N of each row's `negatives`; rows with fewer "
-        "are skipped and reported.")
+    hard_negatives: int | None = Field(
+        None, ge=0, description="Hard negatives used per query: the first N of each row's `negatives`; rows with fewer "
+        "are skipped and reported. Unset: the fewest that a row carrying `negatives` has (0 when no row carries any); "
+        "start-up prints the count and why.")
     eval_every: int = Field(
         0, ge=0, description="Retrieval metrics on eval.path (rows like the training data) every this many steps; "
         "0: before training and at the end only.")

@@ -1,13 +1,17 @@
 """{"query", "positive", "negatives": [...]} rows -> tokenized EmbedSamples.
 
 Rows come from the same sources as SFT data (.jsonl, .json, .parquet, a saved dataset). A malformed
-row (bad JSON, a missing or empty field, fewer than `embed.hard_negatives` negatives) is skipped and
-kept with its line number and reason, for the caller to report: none is dropped silently.
+row (bad JSON, a missing or empty field, fewer than the hard negatives used) is skipped and kept with its
+line number and reason, for the caller to report: none is dropped silently.
+
+How many hard negatives each query uses follows the data unless set (`resolve_hard_negatives`): a user's
+negatives are trained with, not ignored without a word.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 from isotrain.data.sources import RowsResult, sort_rows
 from isotrain.embed.batch import EmbedSample
@@ -49,6 +53,62 @@ def read_pairs(path: str, num_negatives: int, field: str = "data.path") -> RowsR
         raise DataError(f"{field} {path!r} has no usable {{query, positive, negatives}} rows{first}; "
                         "fix the rows or lower embed.hard_negatives")
     return result
+
+
+def _num_negatives(row: dict) -> int:
+    return len(row.get("negatives") or [])
+
+
+def resolve_hard_negatives(rows: list[dict], configured: int | None) -> int:
+    """Hard negatives per query: `configured` when set; else the fewest that a row carrying any has (so no such
+    row is skipped, and every query has as many: the loss's layout needs the same count for all), 0 when no row
+    carries any. `rows` are usable rows (`read_pairs(path, 0)`)."""
+    if configured is not None:
+        return configured
+    counts = [_num_negatives(row) for row in rows if _num_negatives(row)]
+    return min(counts, default=0)
+
+
+def hard_negatives_note(rows: list[dict], configured: int | None, num_negatives: int) -> str:
+    """The start-up line: how many hard negatives per query are used, and why."""
+    counts = [_num_negatives(row) for row in rows if _num_negatives(row)]
+    num_without = len(rows) - len(counts)
+    carried = "no row carries any" if not counts else (
+        f"{len(counts)} of {len(rows)} rows carry " + (f"{counts[0]}" if min(counts) == max(counts)
+                                                       else f"{min(counts)} to {max(counts)}"))
+    if configured is not None:
+        return f"hard negatives: {num_negatives} per query (embed.hard_negatives={configured}; {carried})"
+    if not counts:
+        return "hard negatives: 0 per query (no row carries `negatives`; in-batch negatives only)"
+    note = f"hard negatives: {num_negatives} per query, the fewest a row carries ({carried})"
+    if num_without:
+        rows_are = f"{num_without} rows without negatives are" if num_without > 1 else "1 row without negatives is"
+        note += f"; {rows_are} skipped: set embed.hard_negatives=0 to keep them and train without hard negatives"
+    return note
+
+
+def keep_rows_with_negatives(result: RowsResult, num_negatives: int) -> RowsResult:
+    """`result` with the rows that have fewer than `num_negatives` negatives moved to its skipped rows (with
+    the reason `read_pairs` gives), in row order."""
+    kept = [(i, row) for i, row in zip(result.row_ids, result.rows) if _num_negatives(row) >= num_negatives]
+    short = [(i, row_problem(row, num_negatives)) for i, row in zip(result.row_ids, result.rows)
+             if _num_negatives(row) < num_negatives]
+    return replace(result, rows=[row for _, row in kept], row_ids=[i for i, _ in kept],
+                   skipped=sorted(result.skipped + short))
+
+
+def read_training_pairs(path: str, configured: int | None, field: str = "data.path") -> tuple[RowsResult, int, str]:
+    """The usable rows of `path` with the hard negatives per query resolved from them (`resolve_hard_negatives`),
+    and the line that says how many and why. Rows with fewer are skipped and reported, as `read_pairs` does."""
+    result = read_pairs(path, 0, field)
+    num_negatives = resolve_hard_negatives(result.rows, configured)
+    note = hard_negatives_note(result.rows, configured, num_negatives)
+    kept = keep_rows_with_negatives(result, num_negatives)
+    if not kept.rows:
+        first = kept.skipped[0]
+        raise DataError(f"{field} {path!r} has no usable {{query, positive, negatives}} rows (first: {kept.unit} "
+                        f"{first[0]}: {first[1]}); fix the rows or lower embed.hard_negatives")
+    return kept, num_negatives, note
 
 
 def skipped_report(result: RowsResult, limit: int = 5) -> str | None:

@@ -11,8 +11,19 @@
      surrogate Σ_e ⟨e, g_e⟩, whose parameter gradient is Σ_e (∂e/∂θ)ᵀ g_e — this rank's share of ∂L/∂θ;
   5. the shares are SUMMED over DP (never averaged: each rank backpropagated only its own rows of
      one global loss), so every rank holds exactly ∂L/∂θ of one process with one batch (invariant 1).
+     Replicated (unsharded) models sum with one flat all-reduce here; an FSDP2 model sums in its own
+     reduce-scatter, whose divide factor is 1 (parallel/apply.py), so Σ_ranks share_r = ∂L/∂θ, sharded.
 
 Step 4 reproduces step 1's embeddings exactly: same groups, same dropout keys (encode.py, dropout.py).
+
+Under FSDP2 every forward all-gathers the parameters and every backward reduce-scatters their gradients, so
+every DP rank must run the same number of forwards and of backwards, while texts per rank differ in length
+and so in the number of padded forwards (step 1's grouping). Each rank therefore pads its passes to the most
+over the DP group with dummy passes: a forward of one token, whose backward is multiplied by 0 (it adds
+exact zeros to the gradient). The other way, unsharding once per step and accumulating unsharded gradients
+without sync, would hold the whole model and a whole-model gradient on every rank for the step, which is
+what sharding exists to avoid; with padding, gradients stay sharded (each backward reduce-scatters and
+FSDP2 accumulates the sharded sums), at the cost of a few tiny forwards on the ranks with fewer texts.
 """
 
 from __future__ import annotations
@@ -106,9 +117,36 @@ def global_loss_and_grads(local_q, local_p, local_n, ids, settings: LossSettings
     return float(loss.detach()), [grad.to(t.dtype) for grad, t in zip(local, (local_q, local_p, local_n))]
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 wraps `model` (its collectives then run inside every forward and backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def num_padded_passes(num_local_passes: int, group, device) -> int:
+    """The most passes (padded forwards of one phase) of any rank of the DP group."""
+    count = torch.tensor([num_local_passes], dtype=torch.int64, device=device)
+    if _group_size_rank(group)[0] > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    return int(count)
+
+
+def _dummy_pass(model, mb: EmbedMicroBatch, options: EncodeOptions, device, backward: bool) -> None:
+    """One forward of a one-token text (and, with `backward`, a backward of 0 × its vector: exact zeros added to
+    every gradient) to meet the collectives of a rank with more passes."""
+    with torch.set_grad_enabled(backward):
+        vector = encode_chunk(model, [mb.texts()[0][:1]], [0], options, device)
+    if backward:
+        (vector * 0).sum().backward()
+
+
 def sum_gradients(model: nn.Module, group) -> None:
-    """Σ over DP ranks of every parameter gradient, in one flat all-reduce."""
+    """Σ over DP ranks of every parameter gradient, in one flat all-reduce (an FSDP2 model has summed them
+    in its reduce-scatters already)."""
     size, _ = _group_size_rank(group)
+    if is_sharded(model):
+        return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if size > 1:
         all_reduce_flat(grads, group)
@@ -121,6 +159,12 @@ def embed_forward_backward(model: nn.Module, micro_batches: list[EmbedMicroBatch
     forwards = [forward_groups([len(t) for t in mb.texts()], options.chunk_tokens) for mb in micro_batches]
     vectors = [_encode_no_grad(model, mb, f, s, options, device)  # 1.
                for mb, f, s in zip(micro_batches, forwards, seeds)]
+    num_dummy = 0  # FSDP2: passes this rank adds so that every rank runs as many (module docstring)
+    if is_sharded(model):
+        num_local = sum(len(f) for f in forwards)
+        num_dummy = num_padded_passes(num_local, group, device) - num_local
+    for _ in range(num_dummy):
+        _dummy_pass(model, micro_batches[0], options, device, backward=False)
     local_q, local_p, local_n = _split(vectors, micro_batches)
     ids = [torch.cat(parts).to(device) for parts in zip(*(mb.text_ids() for mb in micro_batches))]
     loss, (grad_q, grad_p, grad_n) = global_loss_and_grads(local_q, local_p, local_n, ids, settings, group)  # 2., 3.
@@ -131,6 +175,8 @@ def embed_forward_backward(model: nn.Module, micro_batches: list[EmbedMicroBatch
         q_at, p_at, n_at = q_at + m, p_at + m, n_at + k
         for positions, v in _encode(model, mb, f, s, options, device):
             (v * cached[torch.tensor(positions, device=cached.device)]).sum().backward()
+    for _ in range(num_dummy):
+        _dummy_pass(model, micro_batches[0], options, device, backward=True)
     sum_gradients(model, group)  # 5.
     counts = all_reduce_sum(torch.tensor([sum(mb.num_tokens() for mb in micro_batches),
                                           sum(len(mb.samples) for mb in micro_batches)], dtype=torch.int64, device=device), group)

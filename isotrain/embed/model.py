@@ -11,7 +11,7 @@ from isotrain.models.build import build
 from isotrain.models.loading import model_config
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
 from isotrain.parallel.dims import ParallelDims
-from isotrain.parallel.mesh import single_process
+from isotrain.parallel.mesh import ParallelState, single_process
 
 
 def is_decoder_lm(config) -> bool:
@@ -60,13 +60,27 @@ def _base_tokenizer(cfg, texts, info, output_dir, log):
     return rank0_first(info, train_and_save)
 
 
-def build_embedder(cfg, tokenizer, device: torch.device) -> torch.nn.Module:
-    """The whole base model on every rank, identical everywhere (same seed or same files); training mode so that
-    dropout follows the model's config. No DDP wrapper: the GradCache step sums the gradients itself."""
+def check_embed_layout(dims: ParallelDims) -> None:
+    """Data parallelism, replicated or sharded by FSDP2 (parallel.dp_replicate, parallel.dp_shard): the GradCache
+    step gathers embeddings over the DP group only, so a model split by TP or EP is refused."""
+    if dims.tp > 1 or dims.ep > 1:
+        raise ConfigError(f"isotrain embed runs data parallel only, replicated or sharded by FSDP2 (got parallel.tp="
+                          f"{dims.tp}, ep={dims.ep}); set parallel.tp=1 and parallel.ep=1 and use parallel.dp_shard "
+                          "or parallel.dp_replicate")
+
+
+def build_embedder(cfg, tokenizer, device: torch.device, parallel: ParallelState | None = None) -> torch.nn.Module:
+    """The base model for this rank's layout, identical everywhere (same seed or same files); training mode so
+    that dropout follows the model's config.
+
+    With FSDP2 (`parallel.dims.fsdp`) each rank holds its shard, and FSDP2's reduce-scatter sums the gradients
+    (divide factor 1). Otherwise every rank holds the whole model and no DDP wrapper is applied: the GradCache
+    step sums the gradients itself (gradcache.py), since its backwards are not one per micro-batch."""
     config = model_config(cfg.model, tokenizer)
     check_embedder(config, cfg.embed.pooling, cfg.embed.matryoshka_dims)
-    model = build(cfg.model, tokenizer, cfg.train.seed, single_process(ParallelDims(1, 1, 1)), device,
-                  model_class=AutoModel)
+    if parallel is None or not parallel.dims.fsdp:
+        parallel = single_process(ParallelDims(1, 1, 1))
+    model = build(cfg.model, tokenizer, cfg.train.seed, parallel, device, model_class=AutoModel)
     # An encoder's pooler head (BERT's tanh layer on [CLS]) is not part of any pooling here: it gets no
     # gradient, so it is frozen (kept as loaded, saved as is) rather than left without optimizer state.
     if getattr(model, "pooler", None) is not None:

@@ -21,13 +21,13 @@ from rich.console import Console
 from isotrain.config import EmbedRunConfig
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.embed.batch import EmbedMicroBatch
-from isotrain.embed.data import read_pairs, skipped_report, text_id, tokenize_rows
+from isotrain.embed.data import read_pairs, read_training_pairs, skipped_report, text_id, tokenize_rows
 from isotrain.embed.encode import EncodeOptions
 from isotrain.embed.evaluate import evaluate_retrieval
 from isotrain.embed.export import sentence_transformers_files
 from isotrain.embed.gradcache import embed_forward_backward
 from isotrain.embed.loss import LossSettings
-from isotrain.embed.model import build_embedder, embed_tokenizer
+from isotrain.embed.model import build_embedder, check_embed_layout, embed_tokenizer
 from isotrain.errors import ConfigError
 from isotrain.parallel.dims import num_experts
 from isotrain.parallel.dist import DistInfo
@@ -44,24 +44,18 @@ def embed_train(cfg: EmbedRunConfig, console: Console | None = None) -> RunResul
     return run_session(cfg, Embed, console)
 
 
-def check_layout(degrees) -> None:
-    """Data parallelism only: every rank holds the whole encoder (embedding models are small)."""
-    if degrees.tp > 1 or degrees.fsdp or degrees.ep > 1:
-        raise ConfigError(f"isotrain embed runs data parallel only (got parallel.tp={degrees.tp}, "
-                          f"dp_shard={degrees.dp_shard}, ep={degrees.ep}); set parallel.dp_replicate=-1 and the others to 1")
-
-
 class Embed(Recipe):
     def __init__(self, cfg: EmbedRunConfig, degrees):
         self.cfg = cfg
-        check_layout(degrees)
+        check_embed_layout(degrees)
         self.plan = plan_batches(cfg, degrees)
         if cfg.train.loss_chunk_tokens:
             raise ConfigError(f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} applies to the SFT "
                               "cross-entropy only, and isotrain embed has no vocabulary logits; remove "
                               "train.loss_chunk_tokens")
         self.eval_every = cfg.embed.eval_every
-        self.rows = read_pairs(cfg.data.path, cfg.embed.hard_negatives)
+        self.rows, self.num_negatives, self.negatives_note = read_training_pairs(cfg.data.path,
+                                                                                 cfg.embed.hard_negatives)
         self.held_out = None  # read now: a wrong eval.path is reported before any work
         if cfg.eval.path is not None:
             self.held_out = read_pairs(cfg.eval.path, 0, "eval.path").rows[: cfg.eval.max_samples]
@@ -69,21 +63,22 @@ class Embed(Recipe):
     def build(self, session: Session) -> None:
         cfg, info, plan = self.cfg, session.info, self.plan
         self.session = session
+        session.log(self.negatives_note)
         report = skipped_report(self.rows)
         if report:
             session.log(f"data.path {cfg.data.path!r}: {report}")
         rows = self.rows.rows
         self.texts = [t for row in rows for t in (row["query"], row["positive"], *(row.get("negatives") or []))]
         self.tokenizer = embed_tokenizer(cfg, self.texts, info, session.output_dir, session.log)
-        self.samples = tokenize_rows(rows, self.tokenizer, cfg.data.max_seq_len, cfg.embed.hard_negatives,
+        self.samples = tokenize_rows(rows, self.tokenizer, cfg.data.max_seq_len, self.num_negatives,
                                      cfg.embed.query_prefix)
-        self.model = build_embedder(cfg, self.tokenizer, info.device)
+        self.model = build_embedder(cfg, self.tokenizer, info.device, session.parallel)
         if num_experts(self.model.config) is not None:
             session.log("note: the model's routers train without a load-balancing loss (isotrain embed has no "
                         "router terms)")
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.sampler = GlobalBatchSampler(len(self.samples), plan.global_batch_size, cfg.train.seed)
-        negatives = cfg.embed.hard_negatives
+        negatives = self.num_negatives
         session.log(f"embedding {len(self.samples)} pairs ({negatives} hard negatives each), global batch "
                     f"{plan.global_batch_size}: every query is scored against all "
                     f"{plan.global_batch_size * (1 + negatives)} documents of its global batch")
@@ -93,7 +88,9 @@ class Embed(Recipe):
                                      cfg.embed.chunk_tokens, cfg.train.seed)
 
     def extra_state(self) -> dict:
-        fingerprint = text_id("\n".join(self.texts) + f"\n{self.cfg.embed.query_prefix}")
+        # The count of hard negatives changes every query's candidates: a resume with another one is refused
+        # like other data.
+        fingerprint = text_id("\n".join(self.texts) + f"\n{self.cfg.embed.query_prefix}\n{self.num_negatives}")
         return {"sampler": self.sampler.state_dict(), "data_fingerprint": str(fingerprint)}
 
     def static_files(self) -> dict[str, bytes]:

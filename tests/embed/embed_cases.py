@@ -67,14 +67,26 @@ def micro_batches(samples, dp_rank: int, dp_size: int, ga: int) -> list[EmbedMic
 
 
 def grads_of(model) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    """Every gradient in full (an FSDP2 shard is gathered: the whole tensor is compared)."""
+    from torch.distributed.tensor import DTensor
+
+    full = lambda g: g.full_tensor() if isinstance(g, DTensor) else g  # noqa: E731
+    return {name: full(p.grad.detach()).clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def run_case(case: str, dp_rank: int, dp_size: int, ga: int, group=None, per_micro_batch: bool = False):
+def run_case(case: str, dp_rank: int, dp_size: int, ga: int, group=None, per_micro_batch: bool = False,
+             parallel=None, dtype: torch.dtype | None = None):
     """(loss, gradients) of one step of `case` on this layout. `per_micro_batch`: the control that takes
-    negatives from each micro-batch only (the loss of today's tools), averaged over all micro-batches."""
-    num_negatives, settings, train, chunk_tokens, dtype = CASES[case]
+    negatives from each micro-batch only (the loss of today's tools), averaged over all micro-batches.
+    `parallel`: a ParallelState whose FSDP2 shards the encoder (as `isotrain embed` builds it), whose DP group
+    the step then uses. `dtype`: instead of the case's own."""
+    num_negatives, settings, train, chunk_tokens, case_dtype = CASES[case]
+    dtype = dtype or case_dtype
     model = tiny_encoder().to(dtype).train(train)
+    if parallel is not None:
+        from isotrain.parallel.apply import parallelize
+
+        model, group = parallelize(model, parallel), parallel.dp_group
     options = EncodeOptions(pooling="mean", chunk_tokens=chunk_tokens, seed=11)
     mbs = micro_batches(dataset(num_negatives), dp_rank, dp_size, ga)
     if not per_micro_batch:

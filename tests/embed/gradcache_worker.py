@@ -1,6 +1,8 @@
 """torchrun worker: every case on every given layout (dp × GA) in one launch; rank 0 saves the results.
 
-    python -m torch.distributed.run --nproc-per-node DP gradcache_worker.py OUT.pt 2x1,2x2
+    python -m torch.distributed.run --nproc-per-node DP gradcache_worker.py OUT.pt 2x1,2x2,fsdp2x1
+
+A layout `fsdpDPxGA` shards the encoder with FSDP2 over the DP ranks (parallel.dp_shard=DP).
 """
 
 import sys
@@ -13,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `embed.e
 
 from embed.embed_cases import CASES, run_case  # noqa: E402
 from isotrain.embed.gradcache import gather_global  # noqa: E402
+from isotrain.parallel.dims import ParallelDims  # noqa: E402
+from isotrain.parallel.mesh import build_parallel  # noqa: E402
 
 
 def gathered_tags(rank: int, size: int, per_rank: int = 3, num_negatives: int = 2) -> list[float]:
@@ -32,9 +36,16 @@ def main(out: str, layouts: str) -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     results = {"tags": gathered_tags(rank, size)}
+    sharded = None
     for layout in layouts.split(","):
-        dp, ga = map(int, layout.split("x"))
+        dp, ga = map(int, layout.removeprefix("fsdp").split("x"))
         assert dp == size
+        if layout.startswith("fsdp"):
+            sharded = sharded or build_parallel(ParallelDims(1, size, 1), torch.device("cpu"), rank)
+            for case in CASES:
+                results[(layout, case)] = run_case(case, rank, size, ga, parallel=sharded)
+                results[(layout, case, "fp32")] = run_case(case, rank, size, ga, parallel=sharded, dtype=torch.float32)
+            continue
         for case in CASES:
             results[(layout, case)] = run_case(case, rank, size, ga, dist.group.WORLD)
         results[(layout, "control")] = run_case("hard_negatives", rank, size, ga, dist.group.WORLD, per_micro_batch=True)

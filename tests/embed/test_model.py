@@ -1,0 +1,23 @@
+"""Which layouts `isotrain embed` takes: data parallel, replicated or sharded by FSDP2; TP and EP refused in one
+sentence naming the values and the fix."""
+
+import pytest
+
+from isotrain.embed.model import check_embed_layout
+from isotrain.errors import ConfigError
+from isotrain.parallel.dims import ParallelDims
+
+
+@pytest.mark.parametrize("dims", [ParallelDims(2, 1, 1), ParallelDims(1, 2, 1), ParallelDims(2, 2, 1),
+                                  ParallelDims(1, 1, 1, shard_one_rank=True)])
+def test_data_parallel_layouts_are_accepted(dims):
+    check_embed_layout(dims)
+
+
+@pytest.mark.parametrize("dims", [ParallelDims(1, 1, 2), ParallelDims(2, 1, 1, ep=2)])
+def test_tensor_and_expert_parallel_are_refused(dims):
+    with pytest.raises(ConfigError) as err:
+        check_embed_layout(dims)
+    assert str(err.value) == (f"isotrain embed runs data parallel only, replicated or sharded by FSDP2 (got parallel.tp="
+                              f"{dims.tp}, ep={dims.ep}); set parallel.tp=1 and parallel.ep=1 and use parallel.dp_shard "
+                              "or parallel.dp_replicate")

@@ -130,7 +130,7 @@ def test_the_rows_negatives_are_used_by_default(data, tmp_path):
     from rich.console import Console
 
     from isotrain.config import load_config
-    from isotrain.embed.loop import embed_train
+    from isotrain.recipes.embed import embed_train
 
     unset = [o for o in overrides(data, tmp_path / "r") if not o.startswith("embed.hard_negatives=")]
     cfg = load_config(None, [*unset, "train.micro_batch_size=8", "train.max_steps=1", "checkpoint.every_steps=1"])

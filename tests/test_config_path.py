@@ -87,10 +87,10 @@ def _configs(tmp_path: Path) -> dict:
             "logging.progress=false", "eval.path=null"]
     return {
         "train": load_config(None, [*tiny, "tokenizer.type=char", f"output_dir={tmp_path / 'sft'}"]),
-        "rl": load_config(None, [*tiny, "model.config.model_type=llama", "tokenizer.type=char", "rl.prompts_per_step=2",
+        "rl": load_config(None, [*tiny, "model.name_or_path=null", "model.config.model_type=llama", "tokenizer.type=char", "rl.prompts_per_step=2",
                                  "rl.group_size=2", "rl.max_new_tokens=2", "train.micro_batch_size=4",
                                  f"output_dir={tmp_path / 'rl'}"], recipe="rl"),
-        "embed": load_config(None, [*tiny, "model.config.model_type=bert", "model.config.max_position_embeddings=64",
+        "embed": load_config(None, [*tiny, "model.name_or_path=null", "model.config.model_type=bert", "model.config.max_position_embeddings=64",
                                     "tokenizer.vocab_size=300", "data.max_seq_len=32", f"data.path={data}",
                                     "train.global_batch_size=8", "train.micro_batch_size=8",
                                     f"output_dir={tmp_path / 'embed'}"], recipe="embed"),

@@ -186,7 +186,7 @@ def activation_terms(cfg: TrainRunConfig, config, degrees: ParallelDims, dtype: 
     router = router_settings(cfg.moe, config)
     chunk = cfg.train.loss_chunk_tokens
     kwargs.update(ep=degrees.ep, router=router, chunk_tokens=chunk, device=device)
-    kernel = attention_kernel(cfg.model, config, AutoModelForCausalLM)
+    kernel = attention_kernel(cfg.model.attn_implementation, config, AutoModelForCausalLM)
     saved = fake_forward(config, kernel, activation_checkpointing=checkpointing, **kwargs)
     upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype != torch.float32 else 0
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
@@ -222,8 +222,8 @@ def meta_model(cfg: TrainRunConfig, config):
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                attn_implementation=attention_kernel(cfg.model, config,
-                                                                                     AutoModelForCausalLM))
+                                                attn_implementation=attention_kernel(cfg.model.attn_implementation,
+                                                                                     config, AutoModelForCausalLM))
 
 
 def run_vocab_size(cfg: TrainRunConfig, config) -> tuple[int, str]:

@@ -149,7 +149,8 @@ def build(cfg: ModelConfig, tokenizer, seed: int, parallel: ParallelState, devic
     check_model_fits(parallel.dims, config)
     with parameters_on_meta():
         model = model_class.from_config(config, dtype=torch.float32,
-                                        attn_implementation=attention_kernel(cfg, config, model_class))
+                                        attn_implementation=attention_kernel(cfg.attn_implementation, config,
+                                                                             model_class))
     model.config.use_cache = False
     skeleton = copy.deepcopy(model)  # meta: a few KB of module objects
     model = parallelize(model, parallel, compute_dtype=compute_dtype, compile=compile,

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from isotrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    from isotrain.config import ModelConfig
 
 # Sizes that must be at least 1 where a config has them (transformers accepts 0 or -1 and builds a broken model).
 _POSITIVE = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -101,32 +97,32 @@ def max_positions(config) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def fit_max_seq_len(data, config, where: str, fresh: bool) -> None:
-    """`data.max_seq_len` within the model's positions: an explicit value beyond them is refused; the default
+def fit_max_seq_len(max_seq_len: int, explicit: bool, config, where: str, fresh: bool) -> int:
+    """`data.max_seq_len` within the model's positions: an `explicit` value beyond them is refused; the default
     (512) is lowered to the model's positions, so a small model works without setting it."""
     positions = max_positions(config)
-    if positions is None or data.max_seq_len <= positions:
-        return
-    if "max_seq_len" not in data.model_fields_set:
-        data.max_seq_len = positions
-        return
+    if positions is None or max_seq_len <= positions:
+        return max_seq_len
+    if not explicit:
+        return positions
     fix = "raise model.config.max_position_embeddings" if fresh else "use a model made for longer sequences"
-    raise ConfigError(f"data.max_seq_len={data.max_seq_len} is more than the {positions} positions of {where} "
+    raise ConfigError(f"data.max_seq_len={max_seq_len} is more than the {positions} positions of {where} "
                       f"(max_position_embeddings); lower data.max_seq_len to at most {positions} or {fix}")
 
 
-def attention_kernel(cfg: ModelConfig, config, model_class) -> str:
-    """`model.attn_implementation`, or sdpa where the architecture has it and eager where not (e.g. Gemma2)."""
+def attention_kernel(requested: str | None, config, model_class) -> str:
+    """`requested` (model.attn_implementation), or sdpa where the architecture has it and eager where not
+    (e.g. Gemma2)."""
     try:
         supports_sdpa = model_class._model_mapping[type(config)]._supports_sdpa
     except (AttributeError, KeyError):
         supports_sdpa = True  # let transformers decide and say so
-    if cfg.attn_implementation is None:
+    if requested is None:
         return "sdpa" if supports_sdpa else "eager"
-    if cfg.attn_implementation == "sdpa" and not supports_sdpa:
+    if requested == "sdpa" and not supports_sdpa:
         raise ConfigError(f"model.attn_implementation='sdpa' is not supported by {config.model_type} models in "
                           "transformers; set model.attn_implementation=eager or leave it unset")
-    return cfg.attn_implementation
+    return requested
 
 
 def check_prompt_room(tokenizer, prompts: list[str], max_new_tokens: int, budget: str, limit: int, limit_text: str,

@@ -69,8 +69,9 @@ def checked_config(cfg: RunConfig):
     # A directory's config.json may set head_dim so that heads × head_dim differs from the hidden size (Gemma).
     explicit = cfg.model.config if fresh else {"head_dim": getattr(config, "head_dim", None)}
     check_sizes(config, "model.config" if fresh else f"{Path(cfg.model.name_or_path) / 'config.json'}", explicit)
-    fit_max_seq_len(cfg.data, config, where, fresh)
-    attention_kernel(cfg.model, config, AutoModelForCausalLM)
+    data = cfg.data
+    data.max_seq_len = fit_max_seq_len(data.max_seq_len, "max_seq_len" in data.model_fields_set, config, where, fresh)
+    attention_kernel(cfg.model.attn_implementation, config, AutoModelForCausalLM)
     return config
 
 

@@ -157,12 +157,14 @@ def _masked_mismatch(model: nn.Module, device: torch.device) -> float:
         return float("inf")
 
 
-def packing_needs_mask(cfg, model: nn.Module, parallel, device: torch.device, log) -> bool:
-    """The run's decision, before any step: False when `data.packing` is off or positions suffice, True when
-    the step must pass isotrain's mask; ConfigError when packing cannot be kept exact."""
-    if not cfg.data.packing:
+def packing_needs_mask(packing: bool, model_dtype: str, model: nn.Module, parallel, device: torch.device,
+                       log) -> bool:
+    """The run's decision, before any step: False when `packing` (data.packing) is off or positions suffice, True
+    when the step must pass isotrain's mask; ConfigError when packing cannot be kept exact. `model_dtype`:
+    model.dtype."""
+    if not packing:
         return False
-    needs_mask = check_packing(model, device, probe_dtype(cfg, parallel))
+    needs_mask = check_packing(model, device, probe_dtype(model_dtype, parallel))
     name = architecture(model)
     if needs_mask:
         log(f"packing: {name} ignores position-id restarts; isotrain passes a per-document attention mask "
@@ -172,10 +174,10 @@ def packing_needs_mask(cfg, model: nn.Module, parallel, device: torch.device, lo
     return needs_mask
 
 
-def probe_dtype(cfg, parallel) -> torch.dtype:
+def probe_dtype(model_dtype: str, parallel) -> torch.dtype:
     """What the probe's matmuls run in: FSDP2 runs the forward in bf16 (its mixed-precision policy); elsewhere
     bf16 is autocast by the step, which the probe does not enter, so it compares in fp32."""
-    fsdp_bf16 = cfg.model.dtype == "bfloat16" and parallel.dims.fsdp
+    fsdp_bf16 = model_dtype == "bfloat16" and parallel.dims.fsdp
     return torch.bfloat16 if fsdp_bf16 else torch.float32
 
 

@@ -92,7 +92,8 @@ class RL(Recipe):
                     + (f" ({skipped} malformed rows skipped)" if skipped else "")
                     + ("; frozen reference for the KL" if self.reference is not None else "")
                     + (f"; critic: {count_parameters(critic):,} parameters" if critic is not None else ""))
-        layout = row_layout(cfg, parallel, info.device, session.log, self.model, critic)  # on these models
+        layout = row_layout(cfg.rl.pack_sequences, cfg.model.dtype, parallel, info.device, session.log, self.model,
+                            critic)  # probed on these models
         options = step_options(cfg, parallel, loss_parallel=False,
                                router=router_settings(cfg.moe, hf_model(self.model).config))
         # before_update is looked up at each step: the checkpoint manager exists only after build.

@@ -67,7 +67,8 @@ class SFT(Recipe):
         self.dataset = prepare_data(cfg, info, self.tokenizer, session.log)
         self.data_stats = self.dataset.stats
         self.model, self.optimizer = prepare_model(cfg, info, self.tokenizer, parallel)
-        document_mask = packing_needs_mask(cfg, self.model, parallel, info.device, session.log)  # on this model
+        document_mask = packing_needs_mask(cfg.data.packing, cfg.model.dtype, self.model, parallel, info.device,
+                                           session.log)  # probed on this model
         if cfg.train.loss_chunk_tokens:
             check_head_is_linear(self.model, info.device)
         self.num_params = count_parameters(self.model)

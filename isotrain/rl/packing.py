@@ -29,12 +29,13 @@ def _needs_mask(model, device: torch.device, dtype: torch.dtype) -> bool | None:
         return None
 
 
-def row_layout(cfg, parallel, device: torch.device, log, model, critic=None) -> RowLayout:
-    """The run's RowLayout: packed (with or without the document mask) when rl.pack_sequences is on and the
-    probe finds it exact for every trained model; padded otherwise."""
-    if not cfg.rl.pack_sequences:
+def row_layout(pack_sequences: bool, model_dtype: str, parallel, device: torch.device, log, model,
+               critic=None) -> RowLayout:
+    """The run's RowLayout: packed (with or without the document mask) when `pack_sequences` (rl.pack_sequences)
+    is on and the probe finds it exact for every trained model; padded otherwise. `model_dtype`: model.dtype."""
+    if not pack_sequences:
         return PADDED
-    dtype = probe_dtype(cfg, parallel)
+    dtype = probe_dtype(model_dtype, parallel)
     decisions = [_needs_mask(m, device, dtype) for m in (model, critic) if m is not None]
     name = architecture(model)
     if None in decisions or len(set(decisions)) > 1:

@@ -207,17 +207,20 @@ def test_packed_rows_are_fewer_and_restart_their_positions(tokenizer):
 
 
 def test_the_run_decides_the_layout_from_its_models(tokenizer):
+    def settings(cfg):
+        return cfg.rl.pack_sequences, cfg.model.dtype
+
     logged = []
     cfg = build_config({"model": {"config": LLAMA}, "rl": {"max_new_tokens": 4}}, recipe="rl")
     parallel = single_process(ParallelDims(1, 1, 1))
     llama, opt = (build_plain(model_cfg(c), tokenizer, seed=0) for c in (LLAMA, OPT))
     bloom = build_plain(ModelConfig(config=BLOOM, attn_implementation="eager"), tokenizer, seed=0)
-    assert row_layout(cfg, parallel, CPU, logged.append, llama) == RowLayout(packed=True)
-    assert row_layout(cfg, parallel, CPU, logged.append, opt) == RowLayout(packed=True, document_mask=True)
-    assert row_layout(cfg, parallel, CPU, logged.append, bloom) == PADDED
+    assert row_layout(*settings(cfg), parallel, CPU, logged.append, llama) == RowLayout(packed=True)
+    assert row_layout(*settings(cfg), parallel, CPU, logged.append, opt) == RowLayout(packed=True, document_mask=True)
+    assert row_layout(*settings(cfg), parallel, CPU, logged.append, bloom) == PADDED
     assert logged[-1] == ("rl.pack_sequences: BloomForCausalLM cannot keep packed sequences apart (it ignores "
                           "position-id restarts and cannot take isotrain's per-document mask); the RL forwards use "
                           "padded rows")
     off = build_config({"model": {"config": LLAMA}, "rl": {"max_new_tokens": 4, "pack_sequences": False}}, recipe="rl")
-    assert row_layout(off, parallel, CPU, logged.append, llama) == PADDED
+    assert row_layout(*settings(off), parallel, CPU, logged.append, llama) == PADDED
     assert len(logged) == 3  # one line per decision that probed

@@ -496,11 +496,28 @@ class RLRunConfig(RunConfig):
     rl: RLConfig = RLConfig()
     rollout: RolloutConfig = RolloutConfig()
 
+    @model_validator(mode="after")
+    def _sft_only_fields(self) -> RLRunConfig:
+        if self.data.packing:
+            raise ValueError("data.packing=true does not apply to RL, whose rows are one prompt and its sampled "
+                             "response each; remove data.packing from the RL config")
+        if self.train.loss_chunk_tokens:
+            raise ValueError(f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} applies to the SFT cross-entropy "
+                             "only, and RL's losses are not chunked; remove train.loss_chunk_tokens from the RL config")
+        return self
+
 
 class EmbedRunConfig(RunConfig):
     """`isotrain embed`: a contrastive loss, which has no router terms (no `moe`) and trains every weight (no `lora`)."""
 
     embed: EmbedConfig = EmbedConfig()
+
+    @model_validator(mode="after")
+    def _sft_only_fields(self) -> EmbedRunConfig:
+        if self.train.loss_chunk_tokens:
+            raise ValueError(f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} applies to the SFT cross-entropy "
+                             "only, and isotrain embed has no vocabulary logits; remove train.loss_chunk_tokens")
+        return self
 
 
 Recipe = Literal["train", "rl", "embed"]

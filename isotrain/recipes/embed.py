@@ -49,10 +49,6 @@ class Embed(Recipe):
         self.cfg = cfg
         check_embed_layout(degrees)
         self.plan = plan_batches(cfg, degrees)
-        if cfg.train.loss_chunk_tokens:
-            raise ConfigError(f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} applies to the SFT "
-                              "cross-entropy only, and isotrain embed has no vocabulary logits; remove "
-                              "train.loss_chunk_tokens")
         self.eval_every = cfg.embed.eval_every
         self.rows, self.num_negatives, self.negatives_note = read_training_pairs(cfg.data.path,
                                                                                  cfg.embed.hard_negatives)

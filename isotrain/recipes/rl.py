@@ -59,13 +59,6 @@ class RL(Recipe):
     def __init__(self, cfg: RLRunConfig, degrees):
         self.cfg = cfg
         self.plan = plan_rl_batches(cfg, degrees)
-        if cfg.data.packing:
-            raise ConfigError("data.packing=true does not apply to RL, whose rows are one prompt and its sampled "
-                              "response each; remove data.packing from the RL config")
-        if cfg.train.loss_chunk_tokens:
-            raise ConfigError(f"train.loss_chunk_tokens={cfg.train.loss_chunk_tokens} applies to the SFT "
-                              "cross-entropy only, and RL's losses are not chunked; remove train.loss_chunk_tokens "
-                              "from the RL config")
         check_moe_section(cfg.moe, checked_config(cfg))  # a dense policy with moe.* set: refused before any work
         check_layout_fits(cfg.model, degrees)
         self.eval_every = cfg.rl.eval_every

@@ -42,7 +42,8 @@ def worker(chunk_tokens: int, steps: int) -> dict:
     from isotrain.parallel.dist import init_distributed
     from isotrain.parallel.mesh import build_parallel
     from isotrain.train.setup import prepare_model
-    from isotrain.train.step import step_options, train_step
+    from isotrain.train.setup import step_options
+from isotrain.train.step import train_step
 
     torch.manual_seed(0)
     cfg = case_config(HIDDEN, LAYERS, VOCAB, MICRO, SEQ, "float32", "none", 0)

@@ -28,7 +28,8 @@ from isotrain.moe.settings import router_settings
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.mesh import single_process
 from isotrain.train.optim import build_optimizer
-from isotrain.train.step import step_options, train_step
+from isotrain.train.setup import step_options
+from isotrain.train.step import train_step
 
 MODEL = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8,
          "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 1024}

@@ -39,8 +39,8 @@ from isotrain.moe.settings import router_settings
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
-from isotrain.train.setup import prepare_model
-from isotrain.train.step import step_options, train_step
+from isotrain.train.setup import prepare_model, step_options
+from isotrain.train.step import train_step
 
 CASES = [  # (hidden, layers, vocab, micro, seq, dtype, checkpointing, experts: 0 = dense Llama, else qwen3_moe top-2)
     (256, 4, 8192, 8, 256, "float32", "none", 0),

@@ -191,7 +191,8 @@ def run_worker(args) -> None:
     from isotrain.parallel.mesh import build_parallel
     from isotrain.parallel.tp import check_replicated
     from isotrain.train.setup import prepare_model
-    from isotrain.train.step import step_options, train_step
+    from isotrain.train.setup import step_options
+from isotrain.train.step import train_step
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     info = init_distributed()

@@ -117,14 +117,8 @@ def _entry(recipe: str):
     return lambda cfg: run(cfg, console=Console(quiet=True))
 
 
-# RL reads its config in 18 files: beside the shared ones, its policy and engine builders (rl/policy.py), its
-# length check (rl/prompts.py), the rollout (rl/generate.py) and the advantages (rl/update.py) take the rl
-# section or the whole config. Strict: the day it reaches the target this marker must go.
-RL_OVER = pytest.mark.xfail(strict=True, reason="RL's config visits 18 files, over the target of 15")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["train", pytest.param("rl", marks=RL_OVER), "embed"])
+@pytest.mark.parametrize("recipe", ["train", "rl", "embed"])
 def test_the_config_stays_on_few_floors(recipe, tmp_path):
     files, climbs = trace(_entry(recipe), _configs(tmp_path)[recipe])
     assert files and next(iter(files)).startswith("isotrain.recipes.")  # the trace sees the run

@@ -67,24 +67,6 @@ def lora_config(lora):
                            lora_dropout=lora.dropout, bias="none", task_type="CAUSAL_LM")
 
 
-def lora_adapter(cfg, dims):
-    """`adapt` for the model builder when `lora.r` > 0: adapters applied to the loaded model before any
-    data-parallel wrapper, seeded so that every rank initialises the same ones; else None. `dims`: the
-    run's resolved ParallelDims."""
-    if cfg.lora.r == 0:
-        return None
-    if dims.fsdp or dims.tp > 1:
-        raise ConfigError(f"lora.r={cfg.lora.r} runs on one process or with DDP; LoRA under FSDP2 or tensor "
-                          f"parallelism (parallel.dp_shard={dims.dp_shard}, parallel.tp={dims.tp}) is not supported "
-                          "yet: set parallel.dp_shard=1 and parallel.tp=1")
-
-    def adapt(model):
-        torch.manual_seed(cfg.train.seed)
-        return apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
-
-    return adapt
-
-
 def _peft_model(model: nn.Module):
     model = unwrap(model)
     if not hasattr(model, "disable_adapter"):

@@ -23,6 +23,7 @@ from rich.markup import escape
 from isotrain.config import RLRunConfig
 from isotrain.disk import sha256_file
 from isotrain.errors import ConfigError, TrainingError
+from isotrain.models.checks import check_prompt_room
 from isotrain.models.loading import check_layout_fits, checked_config, count_parameters, model_config
 from isotrain.models.unwrap import hf_model
 from isotrain.models.weights import sync_named_tensors
@@ -34,15 +35,14 @@ from isotrain.rl.generate import collect, evaluate
 from isotrain.rl.metrics import rl_metrics_row
 from isotrain.rl.packing import row_layout
 from isotrain.rl.policy import build_policy, make_engine, start_fingerprint
-from isotrain.rl.prompts import PromptStream, check_rl_lengths, read_prompts
+from isotrain.rl.prompts import PromptStream, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
 from isotrain.rl.update import UpdateContext, advantages, run_updates
 from isotrain.session import Recipe, RunResult, Session, run_session
 from isotrain.sizes import plan_rl_batches
 from isotrain.train.run_loop import RunState
 from isotrain.train.schedule import lr_of_step
-from isotrain.train.setup import prepare_tokenizer
-from isotrain.train.step import step_options
+from isotrain.train.setup import prepare_tokenizer, step_options
 
 RL_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen", "prompt_rounds", "optimizer_steps")
 
@@ -74,7 +74,7 @@ class RL(Recipe):
         cfg, info, parallel, plan = self.cfg, session.info, session.parallel, self.plan
         self.session = session
         self.tokenizer = prepare_tokenizer(cfg, info, session.output_dir, session.log)
-        check_rl_lengths(cfg, self.tokenizer, self.prompts, self.held_out)
+        self._check_lengths()
         self.stream = PromptStream(len(self.prompts.prompts), plan.prompts_per_step, cfg.train.seed)
         self.model, self.optimizer, self.reference = build_policy(cfg, info.device, self.tokenizer, parallel)
         critic, critic_optimizer = None, None
@@ -93,6 +93,22 @@ class RL(Recipe):
         self.ctx = UpdateContext(cfg, plan, parallel.dp_rank, info.device, options, self.tokenizer.pad_token_id,
                                  layout, lambda: session.checkpoints.before_update(), critic, critic_optimizer)
         self.engine = make_engine(cfg, model_config(cfg.model, self.tokenizer), self.tokenizer, session.output_dir)
+
+    def _check_lengths(self) -> None:
+        """A rollout sequence is a prompt and up to rl.max_new_tokens (eval.max_new_tokens when scoring held-out
+        prompts) of response; `data.max_seq_len` (already within the model's positions) bounds it, checked before
+        the first rollout rather than met halfway through the run."""
+        cfg, tokenizer = self.cfg, self.tokenizer
+        if tokenizer.eos_token_id is None:
+            source = cfg.tokenizer.path or cfg.model.name_or_path
+            raise ConfigError(f"the tokenizer in {source!r} has no eos token, so a response could not end; set its "
+                              "eos_token and save it with save_pretrained")
+        limit = cfg.data.max_seq_len
+        check_prompt_room(tokenizer, self.prompts.prompts, cfg.rl.max_new_tokens, "rl.max_new_tokens", limit,
+                          f"data.max_seq_len={limit}", f"data.path={cfg.data.path!r}")
+        if self.held_out is not None:
+            check_prompt_room(tokenizer, self.held_out.prompts, cfg.eval.max_new_tokens, "eval.max_new_tokens", limit,
+                              f"data.max_seq_len={limit}", f"eval.path={cfg.eval.path!r}")
 
     def extra_state(self) -> dict:
         return {"sampler": self.stream.state_dict(), "data_fingerprint": sha256_file(self.cfg.data.path),

@@ -34,8 +34,8 @@ from isotrain.train.evaluate import exact_match
 from isotrain.train.metrics import flops_per_token, peak_tflops
 from isotrain.train.run_loop import RunState
 from isotrain.train.schedule import lr_of_step
-from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer
-from isotrain.train.step import step_options, train_step
+from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer, step_options
+from isotrain.train.step import train_step
 
 
 def train(cfg: TrainRunConfig, console: Console | None = None) -> RunResult:

@@ -13,9 +13,8 @@ import torch
 from isotrain.config import RLRunConfig
 from isotrain.disk import sha256_file
 from isotrain.models.build import build
-from isotrain.models.lora import lora_adapter
 from isotrain.train.optim import build_optimizer
-from isotrain.train.setup import compute_dtype
+from isotrain.train.setup import compute_dtype, lora_adapter
 
 
 def build_policy(cfg: RLRunConfig, device: torch.device, tokenizer, parallel):

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import read_rows
-from isotrain.errors import ConfigError, DataError
-from isotrain.models.checks import check_prompt_room
+from isotrain.errors import DataError
 
 
 @dataclass
@@ -33,22 +32,6 @@ def read_prompts(path: str, max_rows: int | None = None, field: str = "data.path
     if not rows:
         raise DataError(f"{field}={path!r} has no valid prompt rows; each row needs prompt and completion strings")
     return PromptSet([row["prompt"] for row in rows], [row["completion"] for row in rows], len(result.skipped))
-
-
-def check_rl_lengths(cfg, tokenizer, prompts: PromptSet, held_out: PromptSet | None) -> None:
-    """A rollout sequence is a prompt and up to rl.max_new_tokens (eval.max_new_tokens when scoring held-out
-    prompts) of response; `data.max_seq_len` (already within the model's positions) bounds it, checked before
-    the first rollout rather than met halfway through the run."""
-    if tokenizer.eos_token_id is None:
-        source = cfg.tokenizer.path or cfg.model.name_or_path
-        raise ConfigError(f"the tokenizer in {source!r} has no eos token, so a response could not end; set its "
-                          "eos_token and save it with save_pretrained")
-    limit = cfg.data.max_seq_len
-    check_prompt_room(tokenizer, prompts.prompts, cfg.rl.max_new_tokens, "rl.max_new_tokens", limit,
-                      f"data.max_seq_len={limit}", f"data.path={cfg.data.path!r}")
-    if held_out is not None:
-        check_prompt_room(tokenizer, held_out.prompts, cfg.eval.max_new_tokens, "eval.max_new_tokens", limit,
-                          f"data.max_seq_len={limit}", f"eval.path={cfg.eval.path!r}")
 
 
 class PromptStream:

@@ -1,4 +1,5 @@
-"""Everything a run builds before its first step: RNGs, tokenizer, dataset, model, optimizer.
+"""Everything a run builds before its first step: RNGs, tokenizer, dataset, model, optimizer, LoRA adapters
+and the step's options: where the config becomes the objects below it, which read values, not the config.
 
 Order: tokenizer -> data -> model (built on the meta device, parallelised, then each rank loads or
 initialises only its own shards: models/build.py) -> optimizer over the (possibly sharded) params.
@@ -18,13 +19,16 @@ import torch
 from isotrain.config import RLRunConfig, RunConfig, TrainRunConfig
 from isotrain.data import prepare_dataset
 from isotrain.data.sources import read_rows
+from isotrain.errors import ConfigError
 from isotrain.models.build import build
 from isotrain.models.loading import check_model_dir
-from isotrain.models.lora import lora_adapter
+from isotrain.models.lora import apply_lora
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
 from isotrain.parallel.dist import DistInfo, barrier
+from isotrain.moe.settings import RouterSettings
 from isotrain.parallel.mesh import ParallelState
 from isotrain.train.optim import build_optimizer
+from isotrain.train.step import StepOptions
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -101,3 +105,34 @@ def prepare_model(cfg: TrainRunConfig | RLRunConfig, info: DistInfo, tokenizer, 
                   compile_layers_only=cfg.train.loss_chunk_tokens > 0)  # the chunked loss hooks the root's forward
     optimizer = build_optimizer(model, cfg.train)
     return model, optimizer
+
+
+def lora_adapter(cfg, dims):
+    """`adapt` for the model builder when `lora.r` > 0: adapters applied to the loaded model before any
+    data-parallel wrapper, seeded so that every rank initialises the same ones; else None. `dims`: the
+    run's resolved ParallelDims."""
+    if cfg.lora.r == 0:
+        return None
+    if dims.fsdp or dims.tp > 1:
+        raise ConfigError(f"lora.r={cfg.lora.r} runs on one process or with DDP; LoRA under FSDP2 or tensor "
+                          f"parallelism (parallel.dp_shard={dims.dp_shard}, parallel.tp={dims.tp}) is not supported "
+                          "yet: set parallel.dp_shard=1 and parallel.tp=1")
+
+    def adapt(model):
+        torch.manual_seed(cfg.train.seed)
+        return apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
+
+    return adapt
+
+
+def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool = False,
+                 router: RouterSettings | None = None) -> StepOptions:
+    """The step settings of a run: FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16.
+    `loss_parallel`: the model was built with vocabulary-sharded logits under TP (SFT; RL gathers them).
+    `document_mask`: the run's packing probe found that the model ignores position-id restarts.
+    `router`: an MoE model's router terms (isotrain.moe.settings.router_settings)."""
+    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and not parallel.dims.fsdp else None
+    return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
+                       dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel,
+                       document_mask=document_mask, router=router, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+                       compile_loss=cfg.train.compile)

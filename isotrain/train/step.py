@@ -64,19 +64,6 @@ class StepOptions:
     compile_loss: bool = False  # train.compile: the chunked loss's chunks are compiled too
 
 
-def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool = False,
-                 router: RouterSettings | None = None) -> StepOptions:
-    """The step settings of a run: FSDP2 casts parameters itself; DDP and single-process runs use autocast for bf16.
-    `loss_parallel`: the model was built with vocabulary-sharded logits under TP (SFT; RL gathers them).
-    `document_mask`: the run's packing probe found that the model ignores position-id restarts.
-    `router`: an MoE model's router terms (isotrain.moe.settings.router_settings)."""
-    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and not parallel.dims.fsdp else None
-    return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
-                       dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel,
-                       document_mask=document_mask, router=router, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-                       compile_loss=cfg.train.compile)
-
-
 def _global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> torch.Tensor:
     """int64 [4]: [input tokens, trained tokens, loss denominator, samples] summed over micro-batches and DP ranks,
     left on the device (the step fetches it with its other values)."""

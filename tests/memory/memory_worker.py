@@ -35,7 +35,7 @@ from isotrain.parallel.dims import resolve_dims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
 from isotrain.train.optim import build_optimizer
-from isotrain.train.step import step_options
+from isotrain.train.setup import step_options
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 64}

@@ -38,9 +38,9 @@ from isotrain.rl.algos import LOSS_AGG_MODES
 from isotrain.rl.experience import RolloutBatch, RowLayout, make_micro_batch, response_logprobs
 from isotrain.rl.objective import STAT_NAMES, RLObjective
 from isotrain.rl.update import UpdateContext, advantages, mini_batch_samples, run_updates
-from isotrain.train.step import step_options
 from isotrain.sizes import plan_rl_batches
 from isotrain.train.optim import build_optimizer
+from isotrain.train.setup import step_options
 
 VOCAB = 64
 PROMPTS, GROUP = 4, 4

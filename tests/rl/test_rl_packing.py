@@ -29,7 +29,7 @@ from isotrain.rl.packing import row_layout
 from isotrain.rl.update import UpdateContext, advantages, run_updates
 from isotrain.sizes import plan_rl_batches
 from isotrain.train.optim import build_optimizer
-from isotrain.train.step import step_options
+from isotrain.train.setup import step_options
 
 CPU = torch.device("cpu")
 RTOL = 1e-6

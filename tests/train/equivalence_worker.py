@@ -31,7 +31,8 @@ from isotrain.parallel.tp import check_replicated
 from isotrain.train.loss import token_losses
 from isotrain.train.optim import build_optimizer
 from isotrain.config import TrainConfig
-from isotrain.train.step import forward_backward, optimizer_step, step_options
+from isotrain.train.setup import step_options
+from isotrain.train.step import forward_backward, optimizer_step
 
 VOCAB = 64
 GLOBAL_BATCH = 8

@@ -14,6 +14,8 @@ choice, picked for a long tail like the length histograms those papers plot.
   clipping 407, p90 = max = 1024).
 - `alpaca`: mean 78 tokens = Alpaca's mean input (19.31) + output (58.45) lengths from the same paper; σ = 0.8,
   clipped to 256 (median 56, p90 157, mean after clipping 75).
+- `longtail`: the shape an outside measurement of isotrain used (median about 180, mean about 256, clipped to
+  [8, 1024]): mean 256, σ = √(2 ln(256 / 180)) = 0.84, so that the median is 180.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class LengthModel:
 LENGTH_MODELS = {
     "sharegpt": LengthModel(499.0, 1.0, 1024, "ShareGPT mean input+output tokens (Kwon et al. 2023), sigma 1.0"),
     "alpaca": LengthModel(78.0, 0.8, 256, "Alpaca mean input+output tokens (Kwon et al. 2023), sigma 0.8"),
+    "longtail": LengthModel(256.0, math.sqrt(2 * math.log(256 / 180)), 1024,
+                            "log-normal with median 180 and mean 256 tokens, clipped to [8, 1024]"),
 }
 
 

@@ -133,7 +133,8 @@ def test_the_rows_negatives_are_used_by_default(data, tmp_path):
     from isotrain.recipes.embed import embed_train
 
     unset = [o for o in overrides(data, tmp_path / "r") if not o.startswith("embed.hard_negatives=")]
-    cfg = load_config(None, [*unset, "train.micro_batch_size=8", "train.max_steps=1", "checkpoint.every_steps=1"])
+    cfg = load_config(None, [*unset, "train.micro_batch_size=8", "train.max_steps=1", "checkpoint.every_steps=1"],
+                      recipe="embed")
     assert cfg.embed.hard_negatives is None
     out = io.StringIO()
     embed_train(cfg, Console(file=out, width=400))
@@ -141,6 +142,7 @@ def test_the_rows_negatives_are_used_by_default(data, tmp_path):
     assert "hard negatives: 2 per query, the fewest a row carries (40 of 40 rows carry 2)" in printed
     assert "embedding 40 pairs (2 hard negatives each), global batch 8: every query is scored against all 24" in printed
     # The count is part of the data's fingerprint: resuming with another one would change the samples.
-    changed = load_config(None, [*unset, "train.micro_batch_size=8", "train.max_steps=2", "embed.hard_negatives=1"])
+    changed = load_config(None, [*unset, "train.micro_batch_size=8", "train.max_steps=2", "embed.hard_negatives=1"],
+                          recipe="embed")
     with pytest.raises(ConfigError, match=r"^data \(data.path or its settings\) differs from checkpoint .*step-00000001"):
         embed_train(changed, Console(file=io.StringIO()))

@@ -3,17 +3,20 @@ saves (a real CheckpointManager on a tiny model, real checkpoint directories) an
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
 import signal
 
+import pytest
 import torch
 from rich.console import Console
 
 from isotrain.checkpoint.layout import committed
 from isotrain.checkpoint.manager import SFT_COUNTERS, CheckpointContract, CheckpointManager
 from isotrain.config import build_config
+from isotrain.errors import TrainingError
 from isotrain.models.build import build_plain
 from isotrain.models.tokenizer import train_tokenizer
 from isotrain.parallel.dist import DistInfo
@@ -119,3 +122,24 @@ def test_a_resumed_run_continues_from_its_step_and_evaluates_every_eval_every_bu
     assert [(row["step"], row.get("eval_reward")) for row in rows] == [(6, 0.6), (8, None)]
     assert list(rows[0])[-1] == "eval_reward"  # appended after the step's own fields
     assert (state.step, state.counters["tokens_seen"]) == (8, 80)
+
+
+def test_the_objects_made_before_the_loop_are_frozen_during_its_steps_and_released_after_a_refused_step(tmp_path):
+    """Full collections inside steps skip what the set-up made; nothing stays frozen once the loop ends, even
+    when a step is refused, so a process that goes on (a test session, a notebook) can collect it again."""
+    cfg, manager = setup(tmp_path, max_steps=5, log_every=1, every_steps=0)
+    frozen_counts = []
+
+    def step(state: RunState) -> dict:
+        frozen_counts.append(gc.get_freeze_count())
+        if state.step == 2:
+            raise TrainingError("the loss is nan")
+        return fake_step(state, [])
+
+    writer = MetricsWriter(tmp_path, True, False)
+    with pytest.raises(TrainingError, match="step 3: the loss is nan"):
+        run_loop(LoopSettings(5), INFO, RunState(0, {key: 0 for key in SFT_COUNTERS}), step, manager, writer,
+                 Console(file=io.StringIO()))
+    writer.close()
+    assert len(frozen_counts) == 3 and min(frozen_counts) > 1000  # torch's and the model's objects among them
+    assert gc.get_freeze_count() == 0

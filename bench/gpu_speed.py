@@ -101,7 +101,7 @@ def isotrain_config(s: Setting, work: Path, name: str, data: Path, *, packing=Fa
         "model": {"config": dict(s.model), "dtype": "bfloat16"},
         "tokenizer": {"type": "char"},
         "data": {"path": str(data), "format": "text", "max_seq_len": s.seq_len, "packing": packing,
-                 "cache_dir": str(work / "cache")},
+                 "cache_dir": str(work / "cache"), "overflow": "truncate"},
         "eval": {"path": None},
         "train": {"global_batch_size": global_batch, "micro_batch_size": MICRO, "max_steps": s.warmup + s.steps,
                   "seed": SEED, "lr": LR, "schedule": "constant", "weight_decay": 0.0, "betas": list(BETAS),

@@ -111,7 +111,7 @@ def isotrain_config(work: Path, name: str, micro: int, steps: int, compile_model
         "model": {"config": dict(LLAMA)},
         "tokenizer": {"type": "char"},
         "data": {"path": str(work / "data.jsonl"), "format": "text", "max_seq_len": max_seq_len,
-                 "cache_dir": str(work / "cache"), "packing": packing},
+                 "cache_dir": str(work / "cache"), "packing": packing, "overflow": "truncate"},
         "eval": {"path": None},
         "train": train_section,
         "logging": {"progress": False},

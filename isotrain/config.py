@@ -123,8 +123,9 @@ class DataConfig(Section):
     )
     max_seq_len: int = Field(
         512, gt=1,
-        description="Maximum tokens per training sequence (RL: prompt + response); longer rows are truncated. It must "
-        "fit the model's positions; left unset, it is lowered to them when the model has fewer than 512.",
+        description="Maximum tokens per training sequence (RL: prompt + response). What happens to a longer row: "
+        "`data.overflow` (isotrain train), truncated otherwise. It must fit the model's positions; left unset, it is "
+        "lowered to them when the model has fewer than 512.",
     )
     packing: bool = Field(
         False,
@@ -134,6 +135,32 @@ class DataConfig(Section):
     cache_dir: str | None = Field(
         None, description="Where tokenized data is cached. Default: $ISOTRAIN_CACHE or ~/.cache/isotrain."
     )
+
+
+Overflow = Literal["split", "truncate", "drop"]
+
+
+class SFTDataConfig(DataConfig):
+    """`isotrain train`'s data: DataConfig and what becomes of a row longer than data.max_seq_len."""
+
+    overflow: Overflow | None = Field(
+        None,
+        description="A row longer than data.max_seq_len: `split` into consecutive pieces of max_seq_len tokens that "
+        "all train (data.format=text only: a corpus keeps every token), `truncate` to its first max_seq_len tokens, "
+        "or `drop` it (counted and reported). Unset: split for text, truncate for prompt_completion and chat.",
+    )
+
+    @model_validator(mode="after")
+    def _split_needs_text(self) -> SFTDataConfig:
+        if self.overflow == "split" and self.format != "text":
+            raise ValueError(f"data.overflow=split applies to data.format=text only: a piece of a {self.format} row "
+                             "would train without its prompt; set data.overflow=truncate or drop")
+        return self
+
+    @property
+    def overflow_rule(self) -> Overflow:
+        """The rule in force: data.overflow, or its default for data.format."""
+        return self.overflow or ("split" if self.format == "text" else "truncate")
 
 
 class EvalConfig(Section):
@@ -483,6 +510,7 @@ class RunConfig(Section):
 class TrainRunConfig(RunConfig):
     """`isotrain train`: pre-training and SFT, MoE router terms and LoRA adapters included."""
 
+    data: SFTDataConfig = SFTDataConfig()
     moe: MoeConfig = MoeConfig()
     lora: LoraConfig = LoraConfig()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from isotrain.config import DataConfig
+from isotrain.config import SFTDataConfig
 from isotrain.data.cache import CacheUnreadable, cache_key, cache_root, discard_entry, load_entry, save_entry
 from isotrain.data.packing import Sample, pack_examples, to_samples
 from isotrain.data.sources import check_source, read_rows
@@ -35,6 +35,10 @@ class DataStats:
     total_trained_tokens: int  # Σ (labels != -100) over samples
     num_documents: int = 0  # kept rows; > num_samples when packing
     row_unit: str = "line"  # "line" (.jsonl) or "row": how skipped rows are numbered
+    num_split: int = 0  # rows split into pieces of at most data.max_seq_len tokens (data.overflow=split)
+    num_pieces: int = 0  # the examples the kept rows became: num_documents plus the extra pieces of split rows
+    corpus_tokens: int = 0  # Σ tokens of the rows that tokenized, before any cut
+    corpus_trained_tokens: int = 0  # Σ targets of those rows before any cut: what one epoch could train
 
     @classmethod
     def from_json(cls, mapping: dict) -> DataStats:
@@ -56,16 +60,17 @@ class Dataset:
         return self.samples[int(index)]
 
 
-def data_options(data_cfg: DataConfig) -> dict:
+def data_options(data_cfg: SFTDataConfig) -> dict:
     """The data settings that change the samples, and so the cache key."""
     return {
         "format": data_cfg.format,
         "max_seq_len": data_cfg.max_seq_len,
         "packing": data_cfg.packing,
+        "overflow": data_cfg.overflow_rule,
     }
 
 
-def prepare_dataset(data_cfg: DataConfig, tokenizer, *, log=print) -> Dataset:
+def prepare_dataset(data_cfg: SFTDataConfig, tokenizer, *, log=print) -> Dataset:
     """Samples of `data_cfg.path` for `tokenizer`, from the cache when the same inputs were seen before.
 
     Tokens added with `model.add_special_tokens` are already in `tokenizer` (the trainer adds them,
@@ -85,14 +90,15 @@ def prepare_dataset(data_cfg: DataConfig, tokenizer, *, log=print) -> Dataset:
     else:
         samples, stats = build_samples(data_cfg, tokenizer)
         save_entry(entry, samples, asdict(stats))
-    _log_stats(stats, data_cfg.path, log)
+    _log_stats(stats, data_cfg.path, log, data_cfg.max_seq_len, data_cfg.format)
     return Dataset(samples=samples, stats=stats, cache_path=str(entry))
 
 
-def build_samples(data_cfg: DataConfig, tokenizer) -> tuple[list[Sample], DataStats]:
+def build_samples(data_cfg: SFTDataConfig, tokenizer) -> tuple[list[Sample], DataStats]:
     """Read, tokenize and (optionally) pack; no cache involved."""
     rows = read_rows(data_cfg.path, data_cfg.format)
-    examples, token_stats = tokenize_rows(rows.rows, rows.row_ids, tokenizer, data_cfg.format, data_cfg.max_seq_len)
+    examples, token_stats = tokenize_rows(rows.rows, rows.row_ids, tokenizer, data_cfg.format, data_cfg.max_seq_len,
+                                          data_cfg.overflow_rule)
     skipped = sorted(rows.skipped + token_stats.skipped)
     if not examples:
         first_id, first_reason = skipped[0]
@@ -109,20 +115,39 @@ def build_samples(data_cfg: DataConfig, tokenizer) -> tuple[list[Sample], DataSt
         num_samples=len(samples),
         total_input_tokens=int(sum(len(sample) for sample in samples)),
         total_trained_tokens=int(sum(np.count_nonzero(sample.labels != IGNORE_INDEX) for sample in samples)),
-        num_documents=len(examples),
+        num_documents=token_stats.num_rows,
         row_unit=rows.unit,
+        num_split=token_stats.num_split,
+        num_pieces=len(examples),
+        corpus_tokens=token_stats.corpus_tokens,
+        corpus_trained_tokens=token_stats.corpus_trained_tokens,
     )
     return samples, stats
 
 
-def _log_stats(stats: DataStats, path: str, log) -> None:
+def _log_stats(stats: DataStats, path: str, log, max_seq_len: int, fmt: str) -> None:
     name = Path(path).name
     if stats.num_rows_skipped:
         shown = "; ".join(f"{stats.row_unit} {row_id}: {reason}" for row_id, reason in stats.skipped[:MAX_LOGGED_SKIPS])
         more = "; …" if stats.num_rows_skipped > MAX_LOGGED_SKIPS else ""
         log(f"skipped {stats.num_rows_skipped} of {stats.num_rows_read} rows in {name}: {shown}{more}")
-    truncated = f", {stats.num_truncated} truncated to max_seq_len" if stats.num_truncated else ""
-    log(
-        f"data {name}: {stats.num_documents} rows -> {stats.num_samples} samples, "
-        f"{stats.total_input_tokens} tokens, {stats.total_trained_tokens} trained{truncated}"
-    )
+    log(f"data {name}: {stats.num_documents} rows -> {stats.num_samples} samples, {stats.total_input_tokens} tokens, "
+        f"{_trained_share(stats)}{_overflow_note(stats, max_seq_len, fmt)}")
+
+
+def _trained_share(stats: DataStats) -> str:
+    """How many of the rows' targets one epoch trains (all of them unless rows were truncated)."""
+    share = stats.total_trained_tokens / max(stats.corpus_trained_tokens, 1)
+    return (f"{stats.total_trained_tokens} trained ({share:.1%} of the {stats.corpus_trained_tokens} targets in "
+            "the rows)")
+
+
+def _overflow_note(stats: DataStats, max_seq_len: int, fmt: str) -> str:
+    notes = []
+    if stats.num_split:
+        notes.append(f"{stats.num_split} rows longer than data.max_seq_len={max_seq_len} split into pieces "
+                     f"({stats.num_pieces} examples from {stats.num_documents} rows)")
+    if stats.num_truncated:
+        keep = " (data.overflow=split keeps every token)" if fmt == "text" else ""
+        notes.append(f"{stats.num_truncated} rows truncated to data.max_seq_len={max_seq_len}{keep}")
+    return "".join(f"; {note}" for note in notes)

@@ -7,6 +7,15 @@ exactly how many tokens are trained:
               = -100               otherwise, and always at the last position of a document.
 
 A packed sequence therefore never has a label that crosses into the next document.
+
+A document longer than data.max_seq_len (`overflow`):
+    split:    consecutive pieces ids[k·L : (k+1)·L], L = max_seq_len, each with the labels of the whole
+              document at the same positions. Every token is the input of one piece and every target is the
+              label of one position, once: a piece's last label is the next piece's first token (the same
+              document's next token, predicted from this piece's context). Positions and attention restart
+              per piece. A final piece with no target (a lone eos) is left out.
+    truncate: the first L tokens (their last label -100).
+    drop:     the row is skipped and reported.
 """
 
 from __future__ import annotations
@@ -28,13 +37,19 @@ class Example:
 
 @dataclass
 class TokenizeStats:
-    num_examples: int = 0
+    num_examples: int = 0  # pieces included
+    num_rows: int = 0  # rows kept
     num_truncated: int = 0  # rows cut to max_seq_len tokens
+    num_split: int = 0  # rows split into pieces of at most max_seq_len tokens
+    corpus_tokens: int = 0  # Σ tokens of the rows that tokenized, before any cut
+    corpus_trained_tokens: int = 0  # Σ targets (labels != -100) of those rows, before any cut
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (row id, reason)
 
 
-def tokenize_rows(rows: list[dict], row_ids: list[int], tokenizer, fmt: str, max_seq_len: int):
-    """(examples, stats) for rows already validated by `sources.read_rows` for format `fmt`."""
+def tokenize_rows(rows: list[dict], row_ids: list[int], tokenizer, fmt: str, max_seq_len: int,
+                  overflow: str = "truncate"):
+    """(examples, stats) for rows already validated by `sources.read_rows` for format `fmt`; a row longer than
+    `max_seq_len` is split, truncated or dropped by `overflow` (module docstring)."""
     if fmt == "text":
         documents = _text_documents(rows, tokenizer)
     elif fmt == "prompt_completion":
@@ -51,16 +66,35 @@ def tokenize_rows(rows: list[dict], row_ids: list[int], tokenizer, fmt: str, max
             stats.skipped.append((row_id, document))
             continue
         ids, targets = document
-        if len(ids) > max_seq_len:
-            ids, targets = ids[:max_seq_len], targets[:max_seq_len]
-            stats.num_truncated += 1
         labels = shifted_labels(ids, targets)
-        if not (labels != IGNORE_INDEX).any():
-            stats.skipped.append((row_id, f"no trained token within data.max_seq_len={max_seq_len}"))
+        stats.corpus_tokens += len(ids)
+        stats.corpus_trained_tokens += int(np.count_nonzero(labels != IGNORE_INDEX))
+        pieces = _fit(np.asarray(ids, dtype=np.int64), targets, labels, max_seq_len, overflow, stats)
+        if isinstance(pieces, str):
+            stats.skipped.append((row_id, pieces))
             continue
-        examples.append(Example(np.asarray(ids, dtype=np.int64), labels, row_id))
+        examples.extend(Example(piece, piece_labels, row_id) for piece, piece_labels in pieces)
+        stats.num_rows += 1
     stats.num_examples = len(examples)
     return examples, stats
+
+
+def _fit(ids: np.ndarray, targets: list[bool], labels: np.ndarray, max_seq_len: int, overflow: str,
+         stats: TokenizeStats) -> list[tuple[np.ndarray, np.ndarray]] | str:
+    """The row's (ids, labels) pieces within max_seq_len by `overflow` (module docstring), or why it is skipped;
+    counts the split and truncated rows in `stats`. Pieces without a target are left out."""
+    if len(ids) <= max_seq_len:
+        pieces = [(ids, labels)]
+    elif overflow == "drop":
+        return f"{len(ids)} tokens > data.max_seq_len={max_seq_len} (data.overflow=drop)"
+    elif overflow == "split":
+        pieces = [(ids[k : k + max_seq_len], labels[k : k + max_seq_len]) for k in range(0, len(ids), max_seq_len)]
+        stats.num_split += 1
+    else:
+        pieces = [(ids[:max_seq_len], shifted_labels(ids[:max_seq_len], targets[:max_seq_len]))]
+        stats.num_truncated += 1
+    pieces = [(piece, piece_labels) for piece, piece_labels in pieces if (piece_labels != IGNORE_INDEX).any()]
+    return pieces or f"no trained token within data.max_seq_len={max_seq_len}"
 
 
 def shifted_labels(ids: list[int], targets: list[bool]) -> np.ndarray:

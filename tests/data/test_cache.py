@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import isotrain.data.dataset as dataset_module
-from isotrain.config import DataConfig
+from isotrain.config import SFTDataConfig
 from isotrain.data import prepare_dataset
 from isotrain.data.cache import cache_key, save_entry
 from isotrain.errors import DataError
@@ -34,7 +34,7 @@ def same_samples(a, b):
 
 def test_second_call_loads_from_cache(tmp_path, tok, monkeypatch):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    cfg = DataConfig(path=path, format="prompt_completion", max_seq_len=16, packing=True)
+    cfg = SFTDataConfig(path=path, format="prompt_completion", max_seq_len=16, packing=True)
     first = prepare_dataset(cfg, tok, log=lambda *_: None)
     assert Path(first.cache_path).parent.parent == tmp_path / "cache"  # $ISOTRAIN_CACHE, set by conftest
     monkeypatch.setattr(dataset_module, "tokenize_rows", lambda *a, **k: pytest.fail("tokenized again"))
@@ -47,7 +47,7 @@ def test_second_call_loads_from_cache(tmp_path, tok, monkeypatch):
 
 def test_cache_dir_option_wins(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    cfg = DataConfig(path=path, format="prompt_completion", cache_dir=str(tmp_path / "mine"))
+    cfg = SFTDataConfig(path=path, format="prompt_completion", cache_dir=str(tmp_path / "mine"))
     dataset = prepare_dataset(cfg, tok, log=lambda *_: None)
     assert Path(dataset.cache_path).parent == tmp_path / "mine" / "tokenized"
 
@@ -67,7 +67,7 @@ def test_key_changes_with_options_data_and_tokenizer(tmp_path, tok):
 
 def test_changed_data_file_is_not_served_from_the_old_entry(tmp_path, tok):
     path = tmp_path / "d.jsonl"
-    cfg = DataConfig(path=write_jsonl(path, ROWS), format="prompt_completion")
+    cfg = SFTDataConfig(path=write_jsonl(path, ROWS), format="prompt_completion")
     before = prepare_dataset(cfg, tok, log=lambda *_: None)
     write_jsonl(path, ROWS[:10])
     after = prepare_dataset(cfg, tok, log=lambda *_: None)
@@ -88,7 +88,7 @@ def test_saved_dataset_directory_is_hashed_by_its_files(tmp_path, tok):
 
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "drop_manifest", "garbage_manifest"])
 def test_corrupt_cache_entry_is_rebuilt(tmp_path, tok, damage):
-    cfg = DataConfig(path=write_jsonl(tmp_path / "d.jsonl", ROWS), format="prompt_completion", packing=True)
+    cfg = SFTDataConfig(path=write_jsonl(tmp_path / "d.jsonl", ROWS), format="prompt_completion", packing=True)
     first = prepare_dataset(cfg, tok, log=lambda *_: None)
     entry = Path(first.cache_path)
     target = entry / "input_ids.npy"
@@ -111,7 +111,7 @@ def test_corrupt_cache_entry_is_rebuilt(tmp_path, tok, damage):
 
 
 def test_concurrent_writers_leave_one_whole_entry(tmp_path, tok):
-    cfg = DataConfig(path=write_jsonl(tmp_path / "d.jsonl", ROWS), format="prompt_completion")
+    cfg = SFTDataConfig(path=write_jsonl(tmp_path / "d.jsonl", ROWS), format="prompt_completion")
     dataset = prepare_dataset(cfg, tok, log=lambda *_: None)
     entry = Path(dataset.cache_path)
     # A second rank finishing later finds the entry in place and keeps it.
@@ -123,24 +123,24 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path, tok):
 def test_skipped_rows_are_counted_and_logged_with_line_numbers(tmp_path, tok):
     path = write_jsonl(tmp_path / "data.jsonl", ROWS[:3], extra_lines=['{"prompt": "1+1="}', "{oops"])
     lines = []
-    dataset = prepare_dataset(DataConfig(path=path, format="prompt_completion"), tok, log=lines.append)
+    dataset = prepare_dataset(SFTDataConfig(path=path, format="prompt_completion"), tok, log=lines.append)
     assert dataset.stats.num_rows_read == 5 and dataset.stats.num_rows_skipped == 2
     assert dataset.stats.skipped[0] == (4, "missing 'completion'")
     assert lines[0].startswith("skipped 2 of 5 rows in data.jsonl: line 4: missing 'completion'; line 5: invalid JSON")
     lines.clear()
-    prepare_dataset(DataConfig(path=path, format="prompt_completion"), tok, log=lines.append)
+    prepare_dataset(SFTDataConfig(path=path, format="prompt_completion"), tok, log=lines.append)
     assert any(line.startswith("skipped 2 of 5 rows in data.jsonl: line 4") for line in lines)  # also from cache
 
 
 def test_missing_file_is_a_clear_error(tmp_path, tok):
     with pytest.raises(DataError, match="does not exist"):
-        prepare_dataset(DataConfig(path=str(tmp_path / "no.jsonl")), tok, log=lambda *_: None)
+        prepare_dataset(SFTDataConfig(path=str(tmp_path / "no.jsonl")), tok, log=lambda *_: None)
 
 
 def test_added_special_tokens_change_the_cache_entry(tmp_path):
     """model.add_special_tokens grows the tokenizer; its fingerprint, and so the cache entry, follow."""
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+2=", "completion": "3<tool>"}])
-    cfg = DataConfig(path=path, format="prompt_completion", cache_dir=str(tmp_path / "cache"))
+    cfg = SFTDataConfig(path=path, format="prompt_completion", cache_dir=str(tmp_path / "cache"))
     plain = train_tokenizer(["0123456789+="], "char", vocab_size=0)
     extended = train_tokenizer(["0123456789+="], "char", vocab_size=0)
     add_special_tokens(extended, ["<tool>"])
@@ -159,7 +159,7 @@ def test_token_totals_equal_counts_computed_from_rows(tmp_path, tok, fmt, packin
         {"text": "".join(rng.choice(list("0123456789+="), size=n)), "prompt": "1+", "completion": "2" * n}
         for n in rng.integers(1, 20, size=50)
     ]
-    cfg = DataConfig(path=write_jsonl(tmp_path / "d.jsonl", rows), format=fmt, max_seq_len=32, packing=packing)
+    cfg = SFTDataConfig(path=write_jsonl(tmp_path / "d.jsonl", rows), format=fmt, max_seq_len=32, packing=packing)
     stats = prepare_dataset(cfg, tok, log=lambda *_: None).stats
     # Per row: bos + tokens + eos; every token after bos is trained (text), or only completion + eos.
     if fmt == "text":

@@ -1,8 +1,9 @@
 """On-disk cache of tokenized (and packed) samples, keyed by everything that determines them.
 
-    key = sha256(format version, data bytes, tokenizer, format, max_seq_len, packing, added tokens)
+    key = sha256(format version, data bytes, tokenizer, format, max_seq_len, packing, overflow, added tokens)
 
-An entry `<root>/tokenized/<key>/` holds flat numpy arrays (no pickle) and `stats.json`, with
+An entry `<root>/tokenized/<key>/` holds the flat arrays of a token store (data/store.py; .npy, no pickle,
+read through memory maps) and `stats.json`, with
 `manifest.json` (size and sha256 of every file) written last. It is built in a temporary
 directory and renamed into place, so a reader sees a whole entry or none, and two ranks writing
 at once both succeed (the second rename loses and its copy is discarded). An entry that fails the
@@ -17,16 +18,17 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from isotrain.data.packing import Sample
+from isotrain.data.store import ARRAYS, TokenStore, flatten
 from isotrain.disk import commit, sha256_file
 
 # Bump when the arrays, their meaning (e.g. label shifting) or tokenization rules change.
-CACHE_FORMAT = "isotrain-tokenized-v2"  # v2: manifest sha256 is the plain sha256 of a file
-_ARRAYS = ("input_ids", "labels", "sample_offsets", "doc_lengths", "doc_row_ids", "sample_doc_offsets")
+CACHE_FORMAT = "isotrain-tokenized-v3"  # v3: the token store of data/store.py (uint16/uint32 ids, mapped)
 
 
 class CacheUnreadable(Exception):
@@ -82,63 +84,24 @@ def cache_key(data_path: str, tokenizer, options: dict) -> str:
     return digest.hexdigest()
 
 
-def _flatten(samples: list[Sample]) -> dict[str, np.ndarray]:
-    doc_lengths, doc_row_ids, docs_per_sample = [], [], []
-    for sample in samples:
-        boundaries = np.flatnonzero(sample.position_ids == 0).tolist() + [len(sample)]
-        doc_lengths.extend(np.diff(boundaries).tolist())
-        doc_row_ids.extend(sample.row_ids)
-        docs_per_sample.append(len(sample.row_ids))
-    lengths = [len(sample) for sample in samples]
-    return {
-        # int32 halves the size; token ids and -100 fit easily.
-        "input_ids": np.concatenate([s.input_ids for s in samples]).astype(np.int32),
-        "labels": np.concatenate([s.labels for s in samples]).astype(np.int32),
-        "sample_offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        "doc_lengths": np.asarray(doc_lengths, dtype=np.int64),
-        "doc_row_ids": np.asarray(doc_row_ids, dtype=np.int64),
-        "sample_doc_offsets": np.concatenate([[0], np.cumsum(docs_per_sample)]).astype(np.int64),
-    }
-
-
-def _unflatten(arrays: dict[str, np.ndarray]) -> list[Sample]:
-    from isotrain.data.packing import sample_from_documents
-    from isotrain.data.tokenize import Example
-
-    offsets, doc_offsets = arrays["sample_offsets"], arrays["sample_doc_offsets"]
-    doc_lengths, doc_row_ids = arrays["doc_lengths"], arrays["doc_row_ids"]
-    if offsets[-1] != len(arrays["input_ids"]) or len(arrays["labels"]) != len(arrays["input_ids"]):
-        raise CacheUnreadable("token arrays do not match their offsets")
-    if doc_offsets[-1] != len(doc_lengths) or len(doc_row_ids) != len(doc_lengths):
-        raise CacheUnreadable("document arrays do not match their offsets")
-    input_ids = arrays["input_ids"].astype(np.int64)
-    labels = arrays["labels"].astype(np.int64)
-    samples = []
-    for s in range(len(offsets) - 1):
-        documents, start = [], offsets[s]
-        for d in range(doc_offsets[s], doc_offsets[s + 1]):
-            end = start + doc_lengths[d]
-            documents.append(Example(input_ids[start:end], labels[start:end], int(doc_row_ids[d])))
-            start = end
-        if start != offsets[s + 1] or not documents:
-            raise CacheUnreadable(f"sample {s} does not match its document lengths")
-        samples.append(sample_from_documents(documents))
-    return samples
-
-
-def load_entry(entry: Path) -> tuple[list[Sample], dict] | None:
-    """(samples, stats) of a cache entry, None if there is none; CacheUnreadable if it is damaged."""
+def load_entry(entry: Path) -> tuple[TokenStore, dict] | None:
+    """(samples, stats) of a cache entry, the samples memory-mapped (data/store.py); None if there is no entry;
+    CacheUnreadable if it is damaged."""
     if not entry.exists():
         return None
     try:
         manifest = json.loads((entry / "manifest.json").read_text())
+        if manifest.get("format") != CACHE_FORMAT:
+            raise CacheUnreadable(f"format {manifest.get('format')!r}, not {CACHE_FORMAT!r}")
+        expected = {f"{name}.npy" for name in ARRAYS} | {"stats.json"}
+        if set(manifest["files"]) != expected:
+            raise CacheUnreadable("manifest.json does not list the store's files")
         for name, meta in manifest["files"].items():
             path = entry / name
             if path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
                 raise CacheUnreadable(f"{name} does not match manifest.json")
-        arrays = {name: np.load(entry / f"{name}.npy", allow_pickle=False) for name in _ARRAYS}
         stats = json.loads((entry / "stats.json").read_text())
-        return _unflatten(arrays), stats
+        return TokenStore(entry), stats
     except (OSError, ValueError, KeyError, TypeError, EOFError) as err:
         raise CacheUnreadable(f"{type(err).__name__}: {err}") from None
 
@@ -156,13 +119,13 @@ def _write_file(path: Path, write) -> None:
         raise OSError(err.errno, f"{err.strerror or err}: the disk may be full", str(path)) from None
 
 
-def save_entry(entry: Path, samples: list[Sample], stats: dict) -> None:
+def save_entry(entry: Path, samples: Sequence[Sample], stats: dict) -> None:
     """Write a cache entry atomically (temporary directory + rename); discard a damaged one first."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name[:16]}-", dir=entry.parent))
     try:
         files = {}
-        for name, array in _flatten(samples).items():
+        for name, array in flatten(samples).items():
             _write_file(tmp / f"{name}.npy", lambda h, a=array: np.save(h, a, allow_pickle=False))
             files[f"{name}.npy"] = None
         _write_file(tmp / "stats.json", lambda h: h.write(json.dumps(stats, indent=1).encode()))

@@ -1,6 +1,6 @@
 """The data entry point: rows on disk -> tokenized, optionally packed samples, cached.
 
-    read_rows -> tokenize_rows -> pack_examples | to_samples -> cache entry -> Dataset
+    read_rows -> tokenize_rows -> pack_examples | to_samples -> cache entry (a token store) -> Dataset
 
 The dataset's own totals (`DataStats.total_input_tokens`, `total_trained_tokens`) are what one
 epoch of training must count exactly (invariant 2).
@@ -8,6 +8,7 @@ epoch of training must count exactly (invariant 2).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from isotrain.config import SFTDataConfig
 from isotrain.data.cache import CacheUnreadable, cache_key, cache_root, discard_entry, load_entry, save_entry
 from isotrain.data.packing import Sample, pack_examples, to_samples
 from isotrain.data.sources import check_source, read_rows
+from isotrain.data.store import TokenStore
 from isotrain.data.tokenize import IGNORE_INDEX, tokenize_rows
 from isotrain.errors import DataError
 
@@ -49,7 +51,7 @@ class DataStats:
 
 @dataclass
 class Dataset:
-    samples: list[Sample]
+    samples: Sequence[Sample]  # a TokenStore (memory-mapped) once prepared
     stats: DataStats
     cache_path: str | None = field(default=None, compare=False)
 
@@ -88,8 +90,10 @@ def prepare_dataset(data_cfg: SFTDataConfig, tokenizer, *, log=print) -> Dataset
         samples, stats = cached[0], DataStats.from_json(cached[1])
         log(f"loaded tokenized data from cache {entry}")
     else:
-        samples, stats = build_samples(data_cfg, tokenizer)
-        save_entry(entry, samples, asdict(stats))
+        built, stats = build_samples(data_cfg, tokenizer)
+        save_entry(entry, built, asdict(stats))
+        del built  # the run reads the store's memory maps, like a run that finds the entry
+        samples = TokenStore(entry)
     _log_stats(stats, data_cfg.path, log, data_cfg.max_seq_len, data_cfg.format)
     return Dataset(samples=samples, stats=stats, cache_path=str(entry))
 

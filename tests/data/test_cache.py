@@ -25,8 +25,10 @@ def write_jsonl(path: Path, rows, extra_lines=()):
 
 
 def same_samples(a, b):
+    """`a`, `b`: datasets or lists of samples."""
+    a, b = list(getattr(a, "samples", a)), list(getattr(b, "samples", b))
     assert len(a) == len(b)
-    for x, y in zip(a.samples, b.samples):
+    for x, y in zip(a, b):
         for name in ("input_ids", "labels", "position_ids", "segment_ids"):
             assert np.array_equal(getattr(x, name), getattr(y, name))
         assert x.row_ids == y.row_ids
@@ -89,8 +91,9 @@ def test_saved_dataset_directory_is_hashed_by_its_files(tmp_path, tok):
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "drop_manifest", "garbage_manifest"])
 def test_corrupt_cache_entry_is_rebuilt(tmp_path, tok, damage):
     cfg = SFTDataConfig(path=write_jsonl(tmp_path / "d.jsonl", ROWS), format="prompt_completion", packing=True)
-    first = prepare_dataset(cfg, tok, log=lambda *_: None)
-    entry = Path(first.cache_path)
+    dataset = prepare_dataset(cfg, tok, log=lambda *_: None)
+    first = list(dataset.samples)  # read now: the store maps the very files damaged below
+    entry = Path(dataset.cache_path)
     target = entry / "input_ids.npy"
     data = target.read_bytes()
     if damage == "flip_byte":

@@ -5,7 +5,7 @@ micro-batches' indices and `collate`s the samples.
 """
 
 from isotrain.data.collate import collate
-from isotrain.data.dataset import DataStats, Dataset, build_samples, prepare_dataset
+from isotrain.data.dataset import DataStats, Dataset, build_store, prepare_dataset
 from isotrain.data.packing import PackedSample, Sample, pack_examples, to_samples
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import RowsResult, read_rows
@@ -20,7 +20,7 @@ __all__ = [
     "RowsResult",
     "Sample",
     "TokenizeStats",
-    "build_samples",
+    "build_store",
     "collate",
     "pack_examples",
     "prepare_dataset",

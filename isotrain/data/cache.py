@@ -18,13 +18,10 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
-from isotrain.data.packing import Sample
-from isotrain.data.store import ARRAYS, TokenStore, flatten
+from isotrain.data.store import FILES, TokenStore
 from isotrain.disk import commit, sha256_file
 
 # Bump when the arrays, their meaning (e.g. label shifting) or tokenization rules change.
@@ -93,7 +90,7 @@ def load_entry(entry: Path) -> tuple[TokenStore, dict] | None:
         manifest = json.loads((entry / "manifest.json").read_text())
         if manifest.get("format") != CACHE_FORMAT:
             raise CacheUnreadable(f"format {manifest.get('format')!r}, not {CACHE_FORMAT!r}")
-        expected = {f"{name}.npy" for name in ARRAYS} | {"stats.json"}
+        expected = {*FILES, "stats.json"}
         if set(manifest["files"]) != expected:
             raise CacheUnreadable("manifest.json does not list the store's files")
         for name, meta in manifest["files"].items():
@@ -115,24 +112,25 @@ def _write_file(path: Path, write) -> None:
     except OSError as err:
         if err.filename is not None:
             raise
-        # numpy reports a short write without errno or file ("N requested and M written").
+        # A short write can come without errno or file name.
         raise OSError(err.errno, f"{err.strerror or err}: the disk may be full", str(path)) from None
 
 
-def save_entry(entry: Path, samples: Sequence[Sample], stats: dict) -> None:
-    """Write a cache entry atomically (temporary directory + rename); discard a damaged one first."""
+def save_entry(entry: Path, build: Callable[[Path], dict]) -> dict:
+    """Build a cache entry atomically: `build(directory)` writes the token store into a temporary directory and
+    returns the stats; the files are synced, listed with their sha256 in manifest.json (written last) and the
+    directory renamed into place. Returns the stats."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name[:16]}-", dir=entry.parent))
     try:
-        files = {}
-        for name, array in flatten(samples).items():
-            _write_file(tmp / f"{name}.npy", lambda h, a=array: np.save(h, a, allow_pickle=False))
-            files[f"{name}.npy"] = None
+        stats = build(tmp)
         _write_file(tmp / "stats.json", lambda h: h.write(json.dumps(stats, indent=1).encode()))
-        files["stats.json"] = None
+        for name in FILES:
+            _sync(tmp / name)
         manifest = {
             "format": CACHE_FORMAT,
-            "files": {name: {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)} for name in files},
+            "files": {name: {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+                      for name in (*FILES, "stats.json")},
         }
         _write_file(tmp / "manifest.json", lambda h: h.write(json.dumps(manifest, indent=1).encode()))
         try:
@@ -143,6 +141,12 @@ def save_entry(entry: Path, samples: Sequence[Sample], stats: dict) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return stats
+
+
+def _sync(path: Path) -> None:
+    with path.open("rb") as handle:
+        os.fsync(handle.fileno())
 
 
 def discard_entry(entry: Path) -> None:

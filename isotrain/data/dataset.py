@@ -1,6 +1,7 @@
 """The data entry point: rows on disk -> tokenized, optionally packed samples, cached.
 
-    read_rows -> tokenize_rows -> pack_examples | to_samples -> cache entry (a token store) -> Dataset
+    checked_rows -> tokenize_rows (CHUNK_ROWS at a time) -> StoreWriter [-> pack_plan -> StoreWriter]
+        -> cache entry (a token store) -> Dataset
 
 The dataset's own totals (`DataStats.total_input_tokens`, `total_trained_tokens`) are what one
 epoch of training must count exactly (invariant 2).
@@ -8,6 +9,7 @@ epoch of training must count exactly (invariant 2).
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,10 +18,10 @@ import numpy as np
 
 from isotrain.config import SFTDataConfig
 from isotrain.data.cache import CacheUnreadable, cache_key, cache_root, discard_entry, load_entry, save_entry
-from isotrain.data.packing import Sample, pack_examples, to_samples
-from isotrain.data.sources import check_source, read_rows
-from isotrain.data.store import TokenStore
-from isotrain.data.tokenize import IGNORE_INDEX, tokenize_rows
+from isotrain.data.packing import Sample, pack_plan
+from isotrain.data.sources import FORMATS, check_source, checked_rows, no_rows_message, row_problem
+from isotrain.data.store import StoreWriter, TokenStore, token_dtype
+from isotrain.data.tokenize import IGNORE_INDEX, TokenizeStats, tokenize_rows
 from isotrain.errors import DataError
 
 MAX_REPORTED_SKIPS = 20  # skipped rows kept in the stats; all are counted
@@ -90,43 +92,105 @@ def prepare_dataset(data_cfg: SFTDataConfig, tokenizer, *, log=print) -> Dataset
         samples, stats = cached[0], DataStats.from_json(cached[1])
         log(f"loaded tokenized data from cache {entry}")
     else:
-        built, stats = build_samples(data_cfg, tokenizer)
-        save_entry(entry, built, asdict(stats))
-        del built  # the run reads the store's memory maps, like a run that finds the entry
+        stats = DataStats.from_json(save_entry(entry, lambda directory: asdict(build_store(data_cfg, tokenizer,
+                                                                                          directory))))
         samples = TokenStore(entry)
     _log_stats(stats, data_cfg.path, log, data_cfg.max_seq_len, data_cfg.format)
     return Dataset(samples=samples, stats=stats, cache_path=str(entry))
 
 
-def build_samples(data_cfg: SFTDataConfig, tokenizer) -> tuple[list[Sample], DataStats]:
-    """Read, tokenize and (optionally) pack; no cache involved."""
-    rows = read_rows(data_cfg.path, data_cfg.format)
-    examples, token_stats = tokenize_rows(rows.rows, rows.row_ids, tokenizer, data_cfg.format, data_cfg.max_seq_len,
-                                          data_cfg.overflow_rule)
-    skipped = sorted(rows.skipped + token_stats.skipped)
-    if not examples:
-        first_id, first_reason = skipped[0]
+# Rows read and tokenized at a time: up to CHUNK_ROWS rows and CHUNK_CHARS characters of text. The tokenizer's
+# output for a chunk is what preparing a corpus holds in memory (about 60 bytes per token), besides the index.
+CHUNK_ROWS, CHUNK_CHARS = 4096, 1 << 20
+
+
+def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path) -> DataStats:
+    """Read, tokenize and (optionally) pack the rows of data.path into a token store at `directory`, a chunk of
+    rows at a time: the tokens go to disk as they come, and packing plans from the examples' lengths alone."""
+    fmt, max_seq_len = data_cfg.format, data_cfg.max_seq_len
+    if fmt not in FORMATS:
+        raise DataError(f"data.format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
+    rows, unit = checked_rows(data_cfg.path, "data.path", lambda row: row_problem(row, fmt))
+    dtype = token_dtype(len(tokenizer) - 1)
+    examples = StoreWriter(directory / "examples" if data_cfg.packing else directory, dtype)
+    totals, tally = TokenizeStats(), _Skips()
+    num_rows_read = num_valid = tokens = trained = 0
+    for chunk in _chunks(rows):
+        num_rows_read += len(chunk)
+        valid = [(row_id, row) for row_id, row, reason in chunk if reason is None]
+        num_valid += len(valid)
+        made, stats = tokenize_rows([row for _, row in valid], [row_id for row_id, _ in valid], tokenizer, fmt,
+                                    max_seq_len, data_cfg.overflow_rule)
+        tally.add(sorted([(row_id, reason) for row_id, _, reason in chunk if reason is not None] + stats.skipped))
+        for example in made:
+            examples.add([example])
+            tokens += len(example.input_ids)
+            trained += int(np.count_nonzero(example.labels != IGNORE_INDEX))
+        for name in ("num_examples", "num_rows", "num_truncated", "num_split", "corpus_tokens",
+                     "corpus_trained_tokens"):
+            setattr(totals, name, getattr(totals, name) + getattr(stats, name))
+    examples.close()
+    if not num_valid:
+        raise DataError(no_rows_message(data_cfg.path, fmt, tally.count, tally.first[:1], unit, "data.path"))
+    if not totals.num_examples:
+        first_id, first_reason = tally.first[0]
         raise DataError(
-            f"no row of data.path {data_cfg.path!r} could be tokenized ({rows.unit} {first_id}: {first_reason}); "
+            f"no row of data.path {data_cfg.path!r} could be tokenized ({unit} {first_id}: {first_reason}); "
             "fix the rows, raise data.max_seq_len or use a tokenizer that fits data.format"
         )
-    samples = pack_examples(examples, data_cfg.max_seq_len) if data_cfg.packing else to_samples(examples)
-    stats = DataStats(
-        num_rows_read=rows.num_rows_read,
-        num_rows_skipped=len(skipped),
-        skipped=skipped[:MAX_REPORTED_SKIPS],
-        num_truncated=token_stats.num_truncated,
-        num_samples=len(samples),
-        total_input_tokens=int(sum(len(sample) for sample in samples)),
-        total_trained_tokens=int(sum(np.count_nonzero(sample.labels != IGNORE_INDEX) for sample in samples)),
-        num_documents=token_stats.num_rows,
-        row_unit=rows.unit,
-        num_split=token_stats.num_split,
-        num_pieces=len(examples),
-        corpus_tokens=token_stats.corpus_tokens,
-        corpus_trained_tokens=token_stats.corpus_trained_tokens,
-    )
-    return samples, stats
+    num_samples = _pack(directory, max_seq_len, dtype) if data_cfg.packing else totals.num_examples
+    return DataStats(
+        num_rows_read=num_rows_read, num_rows_skipped=tally.count, skipped=tally.first,
+        num_truncated=totals.num_truncated, num_samples=num_samples, total_input_tokens=tokens,
+        total_trained_tokens=trained, num_documents=totals.num_rows, row_unit=unit, num_split=totals.num_split,
+        num_pieces=totals.num_examples, corpus_tokens=totals.corpus_tokens,
+        corpus_trained_tokens=totals.corpus_trained_tokens)
+
+
+def _chunks(rows):
+    """Lists of consecutive (row id, row, reason) of at most CHUNK_ROWS rows and about CHUNK_CHARS characters."""
+    chunk, chars = [], 0
+    for item in rows:
+        chunk.append(item)
+        chars += _characters(item[1])
+        if len(chunk) >= CHUNK_ROWS or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _characters(row) -> int:
+    """The characters of a row's text fields (text, prompt and completion, or the messages' contents)."""
+    if row is None:
+        return 0
+    messages = row.get("messages") or []
+    return sum(len(row.get(key) or "") for key in ("text", "prompt", "completion")) + \
+        sum(len(message["content"]) for message in messages)
+
+
+class _Skips:
+    """The skipped rows: all counted, the first MAX_REPORTED_SKIPS kept (added in row order)."""
+
+    def __init__(self):
+        self.count, self.first = 0, []
+
+    def add(self, skipped: list[tuple[int, str]]) -> None:
+        self.count += len(skipped)
+        self.first.extend(skipped[: MAX_REPORTED_SKIPS - len(self.first)])
+
+
+def _pack(directory: Path, max_seq_len: int, dtype) -> int:
+    """Pack the examples store at directory/examples into the store at `directory`; returns the samples."""
+    examples = TokenStore(directory / "examples")
+    plan = pack_plan(examples.lengths(), max_seq_len)
+    packed = StoreWriter(directory, dtype)
+    for members in plan:
+        packed.add([document for i in members for document in examples.documents(i)])
+    packed.close()
+    del examples
+    shutil.rmtree(directory / "examples")
+    return len(plan)
 
 
 def _log_stats(stats: DataStats, path: str, log, max_seq_len: int, fmt: str) -> None:

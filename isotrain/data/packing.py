@@ -51,19 +51,26 @@ def to_samples(examples: list[Example]) -> list[Sample]:
 
 
 def pack_examples(examples: list[Example], max_seq_len: int) -> list[PackedSample]:
-    """Best-fit-decreasing packing of whole documents into samples of at most `max_seq_len` tokens.
+    """The samples of `pack_plan` over the examples' lengths."""
+    plan = pack_plan([len(example.input_ids) for example in examples], max_seq_len)
+    return [sample_from_documents([examples[i] for i in members]) for members in plan]
+
+
+def pack_plan(lengths, max_seq_len: int) -> list[list[int]]:
+    """Best-fit-decreasing packing of whole documents into samples of at most `max_seq_len` tokens: for each
+    sample, the indices of its documents in ascending order.
 
     Documents are placed longest first (equal lengths in their original order), each into the
     open sample with the least room that still fits it, else into a new sample; among samples
     with equal room the oldest wins. Everything is decided by lengths and order, so the result is
     deterministic. Documents inside a sample keep their original relative order.
     """
-    lengths = [len(example.input_ids) for example in examples]
+    lengths = [int(n) for n in lengths]
     too_long = [i for i, n in enumerate(lengths) if n > max_seq_len]
     if too_long:
         raise ValueError(f"example {too_long[0]} has {lengths[too_long[0]]} tokens > max_seq_len={max_seq_len}")
     # sorted() is stable, so ties keep the original order.
-    order = sorted(range(len(examples)), key=lambda i: -lengths[i])
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []
     open_bins: list[tuple[int, int]] = []  # (room left, bin index), kept sorted
     for i in order:
@@ -76,4 +83,4 @@ def pack_examples(examples: list[Example], max_seq_len: int) -> list[PackedSampl
         bins[b].append(i)
         if room - lengths[i] > 0:
             bisect.insort(open_bins, (room - lengths[i], b))
-    return [sample_from_documents([examples[i] for i in sorted(members)]) for members in bins]
+    return [sorted(members) for members in bins]

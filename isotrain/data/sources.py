@@ -36,13 +36,27 @@ def read_rows(path: str, fmt: str, field: str = "data.path") -> RowsResult:
         raise DataError(f"data.format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
     result = sort_rows(path, field, lambda row: row_problem(row, fmt))
     if not result.rows:
-        raise DataError(_no_rows_message(path, fmt, result, field))
+        raise DataError(no_rows_message(path, fmt, len(result.skipped), result.skipped[:1], result.unit, field))
     return result
 
 
 def sort_rows(path: str, field: str, problem) -> RowsResult:
     """The rows of `path` that `problem(row)` finds nothing wrong with, and the others with their reasons
     (the caller refuses a file without any usable row, in its own words)."""
+    checked, unit = checked_rows(path, field, problem)
+    result = RowsResult(rows=[], row_ids=[], unit=unit)
+    for row_id, row, reason in checked:
+        if reason is None:
+            result.rows.append(row)
+            result.row_ids.append(row_id)
+        else:
+            result.skipped.append((row_id, reason))
+    return result
+
+
+def checked_rows(path: str, field: str, problem):
+    """(rows, unit): rows yields (row id, row, None) or (row id, None, reason) one at a time, in file order (a
+    .jsonl file is read line by line; .json, .parquet and saved datasets as a whole)."""
     source = check_source(path, field)
     if source.is_dir():
         raw, unit = _enumerate(_read_saved_dataset(source, field)), "row"
@@ -52,15 +66,13 @@ def sort_rows(path: str, field: str, problem) -> RowsResult:
         raw, unit = _enumerate(_read_json(source, field)), "row"
     else:  # .parquet, the only other kind check_source accepts
         raw, unit = _enumerate(_read_parquet(source, field)), "row"
-    result = RowsResult(rows=[], row_ids=[], unit=unit)
-    for row_id, row, error in raw:
-        reason = error or problem(row)
-        if reason is None:
-            result.rows.append(row)
-            result.row_ids.append(row_id)
-        else:
-            result.skipped.append((row_id, reason))
-    return result
+
+    def rows():
+        for row_id, row, error in raw:
+            reason = error or problem(row)
+            yield (row_id, row, None) if reason is None else (row_id, None, reason)
+
+    return rows(), unit
 
 
 def check_source(path: str, field: str = "data.path") -> Path:
@@ -73,13 +85,15 @@ def check_source(path: str, field: str = "data.path") -> Path:
     return source
 
 
-def _no_rows_message(path: str, fmt: str, result: RowsResult, field: str) -> str:
-    if not result.skipped:
+def no_rows_message(path: str, fmt: str, num_skipped: int, first_skipped: list[tuple[int, str]], unit: str,
+                    field: str) -> str:
+    """What a source without one valid row is refused with (`first_skipped`: [] or [(row id, reason)])."""
+    if not num_skipped:
         return f"{field} {path!r} holds no rows; add {fmt!r} rows to it or point {field} at another file"
-    first_id, first_reason = result.skipped[0]
+    first_id, first_reason = first_skipped[0]
     return (
-        f"{field} {path!r} has no valid {fmt!r} rows: all {len(result.skipped)} rows were skipped "
-        f"(first: {result.unit} {first_id}: {first_reason}); fix the rows or set data.format to match the file"
+        f"{field} {path!r} has no valid {fmt!r} rows: all {num_skipped} rows were skipped "
+        f"(first: {unit} {first_id}: {first_reason}); fix the rows or set data.format to match the file"
     )
 
 

@@ -1,29 +1,35 @@
 """The token store: a dataset's samples as flat arrays on disk, read through memory maps.
 
-    input_ids           [T]      every sample's tokens, one after another, in the smallest unsigned dtype that
-                                 holds the vocabulary (uint16 below 65 535 ids, else uint32)
-    labels              [T]      the same dtype; its largest value stands for -100 (never a token id)
+    input_ids.bin       [T]      every sample's tokens, one after another, raw, in the smallest unsigned dtype
+                                 that holds the vocabulary (uint16 below 65 535 ids, else uint32; store.json)
+    labels.bin          [T]      the same dtype; its largest value stands for -100 (never a token id)
     sample_offsets      [S + 1]  sample s is tokens [sample_offsets[s], sample_offsets[s + 1])
     doc_lengths         [D]      the documents (rows, or pieces of a row) of all samples, in order
     doc_row_ids         [D]      each document's source row
     sample_doc_offsets  [S + 1]  sample s holds documents [sample_doc_offsets[s], sample_doc_offsets[s + 1])
 
-A sample's position and segment ids follow from its document lengths, so they are not stored. Opening a store
-maps the arrays and checks that they agree with each other (vectorised); a sample becomes Python objects
-only when it is read, so a run's memory does not grow with the corpus.
+The four index arrays are .npy files. A sample's position and segment ids follow from its document lengths,
+so they are not stored. `StoreWriter` appends samples as they come (a corpus is never held whole in memory);
+opening a store maps the token files and checks that the arrays agree with each other (vectorised); a sample
+becomes Python objects only when it is read, so a run's memory does not grow with the corpus.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from isotrain.data.packing import Sample
-from isotrain.data.tokenize import IGNORE_INDEX
+from isotrain.data.tokenize import IGNORE_INDEX, Example
 
-ARRAYS = ("input_ids", "labels", "sample_offsets", "doc_lengths", "doc_row_ids", "sample_doc_offsets")
+TOKEN_FILES = ("input_ids.bin", "labels.bin")
+INDEX_ARRAYS = ("sample_offsets", "doc_lengths", "doc_row_ids", "sample_doc_offsets")
+FILES = (*TOKEN_FILES, *(f"{name}.npy" for name in INDEX_ARRAYS), "store.json")
 
 
 class StoreMismatch(ValueError):
@@ -35,41 +41,69 @@ def token_dtype(max_id: int) -> np.dtype:
     return np.dtype(np.uint16) if max_id < np.iinfo(np.uint16).max else np.dtype(np.uint32)
 
 
-def flatten(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
-    """The store's arrays of `samples` (module docstring)."""
-    doc_lengths, doc_row_ids, docs_per_sample = [], [], []
+class StoreWriter:
+    """Writes a store into `directory` one sample at a time; `close()` writes the index and store.json."""
+
+    def __init__(self, directory: Path, dtype: np.dtype):
+        self.directory, self.dtype = Path(directory), np.dtype(dtype)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._no_label = np.iinfo(self.dtype).max
+        self._ids = (self.directory / "input_ids.bin").open("wb")
+        self._labels = (self.directory / "labels.bin").open("wb")
+        self._sample_offsets, self._doc_offsets = array("q", [0]), array("q", [0])
+        self._doc_lengths, self._doc_row_ids = array("q"), array("q")
+
+    def add(self, documents: Sequence[Example]) -> None:
+        """One sample made of `documents`, in order (positions restart at each)."""
+        for doc in documents:
+            if len(doc.input_ids) and int(doc.input_ids.max()) >= self._no_label:
+                raise ValueError(f"token id {int(doc.input_ids.max())} does not fit the store's {self.dtype}")
+            self._ids.write(np.asarray(doc.input_ids).astype(self.dtype).tobytes())
+            labels = np.where(doc.labels == IGNORE_INDEX, self._no_label, doc.labels).astype(self.dtype)
+            self._labels.write(labels.tobytes())
+            self._doc_lengths.append(len(doc.input_ids))
+            self._doc_row_ids.append(doc.row_id)
+        self._sample_offsets.append(self._sample_offsets[-1] + sum(len(doc.input_ids) for doc in documents))
+        self._doc_offsets.append(len(self._doc_lengths))
+
+    def close(self) -> None:
+        for handle in (self._ids, self._labels):
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+        index = {"sample_offsets": self._sample_offsets, "doc_lengths": self._doc_lengths,
+                 "doc_row_ids": self._doc_row_ids, "sample_doc_offsets": self._doc_offsets}
+        for name, values in index.items():
+            np.save(self.directory / f"{name}.npy", np.frombuffer(values, dtype=np.int64), allow_pickle=False)
+        (self.directory / "store.json").write_text(json.dumps({"token_dtype": self.dtype.name}))
+
+
+def write_samples(directory: Path, samples: Sequence[Sample], dtype: np.dtype) -> None:
+    """A store of `samples` (each split back into its documents by its position restarts)."""
+    writer = StoreWriter(directory, dtype)
     for sample in samples:
-        boundaries = np.flatnonzero(sample.position_ids == 0).tolist() + [len(sample)]
-        doc_lengths.extend(np.diff(boundaries).tolist())
-        doc_row_ids.extend(sample.row_ids)
-        docs_per_sample.append(len(sample.row_ids))
-    input_ids = np.concatenate([s.input_ids for s in samples])
-    labels = np.concatenate([s.labels for s in samples])
-    dtype = token_dtype(int(max(input_ids.max(initial=0), labels.max(initial=0))))
-    return {
-        "input_ids": input_ids.astype(dtype),
-        "labels": np.where(labels == IGNORE_INDEX, np.iinfo(dtype).max, labels).astype(dtype),
-        "sample_offsets": np.concatenate([[0], np.cumsum([len(s) for s in samples])]).astype(np.int64),
-        "doc_lengths": np.asarray(doc_lengths, dtype=np.int64),
-        "doc_row_ids": np.asarray(doc_row_ids, dtype=np.int64),
-        "sample_doc_offsets": np.concatenate([[0], np.cumsum(docs_per_sample)]).astype(np.int64),
-    }
+        starts = np.flatnonzero(sample.position_ids == 0).tolist() + [len(sample)]
+        writer.add([Example(sample.input_ids[a:b], sample.labels[a:b], row_id)
+                    for a, b, row_id in zip(starts[:-1], starts[1:], sample.row_ids)])
+    writer.close()
 
 
 class TokenStore(Sequence):
     """The samples of a store directory, read on demand from memory-mapped arrays."""
 
     def __init__(self, directory: Path):
-        arrays = {name: np.load(Path(directory) / f"{name}.npy", mmap_mode="r", allow_pickle=False)
-                  for name in ARRAYS}
+        directory = Path(directory)
+        dtype = np.dtype(json.loads((directory / "store.json").read_text())["token_dtype"])
+        if dtype not in (np.dtype(np.uint16), np.dtype(np.uint32)):
+            raise StoreMismatch(f"token dtype {dtype} is not uint16 or uint32")
+        arrays = {name: _map(directory / name, dtype) for name in TOKEN_FILES}
+        # The index (8 bytes per sample, 16 per document) is read into memory once.
+        arrays.update({name: np.load(directory / f"{name}.npy", allow_pickle=False) for name in INDEX_ARRAYS})
         check_arrays(arrays)
-        self._ids, self._labels = arrays["input_ids"], arrays["labels"]
-        self._no_label = np.iinfo(self._labels.dtype).max
-        # The index arrays are small (8 bytes per sample or document): read once.
-        self._offsets = np.asarray(arrays["sample_offsets"])
-        self._doc_offsets = np.asarray(arrays["sample_doc_offsets"])
-        self._doc_lengths = np.asarray(arrays["doc_lengths"])
-        self._doc_row_ids = np.asarray(arrays["doc_row_ids"])
+        self._ids, self._labels = arrays["input_ids.bin"], arrays["labels.bin"]
+        self._no_label = np.iinfo(dtype).max
+        self._offsets, self._doc_offsets = arrays["sample_offsets"], arrays["sample_doc_offsets"]
+        self._doc_lengths, self._doc_row_ids = arrays["doc_lengths"], arrays["doc_row_ids"]
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -95,22 +129,38 @@ class TokenStore(Sequence):
             row_ids=tuple(int(r) for r in self._doc_row_ids[first:last]),
         )
 
+    def documents(self, index: int) -> list[Example]:
+        """The documents of sample `index`, as tokenization made them."""
+        sample = self[index]
+        starts = np.flatnonzero(sample.position_ids == 0).tolist() + [len(sample)]
+        return [Example(sample.input_ids[a:b], sample.labels[a:b], row_id)
+                for a, b, row_id in zip(starts[:-1], starts[1:], sample.row_ids)]
+
     def lengths(self) -> np.ndarray:
         """Every sample's number of tokens, without reading a token."""
         return np.diff(self._offsets)
 
 
+def _map(path: Path, dtype: np.dtype) -> np.ndarray:
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise StoreMismatch(f"{path.name} holds {size} bytes, not a whole number of {dtype} tokens")
+    if size == 0:  # np.memmap cannot map an empty file
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
 def check_arrays(arrays: dict[str, np.ndarray]) -> None:
     """Raise StoreMismatch unless the arrays describe whole samples of whole documents."""
     offsets, doc_offsets = arrays["sample_offsets"], arrays["sample_doc_offsets"]
-    lengths = np.asarray(arrays["doc_lengths"])
-    tokens = len(arrays["input_ids"])
-    if len(arrays["labels"]) != tokens or len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != tokens:
+    lengths = arrays["doc_lengths"]
+    tokens = len(arrays["input_ids.bin"])
+    if len(arrays["labels.bin"]) != tokens or len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != tokens:
         raise StoreMismatch("the token arrays do not match the sample offsets")
     if len(doc_offsets) != len(offsets) or doc_offsets[0] != 0 or doc_offsets[-1] != len(lengths) \
             or len(arrays["doc_row_ids"]) != len(lengths):
         raise StoreMismatch("the document arrays do not match their offsets")
     if (np.diff(doc_offsets) < 1).any() or (lengths < 1).any():
         raise StoreMismatch("a sample without documents or a document without tokens")
-    if not np.array_equal(np.cumsum(lengths)[np.asarray(doc_offsets[1:]) - 1], np.asarray(offsets[1:])):
+    if not np.array_equal(np.cumsum(lengths)[doc_offsets[1:] - 1], offsets[1:]):
         raise StoreMismatch("the documents' lengths do not add up to their samples'")

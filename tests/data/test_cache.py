@@ -8,6 +8,7 @@ import isotrain.data.dataset as dataset_module
 from isotrain.config import SFTDataConfig
 from isotrain.data import prepare_dataset
 from isotrain.data.cache import cache_key, save_entry
+from isotrain.data.store import write_samples
 from isotrain.errors import DataError
 from isotrain.models.tokenizer import add_special_tokens, train_tokenizer
 
@@ -94,7 +95,7 @@ def test_corrupt_cache_entry_is_rebuilt(tmp_path, tok, damage):
     dataset = prepare_dataset(cfg, tok, log=lambda *_: None)
     first = list(dataset.samples)  # read now: the store maps the very files damaged below
     entry = Path(dataset.cache_path)
-    target = entry / "input_ids.npy"
+    target = entry / "input_ids.bin"
     data = target.read_bytes()
     if damage == "flip_byte":
         target.write_bytes(data[:-3] + bytes([data[-3] ^ 0xFF]) + data[-2:])
@@ -118,7 +119,8 @@ def test_concurrent_writers_leave_one_whole_entry(tmp_path, tok):
     dataset = prepare_dataset(cfg, tok, log=lambda *_: None)
     entry = Path(dataset.cache_path)
     # A second rank finishing later finds the entry in place and keeps it.
-    save_entry(entry, dataset.samples, {"num_rows_read": -1})
+    save_entry(entry, lambda directory: write_samples(directory, dataset.samples, np.dtype(np.uint16)) or
+               {"num_rows_read": -1})
     assert json.loads((entry / "stats.json").read_text())["num_rows_read"] == len(ROWS)
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]  # no temporary directories left
 

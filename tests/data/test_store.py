@@ -13,7 +13,7 @@ import pytest
 
 from helpers import subprocess_env
 from isotrain.data.packing import sample_from_documents
-from isotrain.data.store import ARRAYS, StoreMismatch, TokenStore, flatten
+from isotrain.data.store import FILES, StoreMismatch, TokenStore, token_dtype, write_samples
 from isotrain.data.tokenize import IGNORE_INDEX, Example
 
 
@@ -29,8 +29,7 @@ def samples_of(max_id: int):
             sample_from_documents(documents[4:])]
 
 
-def write(directory, arrays: dict) -> None:
-    directory.mkdir(exist_ok=True)
+def write_index(directory, arrays: dict) -> None:
     for name, array in arrays.items():
         np.save(directory / f"{name}.npy", array, allow_pickle=False)
 
@@ -39,9 +38,10 @@ def write(directory, arrays: dict) -> None:
                                                (200_000, np.uint32)])
 def test_samples_read_back_equal_in_the_smallest_dtype(tmp_path, max_id, dtype):
     samples = samples_of(max_id)
-    arrays = flatten(samples)
-    assert arrays["input_ids"].dtype == dtype and arrays["labels"].dtype == dtype
-    write(tmp_path / "store", arrays)
+    assert token_dtype(max_id) == dtype
+    write_samples(tmp_path / "store", samples, token_dtype(max_id))
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == sorted(FILES)
+    assert (tmp_path / "store" / "input_ids.bin").stat().st_size == sum(map(len, samples)) * np.dtype(dtype).itemsize
     store = TokenStore(tmp_path / "store")
     assert len(store) == 3 and list(store.lengths()) == [len(s) for s in samples]
     for got, want in zip([*store[:2], store[-1]], samples):
@@ -53,17 +53,31 @@ def test_samples_read_back_equal_in_the_smallest_dtype(tmp_path, max_id, dtype):
         store[3]
 
 
-@pytest.mark.parametrize(("name", "change", "reason"), [
-    ("input_ids", lambda a: a[:-1], "the token arrays do not match the sample offsets"),
-    ("doc_lengths", lambda a: a + np.eye(len(a), dtype=a.dtype)[0], "the documents' lengths do not add up"),
-    ("sample_doc_offsets", lambda a: np.r_[a[:1], a[2:3], a[2:]], "a sample without documents"),
-    ("sample_doc_offsets", lambda a: a[:-1], "the document arrays do not match their offsets"),
-    ("doc_row_ids", lambda a: a[1:], "the document arrays do not match their offsets"),
+def test_an_id_beyond_the_dtype_is_refused_when_written(tmp_path):
+    with pytest.raises(ValueError, match="token id 65535 does not fit the store's uint16"):
+        write_samples(tmp_path / "store", samples_of(65535), np.dtype(np.uint16))
+
+
+def shorten(path, drop_bytes: int) -> None:
+    path.write_bytes(path.read_bytes()[:-drop_bytes])
+
+
+@pytest.mark.parametrize(("damage", "reason"), [
+    (lambda d: shorten(d / "input_ids.bin", 1), "input_ids.bin holds 91 bytes, not a whole number of uint16"),
+    (lambda d: shorten(d / "labels.bin", 2), "the token arrays do not match the sample offsets"),
+    (lambda d: write_index(d, {"doc_lengths": np.load(d / "doc_lengths.npy") + np.eye(7, dtype=np.int64)[0]}),
+     "the documents' lengths do not add up"),
+    (lambda d: write_index(d, {"sample_doc_offsets": np.array([0, 3, 3, 7])}), "a sample without documents"),
+    (lambda d: write_index(d, {"sample_doc_offsets": np.array([0, 3, 4])}),
+     "the document arrays do not match their offsets"),
+    (lambda d: write_index(d, {"doc_row_ids": np.arange(6)}), "the document arrays do not match their offsets"),
+    (lambda d: (d / "store.json").write_text('{"token_dtype": "int8"}'), "token dtype int8 is not uint16 or uint32"),
 ])
-def test_arrays_that_disagree_are_refused(tmp_path, name, change, reason):
-    arrays = flatten(samples_of(50))
-    arrays[name] = change(arrays[name])
-    write(tmp_path / "store", arrays)
+def test_arrays_that_disagree_are_refused(tmp_path, damage, reason):
+    samples = samples_of(50)
+    write_samples(tmp_path / "store", samples, np.dtype(np.uint16))
+    assert sum(map(len, samples)) == 46  # 92 bytes of uint16 ids: the byte count above
+    damage(tmp_path / "store")
     with pytest.raises(StoreMismatch, match=reason):
         TokenStore(tmp_path / "store")
 
@@ -87,13 +101,14 @@ print(json.dumps({"samples": len(store), "anonymous_kib": anonymous_kib() - befo
 
 def synthetic_store(directory, num_samples: int, tokens_per_sample: int) -> None:
     """A store of packed-looking samples (4 documents each) written without tokenizing anything."""
+    directory.mkdir()
+    ids = (np.arange(num_samples * tokens_per_sample) % 30000).astype(np.uint16)
+    ids.tofile(directory / "input_ids.bin")
+    ids.tofile(directory / "labels.bin")
     docs = np.full(4 * num_samples, tokens_per_sample // 4, dtype=np.int64)
-    tokens = num_samples * tokens_per_sample
-    ids = (np.arange(tokens) % 30000).astype(np.uint16)
-    write(directory, {"input_ids": ids, "labels": ids, "sample_offsets": np.arange(num_samples + 1) * tokens_per_sample,
-                      "doc_lengths": docs, "doc_row_ids": np.arange(len(docs)),
-                      "sample_doc_offsets": np.arange(num_samples + 1) * 4})
-    assert sorted(p.stem for p in directory.iterdir()) == sorted(ARRAYS)
+    write_index(directory, {"sample_offsets": np.arange(num_samples + 1) * tokens_per_sample, "doc_lengths": docs,
+                            "doc_row_ids": np.arange(len(docs)), "sample_doc_offsets": np.arange(num_samples + 1) * 4})
+    (directory / "store.json").write_text(json.dumps({"token_dtype": "uint16"}))
 
 
 @pytest.mark.slow

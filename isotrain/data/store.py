@@ -82,10 +82,15 @@ def write_samples(directory: Path, samples: Sequence[Sample], dtype: np.dtype) -
     """A store of `samples` (each split back into its documents by its position restarts)."""
     writer = StoreWriter(directory, dtype)
     for sample in samples:
-        starts = np.flatnonzero(sample.position_ids == 0).tolist() + [len(sample)]
-        writer.add([Example(sample.input_ids[a:b], sample.labels[a:b], row_id)
-                    for a, b, row_id in zip(starts[:-1], starts[1:], sample.row_ids)])
+        writer.add(sample_documents(sample))
     writer.close()
+
+
+def sample_documents(sample: Sample) -> list[Example]:
+    """The documents of `sample`, found at its position restarts."""
+    starts = np.flatnonzero(sample.position_ids == 0).tolist() + [len(sample)]
+    return [Example(sample.input_ids[a:b], sample.labels[a:b], row_id)
+            for a, b, row_id in zip(starts[:-1], starts[1:], sample.row_ids)]
 
 
 class TokenStore(Sequence):
@@ -131,10 +136,7 @@ class TokenStore(Sequence):
 
     def documents(self, index: int) -> list[Example]:
         """The documents of sample `index`, as tokenization made them."""
-        sample = self[index]
-        starts = np.flatnonzero(sample.position_ids == 0).tolist() + [len(sample)]
-        return [Example(sample.input_ids[a:b], sample.labels[a:b], row_id)
-                for a, b, row_id in zip(starts[:-1], starts[1:], sample.row_ids)]
+        return sample_documents(self[index])
 
     def lengths(self) -> np.ndarray:
         """Every sample's number of tokens, without reading a token."""

@@ -1,10 +1,17 @@
 """On-disk cache of tokenized (and packed) samples, keyed by everything that determines them.
 
-    key = sha256(format version, data bytes, tokenizer, format, max_seq_len, packing, overflow, added tokens)
+    key = sha256(format version, sha256 of the data files, tokenizer, format, max_seq_len, packing, overflow,
+                 added tokens)
+
+A data file's sha256 is remembered under `<root>/fingerprints/` with the file's path, size, mtime (ns), inode and
+device, and reused while all five are unchanged, so that a warm start does not read a corpus of gigabytes again. A
+file modified less than RACY_SECONDS before it was hashed is not remembered: a rewrite of the same size within
+the file system's timestamp granularity would keep its mtime (git's "racy" rule).
 
 An entry `<root>/tokenized/<key>/` holds the flat arrays of a token store (data/store.py; .npy, no pickle,
-read through memory maps) and `stats.json`, with
-`manifest.json` (size and sha256 of every file) written last. It is built in a temporary
+read through memory maps) and `stats.json`, with `manifest.json` written last: the size of every file and the
+sha256 of every file but the two token files, whose blocks the store checks against its own crc32 checksums
+(all at once when small, else as they are read: data/store.py). It is built in a temporary
 directory and renamed into place, so a reader sees a whole entry or none, and two ranks writing
 at once both succeed (the second rename loses and its copy is discarded). An entry that fails the
 manifest check is reported and rebuilt.
@@ -17,15 +24,17 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from isotrain.data.store import FILES, TokenStore
+from isotrain.data.store import FILES, TOKEN_FILES, TokenStore
 from isotrain.disk import commit, sha256_file
 
 # Bump when the arrays, their meaning (e.g. label shifting) or tokenization rules change.
-CACHE_FORMAT = "isotrain-tokenized-v3"  # v3: the token store of data/store.py (uint16/uint32 ids, mapped)
+CACHE_FORMAT = "isotrain-tokenized-v4"  # v4: the token store of data/store.py with block checksums
+RACY_SECONDS = 2.0
 
 
 class CacheUnreadable(Exception):
@@ -36,15 +45,37 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path(cache_dir or os.environ.get("ISOTRAIN_CACHE") or Path.home() / ".cache" / "isotrain")
 
 
-def _hash_path(digest, path: Path) -> None:
-    """Feed a file's bytes, or every file under a directory (sorted by relative name), to `digest`."""
+def _hash_path(digest, path: Path, memo_dir: Path | None = None) -> None:
+    """Feed the sha256 of a file, or of every file under a directory (sorted by relative name), to `digest`."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
         name = file.relative_to(path).as_posix() if path.is_dir() else ""
-        digest.update(f"file:{name}:{file.stat().st_size}\0".encode())
-        with file.open("rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
+        digest.update(f"file:{name}:{file.stat().st_size}:{file_sha256(file, memo_dir)}\0".encode())
+
+
+def file_sha256(path: Path, memo_dir: Path | None) -> str:
+    """sha256 of the file at `path`, remembered in `memo_dir` (module docstring) when one is given."""
+    if memo_dir is None:
+        return sha256_file(path)
+    before = path.stat()
+    seen = {"path": str(path.resolve()), "size": before.st_size, "mtime_ns": before.st_mtime_ns,
+            "inode": before.st_ino, "device": before.st_dev}
+    memo = memo_dir / f"{hashlib.sha256(seen['path'].encode()).hexdigest()}.json"
+    try:
+        remembered = json.loads(memo.read_text())
+        if remembered["seen"] == seen:
+            return remembered["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = sha256_file(path)
+    after = path.stat()
+    if (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size) \
+            and time.time() - before.st_mtime_ns / 1e9 > RACY_SECONDS:
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{uuid.uuid4().hex}")
+        tmp.write_text(json.dumps({"seen": seen, "sha256": digest}))
+        os.replace(tmp, memo)  # two ranks writing at once leave one whole file
+    return digest
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -68,14 +99,15 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def cache_key(data_path: str, tokenizer, options: dict) -> str:
-    """The entry name for `data_path` tokenized with `tokenizer` under the data `options`."""
+def cache_key(data_path: str, tokenizer, options: dict, memo_dir: Path | None = None) -> str:
+    """The entry name for `data_path` tokenized with `tokenizer` under the data `options`; the data files'
+    sha256 are remembered in `memo_dir` if given."""
     digest = hashlib.sha256()
     source = Path(data_path)
     # The kind of source decides how the bytes are parsed (.json vs .jsonl), so it is part of the key.
     kind = "directory" if source.is_dir() else source.suffix
     digest.update(f"{CACHE_FORMAT}\0{kind}\0".encode())
-    _hash_path(digest, source)
+    _hash_path(digest, source, memo_dir)
     digest.update(f"\0tokenizer:{tokenizer_fingerprint(tokenizer)}\0".encode())
     digest.update(json.dumps(options, sort_keys=True).encode())
     return digest.hexdigest()
@@ -95,12 +127,17 @@ def load_entry(entry: Path) -> tuple[TokenStore, dict] | None:
             raise CacheUnreadable("manifest.json does not list the store's files")
         for name, meta in manifest["files"].items():
             path = entry / name
-            if path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
+            if path.stat().st_size != meta["size"] or meta.get("sha256") != _content_hash(name, path):
                 raise CacheUnreadable(f"{name} does not match manifest.json")
         stats = json.loads((entry / "stats.json").read_text())
         return TokenStore(entry), stats
     except (OSError, ValueError, KeyError, TypeError, EOFError) as err:
         raise CacheUnreadable(f"{type(err).__name__}: {err}") from None
+
+
+def _content_hash(name: str, path: Path) -> str | None:
+    """The sha256 the manifest keeps for a file; None for the token files (the store checks their blocks)."""
+    return None if name in TOKEN_FILES else sha256_file(path)
 
 
 def _write_file(path: Path, write) -> None:
@@ -129,7 +166,7 @@ def save_entry(entry: Path, build: Callable[[Path], dict]) -> dict:
             _sync(tmp / name)
         manifest = {
             "format": CACHE_FORMAT,
-            "files": {name: {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+            "files": {name: {"size": (tmp / name).stat().st_size, "sha256": _content_hash(name, tmp / name)}
                       for name in (*FILES, "stats.json")},
         }
         _write_file(tmp / "manifest.json", lambda h: h.write(json.dumps(manifest, indent=1).encode()))

@@ -20,7 +20,7 @@ from isotrain.config import SFTDataConfig
 from isotrain.data.cache import CacheUnreadable, cache_key, cache_root, discard_entry, load_entry, save_entry
 from isotrain.data.packing import Sample, pack_plan
 from isotrain.data.sources import FORMATS, check_source, checked_rows, no_rows_message, row_problem
-from isotrain.data.store import StoreWriter, TokenStore, token_dtype
+from isotrain.data.store import StoreMismatch, StoreWriter, TokenStore, token_dtype
 from isotrain.data.tokenize import IGNORE_INDEX, TokenizeStats, tokenize_rows
 from isotrain.errors import DataError
 
@@ -61,7 +61,16 @@ class Dataset:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> Sample:
-        return self.samples[int(index)]
+        try:
+            return self.samples[int(index)]
+        except StoreMismatch as err:
+            # A large store checks its token blocks as they are read: damage found mid-run ends the run before
+            # any damaged token is trained on, and the entry goes, so that the next start rebuilds it.
+            if self.cache_path is None:
+                raise
+            discard_entry(Path(self.cache_path))
+            raise DataError(f"the tokenized-data cache entry {self.cache_path} is damaged ({err}); it was removed: "
+                            "run the same command again to rebuild it and resume from the last checkpoint") from None
 
 
 def data_options(data_cfg: SFTDataConfig) -> dict:
@@ -81,7 +90,8 @@ def prepare_dataset(data_cfg: SFTDataConfig, tokenizer, *, log=print) -> Dataset
     since it also resizes the embeddings); the cache key covers them through the tokenizer's fingerprint.
     """
     check_source(data_cfg.path)
-    entry = cache_root(data_cfg.cache_dir) / "tokenized" / cache_key(data_cfg.path, tokenizer, data_options(data_cfg))
+    root = cache_root(data_cfg.cache_dir)
+    entry = root / "tokenized" / cache_key(data_cfg.path, tokenizer, data_options(data_cfg), root / "fingerprints")
     try:
         cached = load_entry(entry)
     except CacheUnreadable as err:
@@ -111,7 +121,8 @@ def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path) -> DataStat
     if fmt not in FORMATS:
         raise DataError(f"data.format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
     rows, unit = checked_rows(data_cfg.path, "data.path", lambda row: row_problem(row, fmt))
-    dtype = token_dtype(len(tokenizer) - 1)
+    # Some tokenizers hold ids at or past len(tokenizer) (gaps before added tokens): the largest id decides.
+    dtype = token_dtype(max(len(tokenizer) - 1, *tokenizer.get_vocab().values()))
     examples = StoreWriter(directory / "examples" if data_cfg.packing else directory, dtype)
     totals, tally = TokenizeStats(), _Skips()
     num_rows_read = num_valid = tokens = trained = 0

@@ -1,13 +1,16 @@
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import isotrain.data.cache as cache_module
 import isotrain.data.dataset as dataset_module
+import isotrain.data.store as store_module
 from isotrain.config import SFTDataConfig
 from isotrain.data import prepare_dataset
-from isotrain.data.cache import cache_key, save_entry
+from isotrain.data.cache import cache_key, file_sha256, save_entry
 from isotrain.data.store import write_samples
 from isotrain.errors import DataError
 from isotrain.models.tokenizer import add_special_tokens, train_tokenizer
@@ -177,3 +180,45 @@ def test_token_totals_equal_counts_computed_from_rows(tmp_path, tok, fmt, packin
     assert stats.total_input_tokens == expected_input
     assert stats.num_documents == 50 and stats.num_truncated == 0 and stats.num_rows_skipped == 0
     assert (stats.num_samples < 50) == packing
+
+
+def test_a_data_files_sha256_is_remembered_while_its_path_size_mtime_and_inode_stay(tmp_path, monkeypatch):
+    """A warm start reads no byte of the corpus: the file's sha256 comes from the memo while its stat is unchanged.
+    A file written less than RACY_SECONDS ago is hashed every time (a same-size rewrite could keep its mtime)."""
+    path, memo = tmp_path / "d.jsonl", tmp_path / "fingerprints"
+    write_jsonl(path, ROWS)
+    hashed = []
+    real = cache_module.sha256_file
+    monkeypatch.setattr(cache_module, "sha256_file", lambda p: hashed.append(p) or real(p))
+    fresh = file_sha256(path, memo)
+    assert file_sha256(path, memo) == fresh and len(hashed) == 2 and not memo.exists()  # too recent to remember
+    old = path.stat().st_mtime_ns - 10 * 10**9
+    os.utime(path, ns=(old, old))
+    assert [file_sha256(path, memo) for _ in range(3)] == [fresh] * 3 and len(hashed) == 3
+    write_jsonl(path, ROWS[::-1])  # same size, new content and mtime
+    os.utime(path, ns=(old + 1, old + 1))
+    assert file_sha256(path, memo) == real(path) != fresh and len(hashed) == 4
+
+
+def test_damage_found_while_reading_a_large_store_names_the_entry_removes_it_and_the_next_start_rebuilds(
+        tmp_path, tok, monkeypatch):
+    monkeypatch.setattr(store_module, "CHECK_BLOCK_BYTES", 64)
+    cfg = SFTDataConfig(path=write_jsonl(tmp_path / "d.jsonl", ROWS), format="prompt_completion", max_seq_len=16,
+                        packing=True)
+    first = list(prepare_dataset(cfg, tok, log=lambda *_: None).samples)
+    monkeypatch.setattr(store_module, "EAGER_CHECK_BYTES", 0)
+    entry = Path(prepare_dataset(cfg, tok, log=lambda *_: None).cache_path)
+    data = bytearray((entry / "input_ids.bin").read_bytes())
+    data[-3] ^= 0xFF
+    (entry / "input_ids.bin").write_bytes(bytes(data))
+    lines = []
+    damaged = prepare_dataset(cfg, tok, log=lines.append)  # opens without reading the tokens
+    assert any(line.startswith("loaded tokenized data from cache") for line in lines)
+    damaged[0]
+    with pytest.raises(DataError) as caught:
+        damaged[len(damaged) - 1]
+    assert str(caught.value).startswith(f"the tokenized-data cache entry {entry} is damaged (block ")
+    assert str(caught.value).endswith("it was removed: run the same command again to rebuild it and resume from the "
+                                      "last checkpoint")
+    assert not entry.exists()
+    same_samples(first, prepare_dataset(cfg, tok, log=lambda *_: None))

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
 
 from helpers import subprocess_env
 from isotrain.data.packing import sample_from_documents
+import isotrain.data.store as store_module
 from isotrain.data.store import FILES, StoreMismatch, TokenStore, token_dtype, write_samples
 from isotrain.data.tokenize import IGNORE_INDEX, Example
 
@@ -82,6 +84,45 @@ def test_arrays_that_disagree_are_refused(tmp_path, damage, reason):
         TokenStore(tmp_path / "store")
 
 
+def flip(path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["input_ids.bin", "labels.bin"])
+def test_a_flipped_token_bit_of_a_small_store_is_refused_when_it_opens(tmp_path, name):
+    write_samples(tmp_path / "store", samples_of(50), np.dtype(np.uint16))
+    TokenStore(tmp_path / "store")
+    flip(tmp_path / "store" / name, 40)
+    with pytest.raises(StoreMismatch, match=f"block 0 of {name} \\(bytes 0-92\\) does not match its checksum"):
+        TokenStore(tmp_path / "store")
+
+
+def test_a_large_store_checks_each_block_before_its_first_sample_is_returned(tmp_path, monkeypatch):
+    """Past EAGER_CHECK_BYTES a store opens without reading its tokens; a damaged block is refused when a sample
+    in it is first read, and the samples of the other blocks still read."""
+    monkeypatch.setattr(store_module, "CHECK_BLOCK_BYTES", 16)  # 8 uint16 tokens; recorded in store.json
+    samples = samples_of(50)  # samples of 19, 11 and 16 tokens: bytes 0-38, 38-60, 60-92
+    write_samples(tmp_path / "store", samples, np.dtype(np.uint16))
+    monkeypatch.setattr(store_module, "EAGER_CHECK_BYTES", 0)
+    flip(tmp_path / "store" / "labels.bin", 70)  # block 4: bytes 64-80, in the last sample
+    store = TokenStore(tmp_path / "store")
+    assert np.array_equal(store[0].input_ids, samples[0].input_ids)
+    assert np.array_equal(store[1].labels, samples[1].labels)
+    with pytest.raises(StoreMismatch, match=r"block 4 of labels.bin \(bytes 64-80\) does not match"):
+        store[2]
+    with pytest.raises(StoreMismatch):
+        store[-1]  # never marked as checked
+
+
+def test_checksums_for_another_length_are_refused(tmp_path):
+    write_samples(tmp_path / "store", samples_of(50), np.dtype(np.uint16))
+    np.save(tmp_path / "store" / "checksums.npy", np.zeros((2, 3), dtype=np.uint32))
+    with pytest.raises(StoreMismatch, match=r"checksums.npy holds \(2, 3\) checksums, not 2 x 1"):
+        TokenStore(tmp_path / "store")
+
+
 OPEN_AND_READ = """
 import json, sys
 import numpy as np
@@ -108,7 +149,11 @@ def synthetic_store(directory, num_samples: int, tokens_per_sample: int) -> None
     docs = np.full(4 * num_samples, tokens_per_sample // 4, dtype=np.int64)
     write_index(directory, {"sample_offsets": np.arange(num_samples + 1) * tokens_per_sample, "doc_lengths": docs,
                             "doc_row_ids": np.arange(len(docs)), "sample_doc_offsets": np.arange(num_samples + 1) * 4})
-    (directory / "store.json").write_text(json.dumps({"token_dtype": "uint16"}))
+    block = 1 << 20
+    data = ids.tobytes()
+    sums = np.array([zlib.crc32(data[a : a + block]) for a in range(0, len(data), block)], dtype=np.uint32)
+    np.save(directory / "checksums.npy", np.stack([sums, sums]), allow_pickle=False)
+    (directory / "store.json").write_text(json.dumps({"token_dtype": "uint16", "check_block_bytes": block}))
 
 
 @pytest.mark.slow

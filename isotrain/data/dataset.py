@@ -1,7 +1,7 @@
 """The data entry point: rows on disk -> tokenized, optionally packed samples, cached.
 
-    checked_rows -> tokenize_rows (CHUNK_ROWS at a time) -> StoreWriter [-> pack_plan -> StoreWriter]
-        -> cache entry (a token store) -> Dataset
+    checked_rows -> tokenize_chunk (CHUNK_ROWS at a time, one chunk ahead in a thread)
+        [-> windows of PACK_WINDOW_TOKENS -> pack_plan] -> StoreWriter -> cache entry (a token store) -> Dataset
 
 The dataset's own totals (`DataStats.total_input_tokens`, `total_trained_tokens`) are what one
 epoch of training must count exactly (invariant 2).
@@ -9,9 +9,10 @@ epoch of training must count exactly (invariant 2).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from isotrain.data.cache import CacheUnreadable, cache_key, cache_root, discard_
 from isotrain.data.packing import Sample, pack_plan
 from isotrain.data.sources import FORMATS, check_source, checked_rows, no_rows_message, row_problem
 from isotrain.data.store import StoreMismatch, StoreWriter, TokenStore, token_dtype
-from isotrain.data.tokenize import IGNORE_INDEX, TokenizeStats, tokenize_rows
+from isotrain.data.tokenize import IGNORE_INDEX, Pieces, TokenizeStats, tokenize_chunk
 from isotrain.errors import DataError
 
 MAX_REPORTED_SKIPS = 20  # skipped rows kept in the stats; all are counted
@@ -112,35 +113,49 @@ def prepare_dataset(data_cfg: SFTDataConfig, tokenizer, *, log=print) -> Dataset
 # Rows read and tokenized at a time: up to CHUNK_ROWS rows and CHUNK_CHARS characters of text. The tokenizer's
 # output for a chunk is what preparing a corpus holds in memory (about 60 bytes per token), besides the index.
 CHUNK_ROWS, CHUNK_CHARS = 4096, 1 << 20
+# Packing plans over consecutive windows of examples: a window closes with the example that brings it to
+# PACK_WINDOW_TOKENS tokens (so the windows depend on the examples alone, not on how rows were chunked). A window
+# is held in the store's dtype (2 or 4 bytes per id and per label): memory stays bounded however large the corpus.
+PACK_WINDOW_TOKENS = 1 << 22
 
 
 def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path) -> DataStats:
     """Read, tokenize and (optionally) pack the rows of data.path into a token store at `directory`, a chunk of
-    rows at a time: the tokens go to disk as they come, and packing plans from the examples' lengths alone."""
+    rows at a time: the tokens go to disk as they come. A worker thread tokenizes the next chunk (the Rust
+    tokenizer runs on every core, without the GIL) while this one reads rows and writes the last chunk's tokens."""
     fmt, max_seq_len = data_cfg.format, data_cfg.max_seq_len
     if fmt not in FORMATS:
         raise DataError(f"data.format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
     rows, unit = checked_rows(data_cfg.path, "data.path", lambda row: row_problem(row, fmt))
     # Some tokenizers hold ids at or past len(tokenizer) (gaps before added tokens): the largest id decides.
     dtype = token_dtype(max(len(tokenizer) - 1, *tokenizer.get_vocab().values()))
-    examples = StoreWriter(directory / "examples" if data_cfg.packing else directory, dtype)
+    writer = StoreWriter(directory, dtype)
+    window = _PackWindow(writer, max_seq_len) if data_cfg.packing else None
     totals, tally = TokenizeStats(), _Skips()
     num_rows_read = num_valid = tokens = trained = 0
-    for chunk in _chunks(rows):
-        num_rows_read += len(chunk)
+
+    def tokenize(chunk):
         valid = [(row_id, row) for row_id, row, reason in chunk if reason is None]
-        num_valid += len(valid)
-        made, stats = tokenize_rows([row for _, row in valid], [row_id for row_id, _ in valid], tokenizer, fmt,
-                                    max_seq_len, data_cfg.overflow_rule)
-        tally.add(sorted([(row_id, reason) for row_id, _, reason in chunk if reason is not None] + stats.skipped))
-        for example in made:
-            examples.add([example])
-            tokens += len(example.input_ids)
-            trained += int(np.count_nonzero(example.labels != IGNORE_INDEX))
-        for name in ("num_examples", "num_rows", "num_truncated", "num_split", "corpus_tokens",
-                     "corpus_trained_tokens"):
-            setattr(totals, name, getattr(totals, name) + getattr(stats, name))
-    examples.close()
+        return chunk, len(valid), tokenize_chunk([row for _, row in valid], [row_id for row_id, _ in valid],
+                                                 tokenizer, fmt, max_seq_len, data_cfg.overflow_rule)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="isotrain-tokenize") as pool:
+        for chunk, valid, (pieces, stats) in _one_ahead(pool, tokenize, _chunks(rows)):
+            num_rows_read += len(chunk)
+            num_valid += valid
+            tally.add(sorted([(row_id, reason) for row_id, _, reason in chunk if reason is not None] + stats.skipped))
+            tokens += len(pieces.input_ids)
+            trained += int(np.count_nonzero(pieces.labels != IGNORE_INDEX))
+            if window is not None:
+                window.add(pieces)
+            else:
+                writer.add_samples(pieces.input_ids, pieces.labels, pieces.lengths, pieces.row_ids)
+            for name in ("num_examples", "num_rows", "num_truncated", "num_split", "corpus_tokens",
+                         "corpus_trained_tokens"):
+                setattr(totals, name, getattr(totals, name) + getattr(stats, name))
+    if window is not None:
+        window.flush_all()
+    writer.close()
     if not num_valid:
         raise DataError(no_rows_message(data_cfg.path, fmt, tally.count, tally.first[:1], unit, "data.path"))
     if not totals.num_examples:
@@ -149,13 +164,24 @@ def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path) -> DataStat
             f"no row of data.path {data_cfg.path!r} could be tokenized ({unit} {first_id}: {first_reason}); "
             "fix the rows, raise data.max_seq_len or use a tokenizer that fits data.format"
         )
-    num_samples = _pack(directory, max_seq_len, dtype) if data_cfg.packing else totals.num_examples
     return DataStats(
         num_rows_read=num_rows_read, num_rows_skipped=tally.count, skipped=tally.first,
-        num_truncated=totals.num_truncated, num_samples=num_samples, total_input_tokens=tokens,
+        num_truncated=totals.num_truncated, num_samples=writer.num_samples, total_input_tokens=tokens,
         total_trained_tokens=trained, num_documents=totals.num_rows, row_unit=unit, num_split=totals.num_split,
         num_pieces=totals.num_examples, corpus_tokens=totals.corpus_tokens,
         corpus_trained_tokens=totals.corpus_trained_tokens)
+
+
+def _one_ahead(pool, work, items):
+    """work(item) for each item, in order, computed in `pool` one item ahead of the consumer."""
+    pending = None
+    for item in items:
+        submitted = pool.submit(work, item)
+        if pending is not None:
+            yield pending.result()
+        pending = submitted
+    if pending is not None:
+        yield pending.result()
 
 
 def _chunks(rows):
@@ -191,17 +217,46 @@ class _Skips:
         self.first.extend(skipped[: MAX_REPORTED_SKIPS - len(self.first)])
 
 
-def _pack(directory: Path, max_seq_len: int, dtype) -> int:
-    """Pack the examples store at directory/examples into the store at `directory`; returns the samples."""
-    examples = TokenStore(directory / "examples")
-    plan = pack_plan(examples.lengths(), max_seq_len)
-    packed = StoreWriter(directory, dtype)
-    for members in plan:
-        packed.add([document for i in members for document in examples.documents(i)])
-    packed.close()
-    del examples
-    shutil.rmtree(directory / "examples")
-    return len(plan)
+class _PackWindow:
+    """Examples waiting to be packed (PACK_WINDOW_TOKENS above), in the store's dtype; full windows are packed
+    by `pack_plan` and written as they close."""
+
+    def __init__(self, writer: StoreWriter, max_seq_len: int):
+        self.writer, self.max_seq_len = writer, max_seq_len
+        self.parts: list[Pieces] = []
+        self.tokens = 0
+
+    def add(self, pieces: Pieces) -> None:
+        self.parts.append(Pieces(*self.writer.encode(pieces.input_ids, pieces.labels), pieces.lengths, pieces.row_ids))
+        self.tokens += len(pieces.input_ids)
+        while self.tokens >= PACK_WINDOW_TOKENS:
+            whole = self._merged()
+            ends = np.cumsum(whole.lengths)
+            last = int(np.searchsorted(ends, PACK_WINDOW_TOKENS))  # the example that reaches the window's size
+            cut = int(ends[last])
+            self._write(Pieces(whole.input_ids[:cut], whole.labels[:cut], whole.lengths[: last + 1],
+                               whole.row_ids[: last + 1]))
+            rest = Pieces(whole.input_ids[cut:], whole.labels[cut:], whole.lengths[last + 1 :],
+                          whole.row_ids[last + 1 :])
+            self.parts, self.tokens = [rest], len(rest.input_ids)
+
+    def flush_all(self) -> None:
+        if self.tokens:
+            self._write(self._merged())
+        self.parts, self.tokens = [], 0
+
+    def _merged(self) -> Pieces:
+        return Pieces(*(np.concatenate([getattr(part, name) for part in self.parts])
+                        for name in ("input_ids", "labels", "lengths", "row_ids")))
+
+    def _write(self, window: Pieces) -> None:
+        plan = pack_plan(window.lengths, self.max_seq_len)
+        order = np.fromiter(chain.from_iterable(plan), dtype=np.int64, count=len(window.lengths))
+        starts = (np.cumsum(window.lengths) - window.lengths)[order]
+        lengths = window.lengths[order]
+        index = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
+        self.writer.add_samples(window.input_ids[index], window.labels[index], lengths, window.row_ids[order],
+                                np.array([len(members) for members in plan], dtype=np.int64))
 
 
 def _log_stats(stats: DataStats, path: str, log, max_seq_len: int, fmt: str) -> None:

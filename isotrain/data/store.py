@@ -65,19 +65,39 @@ class StoreWriter:
 
     def add(self, documents: Sequence[Example]) -> None:
         """One sample made of `documents`, in order (positions restart at each)."""
-        for doc in documents:
-            if len(doc.input_ids) and int(doc.input_ids.max()) >= self._no_label:
-                raise ValueError(f"token id {int(doc.input_ids.max())} does not fit the store's {self.dtype}")
-            labels = np.where(doc.labels == IGNORE_INDEX, self._no_label, doc.labels).astype(self.dtype)
-            for handle, sums, values in zip((self._ids, self._labels), self._sums,
-                                            (np.asarray(doc.input_ids).astype(self.dtype), labels)):
-                data = values.tobytes()
-                handle.write(data)
-                sums.update(data)
-            self._doc_lengths.append(len(doc.input_ids))
-            self._doc_row_ids.append(doc.row_id)
-        self._sample_offsets.append(self._sample_offsets[-1] + sum(len(doc.input_ids) for doc in documents))
-        self._doc_offsets.append(len(self._doc_lengths))
+        self.add_samples(np.concatenate([np.asarray(doc.input_ids, dtype=np.int64) for doc in documents]),
+                         np.concatenate([np.asarray(doc.labels, dtype=np.int64) for doc in documents]),
+                         np.array([len(doc.input_ids) for doc in documents], dtype=np.int64),
+                         np.array([doc.row_id for doc in documents], dtype=np.int64),
+                         np.array([len(documents)], dtype=np.int64))
+
+    def add_samples(self, ids: np.ndarray, labels: np.ndarray, doc_lengths: np.ndarray, doc_row_ids: np.ndarray,
+                    docs_per_sample: np.ndarray | None = None) -> None:
+        """Many samples at once, flat: their documents' tokens back to back, `docs_per_sample` documents each (one
+        if None). `ids` and `labels` are int64 (labels -100 where not trained) or already `encode`d."""
+        if ids.dtype != self.dtype:
+            ids, labels = self.encode(ids, labels)
+        for handle, sums, values in zip((self._ids, self._labels), self._sums, (ids, labels)):
+            data = values.tobytes()
+            handle.write(data)
+            sums.update(data)
+        docs_per_sample = np.ones(len(doc_lengths), dtype=np.int64) if docs_per_sample is None else docs_per_sample
+        sample_tokens = np.add.reduceat(doc_lengths, np.cumsum(docs_per_sample) - docs_per_sample) \
+            if len(doc_lengths) else np.zeros(0, dtype=np.int64)
+        self._sample_offsets.frombytes((self._sample_offsets[-1] + np.cumsum(sample_tokens, dtype=np.int64)).tobytes())
+        self._doc_offsets.frombytes((self._doc_offsets[-1] + np.cumsum(docs_per_sample, dtype=np.int64)).tobytes())
+        self._doc_lengths.frombytes(np.asarray(doc_lengths, dtype=np.int64).tobytes())
+        self._doc_row_ids.frombytes(np.asarray(doc_row_ids, dtype=np.int64).tobytes())
+
+    def encode(self, ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """int64 ids and labels in the store's dtype, -100 labels as its largest value."""
+        if len(ids) and int(ids.max()) >= self._no_label:
+            raise ValueError(f"token id {int(ids.max())} does not fit the store's {self.dtype}")
+        return ids.astype(self.dtype), np.where(labels == IGNORE_INDEX, self._no_label, labels).astype(self.dtype)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._sample_offsets) - 1
 
     def close(self) -> None:
         for handle in (self._ids, self._labels):

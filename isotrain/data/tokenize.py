@@ -21,6 +21,7 @@ A document longer than data.max_seq_len (`overflow`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 from jinja2 import TemplateError
@@ -46,55 +47,101 @@ class TokenizeStats:
     skipped: list[tuple[int, str]] = field(default_factory=list)  # (row id, reason)
 
 
+@dataclass
+class Pieces:
+    """Consecutive examples as flat arrays: example e is tokens [offsets[e], offsets[e + 1]), offsets = cumsum of
+    lengths. What a chunk of rows becomes, written to a store without one Python object per example."""
+
+    input_ids: np.ndarray  # int64 [T]
+    labels: np.ndarray  # int64 [T], pre-shifted per row
+    lengths: np.ndarray  # int64 [E]
+    row_ids: np.ndarray  # int64 [E]
+
+    def examples(self) -> list[Example]:
+        bounds = np.concatenate([[0], np.cumsum(self.lengths)]).tolist()
+        return [Example(self.input_ids[a:b], self.labels[a:b], int(row_id))
+                for a, b, row_id in zip(bounds[:-1], bounds[1:], self.row_ids)]
+
+
 def tokenize_rows(rows: list[dict], row_ids: list[int], tokenizer, fmt: str, max_seq_len: int,
                   overflow: str = "truncate"):
     """(examples, stats) for rows already validated by `sources.read_rows` for format `fmt`; a row longer than
     `max_seq_len` is split, truncated or dropped by `overflow` (module docstring)."""
-    if fmt == "text":
-        documents = _text_documents(rows, tokenizer)
-    elif fmt == "prompt_completion":
-        documents = _prompt_completion_documents(rows, tokenizer)
-    elif fmt == "chat":
-        documents = [_chat_document(row["messages"], tokenizer) for row in rows]
-    else:
-        raise ValueError(f"unknown data format {fmt!r}")
+    pieces, stats = tokenize_chunk(rows, row_ids, tokenizer, fmt, max_seq_len, overflow)
+    return pieces.examples(), stats
 
+
+def tokenize_chunk(rows: list[dict], row_ids: list[int], tokenizer, fmt: str, max_seq_len: int,
+                   overflow: str = "truncate") -> tuple[Pieces, TokenizeStats]:
+    """tokenize_rows as flat arrays: the rows' (ids, targets) are concatenated, their labels shifted and their
+    pieces cut with whole-array operations; only the per-row bookkeeping is a Python loop."""
     stats = TokenizeStats()
-    examples = []
-    for row_id, document in zip(row_ids, documents):
-        if isinstance(document, str):  # a reason why this row cannot be tokenized
-            stats.skipped.append((row_id, document))
-            continue
-        ids, targets = document
-        labels = shifted_labels(ids, targets)
-        stats.corpus_tokens += len(ids)
-        stats.corpus_trained_tokens += int(np.count_nonzero(labels != IGNORE_INDEX))
-        pieces = _fit(np.asarray(ids, dtype=np.int64), targets, labels, max_seq_len, overflow, stats)
-        if isinstance(pieces, str):
-            stats.skipped.append((row_id, pieces))
-            continue
-        examples.extend(Example(piece, piece_labels, row_id) for piece, piece_labels in pieces)
-        stats.num_rows += 1
-    stats.num_examples = len(examples)
-    return examples, stats
-
-
-def _fit(ids: np.ndarray, targets: list[bool], labels: np.ndarray, max_seq_len: int, overflow: str,
-         stats: TokenizeStats) -> list[tuple[np.ndarray, np.ndarray]] | str:
-    """The row's (ids, labels) pieces within max_seq_len by `overflow` (module docstring), or why it is skipped;
-    counts the split and truncated rows in `stats`. Pieces without a target are left out."""
-    if len(ids) <= max_seq_len:
-        pieces = [(ids, labels)]
-    elif overflow == "drop":
-        return f"{len(ids)} tokens > data.max_seq_len={max_seq_len} (data.overflow=drop)"
-    elif overflow == "split":
-        pieces = [(ids[k : k + max_seq_len], labels[k : k + max_seq_len]) for k in range(0, len(ids), max_seq_len)]
-        stats.num_split += 1
+    if fmt == "text":
+        ids, targets, lengths = _text_documents(rows, tokenizer)
+        kept_ids = list(row_ids)
     else:
-        pieces = [(ids[:max_seq_len], shifted_labels(ids[:max_seq_len], targets[:max_seq_len]))]
-        stats.num_truncated += 1
-    pieces = [(piece, piece_labels) for piece, piece_labels in pieces if (piece_labels != IGNORE_INDEX).any()]
-    return pieces or f"no trained token within data.max_seq_len={max_seq_len}"
+        if fmt == "prompt_completion":
+            documents = list(_prompt_completion_documents(rows, tokenizer))
+        elif fmt == "chat":
+            documents = [_chat_document(row["messages"], tokenizer) for row in rows]
+        else:
+            raise ValueError(f"unknown data format {fmt!r}")
+        stats.skipped = [(row_id, doc) for row_id, doc in zip(row_ids, documents) if isinstance(doc, str)]
+        kept = [(row_id, doc) for row_id, doc in zip(row_ids, documents) if not isinstance(doc, str)]
+        kept_ids = [row_id for row_id, _ in kept]
+        lengths = np.array([len(doc[0]) for _, doc in kept], dtype=np.int64)
+        ids = np.fromiter(chain.from_iterable(doc[0] for _, doc in kept), dtype=np.int64, count=int(lengths.sum()))
+        targets = np.fromiter(chain.from_iterable(doc[1] for _, doc in kept), dtype=bool, count=len(ids))
+    return _cut(ids, targets, lengths, kept_ids, max_seq_len, overflow, stats)
+
+
+def _cut(ids: np.ndarray, targets: np.ndarray, lengths: np.ndarray, row_ids: list[int], max_seq_len: int,
+         overflow: str, stats: TokenizeStats) -> tuple[Pieces, TokenizeStats]:
+    """The rows' pieces within max_seq_len by `overflow` (module docstring), with the rows' shifted labels; rows
+    skipped (with their reason) and rows split or truncated are counted in `stats`. Pieces without a target are
+    left out."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+    labels[:-1] = np.where(targets[1:], ids[1:], IGNORE_INDEX)
+    labels[ends[lengths > 0] - 1] = IGNORE_INDEX  # a row's last label; never one of the next row's tokens
+    trained = np.concatenate([[0], np.cumsum(labels != IGNORE_INDEX)])  # trained[t]: targets before position t
+    stats.corpus_tokens += int(lengths.sum())
+    stats.corpus_trained_tokens += int(trained[-1])
+    piece_starts, piece_lengths, piece_rows = [], [], []
+    no_target = f"no trained token within data.max_seq_len={max_seq_len}"
+    for row_id, start, n in zip(row_ids, starts.tolist(), lengths.tolist()):
+        if n <= max_seq_len:
+            cuts = [(start, n)]
+        elif overflow == "drop":
+            stats.skipped.append((row_id, f"{n} tokens > data.max_seq_len={max_seq_len} (data.overflow=drop)"))
+            continue
+        elif overflow == "split":
+            cuts = [(a, min(max_seq_len, start + n - a)) for a in range(start, start + n, max_seq_len)]
+        else:
+            labels[start + max_seq_len - 1] = IGNORE_INDEX  # the truncated row's last label
+            cuts = [(start, max_seq_len)]
+        stats.num_split += n > max_seq_len and overflow == "split"
+        stats.num_truncated += n > max_seq_len and overflow == "truncate"
+        cuts = [(a, m) for a, m in cuts if trained[a + m] - trained[a]
+                and not (overflow == "truncate" and n > max_seq_len and trained[a + m - 1] == trained[a])]
+        if not cuts:
+            stats.skipped.append((row_id, no_target))
+            continue
+        stats.num_rows += 1
+        piece_starts.extend(a for a, _ in cuts)
+        piece_lengths.extend(m for _, m in cuts)
+        piece_rows.extend([row_id] * len(cuts))
+    stats.skipped.sort()
+    piece_lengths = np.array(piece_lengths, dtype=np.int64)
+    if len(piece_lengths) == len(lengths) and np.array_equal(piece_lengths, lengths):
+        index = slice(None)  # every row whole: no copy
+    else:
+        offsets = np.cumsum(piece_lengths) - piece_lengths
+        index = np.repeat(np.array(piece_starts, dtype=np.int64) - offsets, piece_lengths) + \
+            np.arange(int(piece_lengths.sum()), dtype=np.int64)
+    stats.num_examples = len(piece_lengths)
+    return Pieces(ids[index], labels[index], piece_lengths, np.array(piece_rows, dtype=np.int64)), stats
 
 
 def shifted_labels(ids: list[int], targets: list[bool]) -> np.ndarray:
@@ -119,12 +166,37 @@ def _eos(tokenizer) -> list[int]:
     return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
 
-def _text_documents(rows: list[dict], tokenizer):
-    """bos + text + eos; every token after bos is a target."""
+def _text_documents(rows: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, targets, lengths) of the rows as bos + text + eos, flat; every token after bos is a target."""
+    tokens, counts = _encode_flat(tokenizer, [row["text"] for row in rows])
     bos, eos = _bos(tokenizer), _eos(tokenizer)
-    for tokens in _encode_many(tokenizer, [row["text"] for row in rows]):
-        ids = bos + tokens + eos
-        yield ids, [False] * len(bos) + [True] * (len(tokens) + len(eos))
+    lengths = counts + len(bos) + len(eos)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    ids = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+    targets = np.ones(len(ids), dtype=bool)
+    special = np.zeros(len(ids), dtype=bool)
+    if bos:
+        ids[starts], targets[starts], special[starts] = bos[0], False, True
+    if eos:
+        ids[ends - 1], special[ends - 1] = eos[0], True
+    ids[~special] = tokens
+    return ids, targets, lengths
+
+
+def _encode_flat(tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens of all texts concatenated, tokens per text), without special tokens. A fast tokenizer's Rust
+    backend encodes the batch on every core (`encode_batch_fast` skips the character offsets, which nothing here
+    reads); its ids are the tokenizer's own call's, which sets the backend's truncation and padding off first, so
+    the backend is called directly only when those are off."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+        encoded = [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
+    else:
+        encoded = _encode_many(tokenizer, texts)
+    counts = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    return np.fromiter(chain.from_iterable(encoded), dtype=np.int64, count=int(counts.sum())), counts
 
 
 def _prompt_completion_documents(rows: list[dict], tokenizer):

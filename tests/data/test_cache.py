@@ -43,7 +43,7 @@ def test_second_call_loads_from_cache(tmp_path, tok, monkeypatch):
     cfg = SFTDataConfig(path=path, format="prompt_completion", max_seq_len=16, packing=True)
     first = prepare_dataset(cfg, tok, log=lambda *_: None)
     assert Path(first.cache_path).parent.parent == tmp_path / "cache"  # $ISOTRAIN_CACHE, set by conftest
-    monkeypatch.setattr(dataset_module, "tokenize_rows", lambda *a, **k: pytest.fail("tokenized again"))
+    monkeypatch.setattr(dataset_module, "tokenize_chunk", lambda *a, **k: pytest.fail("tokenized again"))
     lines = []
     second = prepare_dataset(cfg, tok, log=lines.append)
     same_samples(first, second)

@@ -164,8 +164,8 @@ class TokenStore(Sequence):
         arrays.update({name: np.load(directory / f"{name}.npy", allow_pickle=False) for name in INDEX_ARRAYS})
         check_arrays(arrays)
         self._ids, self._labels = arrays["input_ids.bin"], arrays["labels.bin"]
-        self._blocks = _Blocks((self._ids, self._labels), np.load(directory / "checksums.npy", allow_pickle=False),
-                               int(meta["check_block_bytes"]))
+        self._blocks = _Blocks(tuple(directory / name for name in TOKEN_FILES), self._ids.nbytes,
+                               np.load(directory / "checksums.npy", allow_pickle=False), int(meta["check_block_bytes"]))
         if 2 * self._ids.nbytes <= EAGER_CHECK_BYTES:
             self._blocks.check(0, self._ids.nbytes)
         self._no_label = np.iinfo(dtype).max
@@ -208,14 +208,14 @@ class TokenStore(Sequence):
 
 
 class _Blocks:
-    """Which blocks of the token files have matched their checksums in this process; checks the others on demand."""
+    """Which blocks of the token files have matched their checksums in this process; checks the others on demand.
+    Blocks are read from the files, not through the maps, so that checking a store does not make its pages part of
+    the process's resident memory."""
 
-    def __init__(self, arrays: tuple[np.ndarray, np.ndarray], sums: np.ndarray, block_bytes: int):
-        size = arrays[0].nbytes
+    def __init__(self, paths: tuple[Path, Path], size: int, sums: np.ndarray, block_bytes: int):
         if block_bytes < 1 or sums.shape != (2, -(-size // block_bytes)):
             raise StoreMismatch(f"checksums.npy holds {sums.shape} checksums, not 2 x {-(-size // block_bytes)}")
-        self.bytes = [array.view(np.uint8) for array in arrays]
-        self.sums, self.block_bytes = sums, block_bytes
+        self.paths, self.size, self.sums, self.block_bytes = paths, size, sums, block_bytes
         self.matched = np.zeros(sums.shape[1], dtype=bool)
 
     def check(self, start: int, end: int) -> None:
@@ -223,13 +223,17 @@ class _Blocks:
         if end <= start:
             return
         first, last = start // self.block_bytes, (end - 1) // self.block_bytes
-        for block in np.flatnonzero(~self.matched[first : last + 1]) + first:
-            a, b = int(block) * self.block_bytes, (int(block) + 1) * self.block_bytes
-            for name, data, sums in zip(TOKEN_FILES, self.bytes, self.sums):
-                if zlib.crc32(data[a:b]) != int(sums[block]):
-                    raise StoreMismatch(f"block {block} of {name} (bytes {a}-{min(b, len(data))}) does not match "
-                                        "its checksum")
-            self.matched[block] = True
+        blocks = (np.flatnonzero(~self.matched[first : last + 1]) + first).tolist()
+        if not blocks:
+            return
+        for name, path, sums in zip(TOKEN_FILES, self.paths, self.sums):
+            with path.open("rb", buffering=0) as handle:
+                for block in blocks:
+                    a = block * self.block_bytes
+                    if zlib.crc32(os.pread(handle.fileno(), self.block_bytes, a)) != int(sums[block]):
+                        raise StoreMismatch(f"block {block} of {name} (bytes {a}-{min(a + self.block_bytes, self.size)})"
+                                            " does not match its checksum")
+        self.matched[blocks] = True
 
 
 def _map(path: Path, dtype: np.dtype) -> np.ndarray:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -95,6 +97,29 @@ def all_reduce_flat(tensors: list[torch.Tensor], group=None) -> None:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def once_per_file_system(info: DistInfo, directory: Path, work):
+    """`work()` on one rank of each file system that holds `directory` first, then on every other rank, which
+    finds that rank's files in place (a cache: built once, read by the rest). Returns `work()`'s result.
+
+    Rank 0 builds. So does the local rank 0 of every other node that does not see a file rank 0 wrote into
+    `directory` just before: a directory on a shared file system is built once for the job, a node-local one once
+    per node. A node that sees the file late (attribute caching on a network file system) builds too, which costs
+    time, not correctness: the work must commit atomically, as the caches' does."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return work()
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / broadcast_from_main(f".isotrain-probe-{uuid.uuid4().hex}")
+    if info.is_main:
+        probe.write_text("")
+    barrier()
+    builds = info.is_main or (info.local_rank == 0 and not probe.exists())
+    result = work() if builds else None
+    barrier()
+    if info.is_main:
+        probe.unlink(missing_ok=True)
+    return result if builds else work()
 
 
 def broadcast_from_main(value):

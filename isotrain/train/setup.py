@@ -3,8 +3,9 @@ and the step's options: where the config becomes the objects below it, which rea
 
 Order: tokenizer -> data -> model (built on the meta device, parallelised, then each rank loads or
 initialises only its own shards: models/build.py) -> optimizer over the (possibly sharded) params.
-Rank 0 does the file-producing work first (tokenizer training, tokenization cache) and the other
-ranks then read its result, so every rank sees byte-identical inputs.
+Rank 0 does the file-producing work first (tokenizer training; the tokenization cache, which one rank per file
+system builds: every node's local rank 0 when the cache is node-local) and the other ranks then read its result,
+so every rank sees byte-identical inputs.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import torch
 
 from isotrain.config import RLRunConfig, RunConfig, TrainRunConfig
 from isotrain.data import prepare_dataset
+from isotrain.data.cache import cache_root
 from isotrain.data.sources import read_rows
 from isotrain.errors import ConfigError
 from isotrain.models.build import build
 from isotrain.models.loading import check_model_dir
 from isotrain.models.lora import apply_lora
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
-from isotrain.parallel.dist import DistInfo, barrier
+from isotrain.parallel.dist import DistInfo, barrier, once_per_file_system
 from isotrain.moe.settings import RouterSettings
 from isotrain.parallel.mesh import ParallelState
 from isotrain.train.optim import build_optimizer
@@ -87,7 +89,9 @@ def prepare_tokenizer(cfg: RunConfig, info: DistInfo, output_dir: Path, log):
 
 
 def prepare_data(cfg: RunConfig, info: DistInfo, tokenizer, log):
-    return rank0_first(info, lambda: prepare_dataset(cfg.data, tokenizer, log=log if info.is_main else _quiet))
+    """The dataset, prepared by one rank per file system that holds the cache (every node's, if node-local)."""
+    return once_per_file_system(info, cache_root(cfg.data.cache_dir),
+                                lambda: prepare_dataset(cfg.data, tokenizer, log=log if info.is_main else _quiet))
 
 
 def _quiet(*_args, **_kwargs) -> None:

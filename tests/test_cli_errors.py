@@ -6,7 +6,8 @@ import functools
 
 import pytest
 
-from helpers import HANG_S, REPO, TINY_RUN, isotrain_cli, run_concurrently
+from helpers import HANG_S, REPO, TINY_RUN, run_concurrently
+from zygote import run_forked_ranks
 
 
 def write(path, text):
@@ -97,7 +98,9 @@ def cli_runs(tmp_path_factory):
     # The training runs take longest: they start first.
     slow = ["diverging lr", "reward always fails", "reward sometimes fails"]
     order = [*slow, *(name for name in commands if name not in slow)]
-    runs = run_concurrently({name: functools.partial(isotrain_cli, commands[name]) for name in order})
+    # Forked from a process that has imported isotrain (tests/zygote.py): the seconds of imports are paid once, not
+    # by each of these 30 commands.
+    runs = run_concurrently({name: functools.partial(run_forked_ranks, 1, commands[name]) for name in order})
     runs["root"] = root
     return runs
 

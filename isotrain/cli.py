@@ -102,6 +102,7 @@ def cmd_config_show(args) -> int:
 
     from isotrain.config import EmbedRunConfig, RLRunConfig, build_config, dump_config, infer_recipe, load_tree
     from isotrain.errors import ConfigError
+    from isotrain.hub import is_hub_id
     from isotrain.models.loading import check_layout_fits, checked_config, declared_config
     from isotrain.parallel.dims import resolve_dims
     from isotrain.sizes import plan_batches, plan_rl_batches
@@ -118,7 +119,7 @@ def cmd_config_show(args) -> int:
         raise ConfigError(f"--world-size {world_size} is invalid; pass the number of processes, 1 or more")
     degrees = resolve_dims(cfg.parallel, world_size)
     source = cfg.model.name_or_path
-    if source is None or (Path(source) / "config.json").is_file():
+    if source is None or is_hub_id(source) or (Path(source) / "config.json").is_file():
         # An embedder may be an encoder: only the causal-LM recipes check for a causal LM.
         declared_config(cfg.model) if isinstance(cfg, EmbedRunConfig) else checked_config(cfg)
         check_layout_fits(cfg.model, degrees)

@@ -64,9 +64,15 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     name_or_path: str | None = Field(
-        None, description="Local Hugging Face model directory to start from (weights, config, tokenizer). On the "
-        "command line, `model.name_or_path=DIR` replaces a `model.config` of the YAML file (and `model.config={...}` "
-        "a `model.name_or_path`); setting both on the command line is an error."
+        None, description="Model to start from (weights, config, tokenizer): a local Hugging Face model directory, or "
+        "a Hugging Face Hub id such as `Qwen/Qwen3-0.6B`, downloaded once per machine into the Hugging Face cache "
+        "(`HF_HOME`; `HF_HUB_OFFLINE=1` reads the cache only). A value that exists on disk is always a local path. "
+        "On the command line, `model.name_or_path=DIR` replaces a `model.config` of the YAML file (and "
+        "`model.config={...}` a `model.name_or_path`); setting both on the command line is an error."
+    )
+    revision: str | None = Field(
+        None, description="With a Hub id in `model.name_or_path`: the branch, tag or commit to take (default: `main`); "
+        "it also selects the model's tokenizer. Not for a local directory."
     )
     config: dict[str, Any] | None = Field(
         None,
@@ -90,7 +96,7 @@ class ModelConfig(Section):
     def _one_source(self) -> ModelConfig:
         if (self.name_or_path is None) == (self.config is None):
             raise ValueError(
-                "set exactly one of model.name_or_path (a local model directory) or model.config "
+                "set exactly one of model.name_or_path (a local model directory or a Hub id) or model.config "
                 "(a config mapping for a fresh model)"
             )
         if self.config is not None and "model_type" not in self.config:
@@ -101,8 +107,11 @@ class ModelConfig(Section):
 class TokenizerConfig(Section):
     path: str | None = Field(
         None,
-        description="Local tokenizer directory. Default: the model directory; for a fresh model without "
-        "a path, a tokenizer is trained on the training data.",
+        description="Tokenizer directory, local or a Hugging Face Hub id (as `model.name_or_path`). Default: the "
+        "model's; for a fresh model without a path, a tokenizer is trained on the training data.",
+    )
+    revision: str | None = Field(
+        None, description="With a Hub id in `tokenizer.path`: the branch, tag or commit to take (default: `main`)."
     )
     type: Literal["bpe", "char"] = Field(
         "bpe", description="Kind of tokenizer trained when none is given: byte-level BPE or one token per character."

@@ -1,7 +1,8 @@
 """One run of any recipe (SFT, RL, embedding training), top to bottom.
 
-    start    the process group; the layout (parallel/dims.py) and the recipe's sizes and early checks:
-             every size checked, every small input read, before any work (invariant 7)
+    start    the process group; the layout (parallel/dims.py); Hub ids' config and tokenizer files fetched once
+             per machine (models/source.py); the recipe's sizes and early checks: every size checked, every small
+             input read, before any work (invariant 7); then a Hub model's weights
     own      the run directory, locked until the run ends (train/run_dir.py); sizes and placement printed;
              every RNG seeded; the DeviceMesh
     build    the recipe's tokenizer, data, model(s) and optimizer(s) on that mesh (`Recipe.build`)
@@ -32,6 +33,7 @@ from isotrain.checkpoint.files import atomic_write_text
 from isotrain.checkpoint.manager import MODEL_DIR, SFT_COUNTERS, CheckpointContract, CheckpointManager, Resumed
 from isotrain.config import RunConfig, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
+from isotrain.models.source import fetch_run_files
 from isotrain.parallel.dims import ParallelDims, resolve_dims
 from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import ParallelState, build_parallel
@@ -143,7 +145,10 @@ def run_session(cfg: RunConfig, make_recipe, console: Console | None = None) -> 
     try:
         with ExitStack() as scope:  # the run's hold on output_dir, released however the run ends
             degrees = resolve_dims(cfg.parallel, info.world_size)
+            # Hub ids: the small files the checks read, then (every check passed) the weights, once per machine.
+            fetch_run_files(cfg, "config", info.local_rank)
             recipe = make_recipe(cfg, degrees)  # every size and early check, before any work
+            fetch_run_files(cfg, "weights", info.local_rank)
             session = Session(cfg, info, console, degrees, recipe.plan, rank_log(info, console))
             _own(session, scope)
             try:

@@ -23,8 +23,9 @@ PACKAGE_DIR = Path(isotrain.__file__).resolve().parent
 
 # Bottom first. A module may import from its own layer and any layer below it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation: errors, presets, durable files, bundled recipes",
-     ("isotrain", "isotrain.errors", "isotrain.presets", "isotrain.disk", "isotrain.recipes", "isotrain.tasks")),
+    ("foundation: errors, presets, durable files, Hub names, bundled recipes",
+     ("isotrain", "isotrain.errors", "isotrain.presets", "isotrain.disk", "isotrain.hub", "isotrain.recipes",
+      "isotrain.tasks")),
     ("config", ("isotrain.config", "isotrain.config_docs", "isotrain.error_catalogue")),
     ("parallel", ("isotrain.parallel",)),
     ("components: data, models, moe, derived sizes",

@@ -9,6 +9,7 @@ from transformers import AutoModel
 from isotrain.errors import ConfigError
 from isotrain.models.build import build
 from isotrain.models.loading import model_config
+from isotrain.models.source import tokenizer_dir
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.mesh import ParallelState, single_process
@@ -45,9 +46,9 @@ def embed_tokenizer(cfg, texts, info, output_dir, log):
 def _base_tokenizer(cfg, texts, info, output_dir, log):
     from isotrain.train.setup import rank0_first
 
-    source = cfg.tokenizer.path or cfg.model.name_or_path
+    source = tokenizer_dir(cfg)
     if source is not None:
-        return load_tokenizer(source)
+        return load_tokenizer(str(source))
     trained_dir = output_dir / "tokenizer"
 
     def train_and_save():

@@ -228,13 +228,20 @@ def meta_model(cfg: TrainRunConfig, config):
 
 def run_vocab_size(cfg: TrainRunConfig, config) -> tuple[int, str]:
     """The vocabulary the run will have, and how it was found (a trained tokenizer's size is its target)."""
-    from isotrain.models.tokenizer import load_tokenizer
+    from isotrain.models.source import tokenizer_dir
+    from isotrain.models.tokenizer import holds_tokenizer, load_tokenizer
 
-    source = cfg.tokenizer.path or cfg.model.name_or_path
+    source = tokenizer_dir(cfg)
     special = len(cfg.model.add_special_tokens)
-    if source is not None:
-        size = len(load_tokenizer(source)) + special
+    if source is not None and (cfg.tokenizer.path is not None or holds_tokenizer(source)):
+        size = len(load_tokenizer(str(source))) + special
         return max(config.vocab_size or 0, size), "the tokenizer's"
+    if source is not None:
+        # A model directory with config.json alone (a dry run from a shipped config, or a Hub cache filled for one):
+        # the run's vocabulary is max(vocab_size, tokenizer + new special tokens) <= vocab_size + special tokens
+        # whenever the tokenizer fits the model's vocabulary, as a model's own tokenizer does.
+        return (config.vocab_size or 0) + special, ("at most: the model config's vocab_size + model.add_special_tokens "
+                                                    "(no tokenizer files beside config.json)")
     # A fresh model's vocabulary is the trained tokenizer's size (or more rows if model.config asks for them),
     # never transformers' default for the family.
     asked = (cfg.model.config or {}).get("vocab_size") or 0

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from isotrain.config import ModelConfig
 from isotrain.models.checks import attention_kernel
 from isotrain.models.loading import model_config
+from isotrain.models.source import model_dir
 from isotrain.models.unwrap import model_tensors
 from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.boxes import box_index, shard_spec
@@ -136,7 +137,8 @@ def build(cfg: ModelConfig, tokenizer, seed: int, parallel: ParallelState, devic
           model_class=AutoModelForCausalLM, compute_dtype: torch.dtype | None = None, compile: bool = False,
           activation_checkpointing: bool = False, loss_parallel: bool = False, trainable: bool = True,
           config_updates: dict | None = None, adapt=None, compile_layers_only: bool = False) -> nn.Module:
-    """A model of `model_class` for this rank's layout, loaded from `cfg.name_or_path` or freshly initialised.
+    """A model of `model_class` for this rank's layout, loaded from `cfg.name_or_path` (a local directory or a Hub
+    id's cached snapshot) or freshly initialised.
 
     Parameters are fp32 (master weights); `compute_dtype` is applied by FSDP2 or by autocast in the step.
     `compile_layers_only`: with `compile`, compile the decoder layers, never the whole model (parallel/apply.py).
@@ -160,7 +162,7 @@ def build(cfg: ModelConfig, tokenizer, seed: int, parallel: ParallelState, devic
     if cfg.name_or_path is None:
         init_fresh(model, skeleton, seed, parallel.rank)
     else:
-        load_pretrained(cfg.name_or_path, model, skeleton, seed, parallel.rank,
+        load_pretrained(str(model_dir(cfg)), model, skeleton, seed, parallel.rank,
                         new_heads=model_class is not AutoModelForCausalLM)
     if adapt is not None:
         model = adapt(model)

@@ -1,5 +1,5 @@
-"""The model's transformers config, from a local Hugging Face directory or from a config mapping, and the
-checks that can run on it before any work. The model itself is built by models/build.py.
+"""The model's transformers config, from a Hugging Face model directory (local, or a Hub id's cached snapshot:
+models/source.py) or from a config mapping, and the checks that can run on it before any work. The model itself is built by models/build.py.
 
 Parameters are always created in fp32: they are the master weights. `model.dtype=bfloat16`
 is applied as compute dtype by the trainer (autocast or FSDP2's mixed-precision policy).
@@ -22,6 +22,7 @@ from isotrain.models.checks import (
     fit_max_seq_len,
     read_config_json,
 )
+from isotrain.models.source import model_dir
 
 
 def _mapping_config(cfg: ModelConfig):
@@ -39,18 +40,20 @@ def _fresh_config(cfg: ModelConfig, tokenizer):
     return config
 
 
-def check_model_dir(name_or_path: str) -> Path:
-    path = Path(name_or_path)
+def check_model_dir(cfg: ModelConfig) -> Path:
+    """The local directory of `model.name_or_path` (a Hub id resolved to its cached snapshot: models/source.py),
+    which must hold config.json."""
+    path = model_dir(cfg, "config")
     if not (path / "config.json").is_file():
         raise ConfigError(
-            f"model.name_or_path={name_or_path!r} is not a model directory with config.json; "
-            "pass a local Hugging Face model directory"
+            f"model.name_or_path={cfg.name_or_path!r} is not a model directory with config.json; "
+            "pass a local Hugging Face model directory or a Hugging Face Hub id"
         )
     return path
 
 
-def _directory_config(name_or_path: str):
-    path = check_model_dir(name_or_path)
+def _directory_config(cfg: ModelConfig):
+    path = check_model_dir(cfg)
     mapping = read_config_json(path)
     mapping.pop("transformers_version", None)
     config = config_from_mapping(mapping.pop("model_type"), mapping, f"{path / 'config.json'}")
@@ -63,12 +66,12 @@ def checked_config(cfg: RunConfig):
     `data.max_seq_len` (the default is lowered to fit). Returns the transformers config (vocabulary not yet
     grown for the tokenizer)."""
     fresh = cfg.model.name_or_path is None
-    config = _mapping_config(cfg.model) if fresh else _directory_config(cfg.model.name_or_path)
+    config = _mapping_config(cfg.model) if fresh else _directory_config(cfg.model)
     where = "model.config" if fresh else f"the model in {cfg.model.name_or_path!r}"
     check_causal_lm(config, where)
     # A directory's config.json may set head_dim so that heads × head_dim differs from the hidden size (Gemma).
     explicit = cfg.model.config if fresh else {"head_dim": getattr(config, "head_dim", None)}
-    check_sizes(config, "model.config" if fresh else f"{Path(cfg.model.name_or_path) / 'config.json'}", explicit)
+    check_sizes(config, "model.config" if fresh else f"{Path(config.name_or_path) / 'config.json'}", explicit)
     data = cfg.data
     data.max_seq_len = fit_max_seq_len(data.max_seq_len, "max_seq_len" in data.model_fields_set, config, where, fresh)
     attention_kernel(cfg.model.attn_implementation, config, AutoModelForCausalLM)
@@ -77,7 +80,7 @@ def checked_config(cfg: RunConfig):
 
 def declared_config(cfg: ModelConfig):
     """The transformers config of `model.config` or of the directory's config.json, unchecked (any family)."""
-    return _mapping_config(cfg) if cfg.name_or_path is None else _directory_config(cfg.name_or_path)
+    return _mapping_config(cfg) if cfg.name_or_path is None else _directory_config(cfg)
 
 
 def check_layout_fits(cfg: ModelConfig, dims) -> None:
@@ -104,7 +107,7 @@ def model_config(cfg: ModelConfig, tokenizer):
     """
     if cfg.name_or_path is None:
         return _fresh_config(cfg, tokenizer)
-    config = _directory_config(cfg.name_or_path)
+    config = _directory_config(cfg)
     config.vocab_size = max(config.vocab_size, len(tokenizer))
     return config
 

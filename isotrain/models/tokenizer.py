@@ -36,6 +36,11 @@ CHAT_TEMPLATE = (
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "vocab.txt")
 
 
+def holds_tokenizer(directory: Path) -> bool:
+    """Whether `directory` has at least one tokenizer file (a directory saved with save_pretrained does)."""
+    return any((Path(directory) / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def load_tokenizer(path: str):
     """The tokenizer saved in the local directory `path`; never downloads.
 
@@ -52,7 +57,7 @@ def load_tokenizer(path: str):
         raise ConfigError(
             f"tokenizer directory {path!r} does not exist; set tokenizer.path to a local tokenizer directory"
         )
-    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+    if not holds_tokenizer(directory):
         raise ConfigError(
             f"directory {path!r} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...); "
             "set tokenizer.path to a directory saved with save_pretrained"

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from isotrain.errors import IsotrainError
 from isotrain.parallel.dims import launched_by_torchrun
 
 
@@ -120,6 +121,31 @@ def once_per_file_system(info: DistInfo, directory: Path, work):
     if info.is_main:
         probe.unlink(missing_ok=True)
     return result if builds else work()
+
+
+def local_main_first(local_rank: int, work):
+    """`work(first=True)` on each machine's local rank 0, then `work(first=False)` on that machine's other ranks,
+    which find its files in place (a download or build once per machine, not once per rank). An IsotrainError of a
+    first run is raised on every rank, the same sentence, rather than leaving the others waiting for it.
+
+    Beside `once_per_file_system` (a cache built once per file system): `work` is told whether it runs first, so
+    that later runs only read (no request to the Hub from every rank), and an error does not leave ranks waiting.
+    Each machine's first rank runs even on a shared file system: the Hub client locks what it writes.
+    Without a process group (one process), `work(first=True)`."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return work(True)
+    result, error = None, None
+    if local_rank == 0:
+        try:
+            result = work(True)
+        except IsotrainError as err:
+            error = err
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # also the wait: no rank passes before every machine's first rank is done
+    first_error = next((err for err in errors if err is not None), None)
+    if first_error is not None:
+        raise first_error
+    return result if local_rank == 0 else work(False)
 
 
 def broadcast_from_main(value):

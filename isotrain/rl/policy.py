@@ -13,6 +13,7 @@ import torch
 from isotrain.config import RLRunConfig
 from isotrain.disk import sha256_file
 from isotrain.models.build import build
+from isotrain.models.source import model_dir
 from isotrain.train.optim import build_optimizer
 from isotrain.train.setup import compute_dtype, lora_adapter
 
@@ -51,5 +52,5 @@ def start_fingerprint(cfg: RLRunConfig) -> str:
     """What the frozen reference is rebuilt from on resume: the starting weights' files, or the seeded config."""
     if cfg.model.name_or_path is None:
         return hashlib.sha256(json.dumps([cfg.model.config, cfg.train.seed], sort_keys=True).encode()).hexdigest()
-    files = sorted(Path(cfg.model.name_or_path).glob("model*.safetensors"))
+    files = sorted(model_dir(cfg.model).glob("model*.safetensors"))
     return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()

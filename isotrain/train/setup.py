@@ -25,6 +25,7 @@ from isotrain.errors import ConfigError
 from isotrain.models.build import build
 from isotrain.models.loading import check_model_dir
 from isotrain.models.lora import apply_lora
+from isotrain.models.source import tokenizer_dir
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
 from isotrain.parallel.dist import DistInfo, barrier, once_per_file_system
 from isotrain.moe.settings import RouterSettings
@@ -66,10 +67,10 @@ def rank0_first(info: DistInfo, work):
 
 def prepare_tokenizer(cfg: RunConfig, info: DistInfo, output_dir: Path, log):
     if cfg.model.name_or_path is not None:
-        check_model_dir(cfg.model.name_or_path)  # a wrong model path is named as such, not as a tokenizer
-    source = cfg.tokenizer.path or cfg.model.name_or_path
+        check_model_dir(cfg.model)  # a wrong model path is named as such, not as a tokenizer
+    source = tokenizer_dir(cfg)
     if source is not None:
-        tokenizer = load_tokenizer(source)
+        tokenizer = load_tokenizer(str(source))
     else:
         trained_dir = output_dir / "tokenizer"
 

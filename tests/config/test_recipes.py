@@ -136,7 +136,7 @@ def test_name_or_path_override_replaces_a_fresh_model_of_the_file():
 
 
 def test_both_model_sources_or_a_partial_mapping_are_still_refused():
-    one_source = re.escape("set exactly one of model.name_or_path (a local model directory) or model.config")
+    one_source = re.escape("set exactly one of model.name_or_path (a local model directory or a Hub id) or model.config")
     with pytest.raises(ConfigError, match=one_source):
         load_config(None, ["model.name_or_path=/models/mine", "model.config.hidden_size=64"])
     with pytest.raises(ConfigError, match=one_source):  # editing a mapping does not replace the file's directory

@@ -136,14 +136,16 @@ def cmd_config_show(args) -> int:
 
 
 def _print_estimate(cfg, world_size: int, dtype: str | None, as_json: bool, device: str | None = None) -> None:
+    from isotrain.config import RLRunConfig
     from isotrain.errors import ConfigError
     from isotrain.memory.estimate import estimate_memory, memory_table
-    from isotrain.sizes import plan_batches
+    from isotrain.sizes import plan_batches, plan_rl_batches
     from isotrain.parallel.dims import resolve_dims
 
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size} is invalid; pass the number of processes, 1 or more")
-    plan_batches(cfg, resolve_dims(cfg.parallel, world_size))  # the sizes the run would refuse, refused here too
+    plan = plan_rl_batches if isinstance(cfg, RLRunConfig) else plan_batches
+    plan(cfg, resolve_dims(cfg.parallel, world_size))  # the sizes the run would refuse, refused here too
     estimate = estimate_memory(cfg, world_size, dtype, device=device)
     if as_json:
         print(estimate.as_json())
@@ -152,10 +154,17 @@ def _print_estimate(cfg, world_size: int, dtype: str | None, as_json: bool, devi
 
 
 def cmd_estimate_memory(args) -> int:
-    from isotrain.config import load_config
+    from isotrain.config import build_config, infer_recipe, load_tree
+    from isotrain.errors import ConfigError
 
     path, overrides = _split_config_and_overrides(args)
-    cfg = load_config(path, overrides, recipe="train")  # the estimate is of an SFT step (docs/memory.md)
+    tree = load_tree(path, overrides, recipe=args.recipe or "train")
+    recipe = args.recipe or infer_recipe(tree)  # as config show: told by the sections only one recipe reads
+    if recipe == "embed":
+        raise ConfigError("isotrain estimate-memory estimates the steps of isotrain train and isotrain rl, not yet an "
+                          "embedding step (docs/memory.md); size an embedding run by its parameters (16 bytes each for "
+                          "weights, gradients and AdamW moments) plus one forward of embed.chunk_tokens tokens")
+    cfg = build_config(tree, recipe)  # an SFT step, or RL's policy update step (docs/memory.md)
     _print_estimate(cfg, int(os.environ.get("WORLD_SIZE", args.world_size)), args.dtype, args.json, args.device)
     return 0
 
@@ -200,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="storage/compute dtype to estimate (default: model.dtype); float8: 1-byte weights with "
                         "per-tensor scales, fp32 masters, bf16 compute")
     memory.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    memory.add_argument("--recipe", choices=("train", "rl"), default=None,
+                        help="the command whose config tree to read (default: told by the config's own sections: rl "
+                             "or rollout -> rl, else train); rl estimates the policy's update step")
     memory.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="where the run computes, which decides the attention kernel (default: a GPU if one is "
                              "visible here, else cpu)")

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from isotrain.config import TrainRunConfig
+from isotrain.config import RLRunConfig, TrainRunConfig
 from isotrain.errors import ConfigError
 from isotrain.memory.shards import expert_parameter_names, local_numel, tp_split_dims
 from isotrain.parallel.dims import ParallelDims
@@ -286,11 +286,22 @@ def estimate_memory(cfg: TrainRunConfig, world_size: int, dtype: str | None = No
                 "micro_batch_size": cfg.train.micro_batch_size, "max_seq_len": cfg.data.max_seq_len,
                 "activation_checkpointing": cfg.train.activation_checkpointing,
                 "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
-                "vocab_size": vocab_size, "vocab_size_source": how,
+                "vocab_size": vocab_size, "vocab_size_source": how, **_step_settings(cfg),
                 "parameters": sum(p.numel() for p in model.parameters())}
     terms = [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),
              *activation_terms(cfg, config, degrees, dtype, device)]
     return MemoryEstimate(settings, terms)
+
+
+def _step_settings(cfg) -> dict:
+    """Which step the estimate is of. RL's update runs the SFT step's shapes (micro-batch × data.max_seq_len
+    prompt + response tokens, the logits of each for the log-probs), so the same terms hold for it; what RL
+    holds beside the policy is not counted yet."""
+    if not isinstance(cfg, RLRunConfig):
+        return {"step": "sft"}
+    return {"step": "rl policy update",
+            "not_counted": "the rollout engine's own fp32 copy of the weights and its KV cache (rollout.batch_size "
+                           "sequences), the frozen reference (rl.kl_coef > 0), PPO's critic"}
 
 
 def memory_table(estimate: MemoryEstimate):
@@ -309,5 +320,6 @@ def memory_table(estimate: MemoryEstimate):
     for term in estimate.terms:
         table.add_row(term.name, f"{term.bytes / 2**20:,.2f}", f"{term.bytes:,}", term.note)
     table.add_row("total", f"{estimate.total_bytes / 2**20:,.2f}", f"{estimate.total_bytes:,}",
-                  f"{s['parameters']:,} parameters; vocabulary {s['vocab_size']:,} ({s['vocab_size_source']})")
+                  f"{s['parameters']:,} parameters; vocabulary {s['vocab_size']:,} ({s['vocab_size_source']})"
+                  + (f"; not counted: {s['not_counted']}" if "not_counted" in s else ""))
     return table

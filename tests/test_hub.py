@@ -188,3 +188,35 @@ def test_two_ranks_train_from_a_hub_id_like_one_process(hub, tiny_dirs, tmp_path
     assert [{k: r[k] for k in exact} for r in two] == [{k: r[k] for k in exact} for r in one]
     for a, b in zip(one, two):  # invariant 1: the same global batch gives the same loss on any layout (fp32)
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"])
+
+
+def test_a_tokenizer_path_hub_id_and_its_revision(hub, tiny_dirs):
+    home, commits = hub
+    snapshots = home / "hub" / f"models--{REPO_ID.replace('/', '--')}" / "snapshots"
+    fresh = ["model.config.model_type=llama", "data.max_seq_len=16"]
+    cfg = load_config(None, [*fresh, f"tokenizer.path={REPO_ID}", "tokenizer.revision=v1"])
+    assert tokenizer_dir(cfg) == snapshots / commits["v1"]
+    with pytest.raises(ConfigError, match=r"^tokenizer.revision='v1' applies to a tokenizer.path Hub id, and "
+                                          r"tokenizer.path is not set; remove tokenizer.revision"):
+        tokenizer_dir(load_config(None, [*fresh, "tokenizer.revision=v1"]))
+
+
+@pytest.mark.slow
+def test_an_unreachable_hub_and_no_cache_online_is_one_sentence(tmp_path):
+    """Online (no offline variable), a Hub that refuses the connection and an empty cache: the same two ways out."""
+    import subprocess
+    import sys
+
+    from helpers import free_port
+
+    env = {**subprocess_env(), "HF_HOME": str(tmp_path / "hf-home"), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    env.pop("HF_HUB_OFFLINE", None)
+    env.pop("TRANSFORMERS_OFFLINE", None)
+    proc = subprocess.run([sys.executable, "-m", "isotrain", "config", "show", f"model.name_or_path={REPO_ID}"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().replace("\n", " ") == (
+        f"error: model.name_or_path={REPO_ID!r} is not a local directory and is not in the Hugging Face cache "
+        f"({tmp_path / 'hf-home' / 'hub'}) and the Hugging Face Hub could not be reached (ConnectError); give a "
+        "local model directory, or run once with network access to download it into that cache")

@@ -93,8 +93,7 @@ def resolve(value: str, revision: str | None = None, *, field: str, revision_fie
         return known[0]
     local_only = local_only or offline_variable() is not None
     directory = _snapshot(value, revision, repo_type, allow_patterns, cache, local_only, field, revision_field)
-    _resolved[key] = (directory, wanted if known is None or known[1] is None or wanted is None
-                      else wanted | known[1])
+    _resolved[key] = (directory, None if wanted is None else wanted | (known[1] if known else frozenset()))
     return directory
 
 

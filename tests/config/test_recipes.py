@@ -66,6 +66,10 @@ SHIPPED = {
     RECIPES_DIR / "rl_default.yaml": ("rl", RLRunConfig),
     RECIPES_DIR / "embed_default.yaml": ("embed", EmbedRunConfig),
     REPO / "examples" / "addition.yaml": ("train", TrainRunConfig),
+    REPO / "examples" / "sft_qwen3_chat.yaml": ("train", TrainRunConfig),
+    REPO / "examples" / "pretrain_llama_shards.yaml": ("train", TrainRunConfig),
+    REPO / "examples" / "grpo_qwen3_gsm8k.yaml": ("rl", RLRunConfig),
+    REPO / "examples" / "embed_bge_nq.yaml": ("embed", EmbedRunConfig),
 }
 
 

@@ -100,52 +100,43 @@ def barrier() -> None:
         dist.barrier()
 
 
-def once_per_file_system(info: DistInfo, directory: Path, work):
-    """`work()` on one rank of each file system that holds `directory` first, then on every other rank, which
-    finds that rank's files in place (a cache: built once, read by the rest). Returns `work()`'s result.
+def local_main_first(local_rank: int, work, shared_dir: Path | None = None):
+    """`work(first=True)` on each machine's local rank 0, then `work(first=False)` on every other rank, which finds
+    the first runs' files in place (a download or a cache built once per machine, not once per rank). An
+    IsotrainError of a first run is raised on every rank, the same sentence, rather than leaving the others
+    waiting for it. Without a process group (one process), `work(first=True)`.
 
-    Rank 0 builds. So does the local rank 0 of every other node that does not see a file rank 0 wrote into
-    `directory` just before: a directory on a shared file system is built once for the job, a node-local one once
-    per node. A node that sees the file late (attribute caching on a network file system) builds too, which costs
-    time, not correctness: the work must commit atomically, as the caches' does."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return work()
-    directory.mkdir(parents=True, exist_ok=True)
-    probe = directory / broadcast_from_main(f".isotrain-probe-{uuid.uuid4().hex}")
-    if info.is_main:
-        probe.write_text("")
-    barrier()
-    builds = info.is_main or (info.local_rank == 0 and not probe.exists())
-    result = work() if builds else None
-    barrier()
-    if info.is_main:
-        probe.unlink(missing_ok=True)
-    return result if builds else work()
-
-
-def local_main_first(local_rank: int, work):
-    """`work(first=True)` on each machine's local rank 0, then `work(first=False)` on that machine's other ranks,
-    which find its files in place (a download or build once per machine, not once per rank). An IsotrainError of a
-    first run is raised on every rank, the same sentence, rather than leaving the others waiting for it.
-
-    Beside `once_per_file_system` (a cache built once per file system): `work` is told whether it runs first, so
-    that later runs only read (no request to the Hub from every rank), and an error does not leave ranks waiting.
-    Each machine's first rank runs even on a shared file system: the Hub client locks what it writes.
-    Without a process group (one process), `work(first=True)`."""
+    `shared_dir`: a directory the work writes into, which several machines may share. Rank 0 then writes a probe
+    file into it, and only those local ranks 0 that cannot see the probe run first besides rank 0: a directory on
+    a shared file system is built once for the job, a node-local one once per machine. A machine that sees the
+    probe late (attribute caching on a network file system) runs first too, which costs time, not correctness:
+    the work must commit atomically, as the caches' does. Without it, every machine's first rank runs first (the
+    Hub client locks what it writes)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return work(True)
+    rank, probe = dist.get_rank(), None
+    first = local_rank == 0
+    if shared_dir is not None:
+        shared_dir.mkdir(parents=True, exist_ok=True)
+        probe = shared_dir / broadcast_from_main(f".isotrain-probe-{uuid.uuid4().hex}")
+        if rank == 0:
+            probe.write_text("")
+        dist.barrier()
+        first = rank == 0 or (first and not probe.exists())
     result, error = None, None
-    if local_rank == 0:
+    if first:
         try:
             result = work(True)
         except IsotrainError as err:
             error = err
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)  # also the wait: no rank passes before every machine's first rank is done
+    dist.all_gather_object(errors, error)  # also the wait: no rank passes before every first run is done
+    if probe is not None and rank == 0:
+        probe.unlink(missing_ok=True)
     first_error = next((err for err in errors if err is not None), None)
     if first_error is not None:
         raise first_error
-    return result if local_rank == 0 else work(False)
+    return result if first else work(False)
 
 
 def broadcast_from_main(value):

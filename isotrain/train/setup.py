@@ -27,7 +27,7 @@ from isotrain.models.loading import check_model_dir
 from isotrain.models.lora import apply_lora
 from isotrain.models.source import tokenizer_dir
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
-from isotrain.parallel.dist import DistInfo, barrier, once_per_file_system
+from isotrain.parallel.dist import DistInfo, barrier, local_main_first
 from isotrain.moe.settings import RouterSettings
 from isotrain.parallel.mesh import ParallelState
 from isotrain.train.optim import build_optimizer
@@ -91,8 +91,9 @@ def prepare_tokenizer(cfg: RunConfig, info: DistInfo, output_dir: Path, log):
 
 def prepare_data(cfg: RunConfig, info: DistInfo, tokenizer, log):
     """The dataset, prepared by one rank per file system that holds the cache (every node's, if node-local)."""
-    return once_per_file_system(info, cache_root(cfg.data.cache_dir),
-                                lambda: prepare_dataset(cfg.data, tokenizer, log=log if info.is_main else _quiet))
+    return local_main_first(info.local_rank,
+                            lambda first: prepare_dataset(cfg.data, tokenizer, log=log if info.is_main else _quiet),
+                            shared_dir=cache_root(cfg.data.cache_dir))
 
 
 def _quiet(*_args, **_kwargs) -> None:

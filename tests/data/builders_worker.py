@@ -5,35 +5,22 @@ import json
 import sys
 from pathlib import Path
 
-import isotrain.parallel.dist as dist_module
-from isotrain.parallel.dist import DistInfo, init_distributed, once_per_file_system, shutdown_distributed
+from isotrain.parallel.dist import init_distributed, local_main_first, shutdown_distributed
 
 info = init_distributed()
-barriers = [0]  # the barriers this rank has passed: a builder works after the first, the others after the second
-real_barrier = dist_module.barrier
 
 
-def counted_barrier():
-    real_barrier()
-    barriers[0] += 1
-
-
-dist_module.barrier = counted_barrier
-as_node = DistInfo(rank=info.rank, world_size=info.world_size, local_rank=info.rank % 2, device=info.device)
-
-
-def work(directory: Path):
+def work(directory: Path, first: bool):
     entry = directory / "entry"
     if entry.exists():
-        return ["read", entry.read_text(), barriers[0]]
+        return ["read", entry.read_text(), first]
     entry.write_text(f"rank {info.rank}")
-    return ["built", entry.read_text(), barriers[0]]
+    return ["built", entry.read_text(), first]
 
 
 for layout in ("shared", "node-local"):
-    barriers[0] = 0
     root = Path(sys.argv[1]) / layout
     directory = root / ("shared" if layout == "shared" else f"node{info.rank // 2}")
-    result = once_per_file_system(as_node, directory, lambda: work(directory))
+    result = local_main_first(info.rank % 2, lambda first: work(directory, first), shared_dir=directory)
     (root / f"rank{info.rank}.json").write_text(json.dumps(result))
 shutdown_distributed()

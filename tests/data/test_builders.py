@@ -1,6 +1,6 @@
-"""The tokenization cache is built by one rank per file system that holds it (parallel/dist.py
-once_per_file_system): once for a job whose nodes share the cache directory, once per node when each node has its
-own; every other rank reads what was built. Four real processes pose as two nodes of two."""
+"""The tokenization cache is built by one rank per file system that holds it (parallel/dist.py local_main_first with
+shared_dir): once for a job whose nodes share the cache directory, once per node when each node has its own; every
+other rank reads what was built, after it was built. Four real processes pose as two nodes of two."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ def test_a_shared_cache_is_built_once_and_a_node_local_one_once_per_node(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {layout: [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(4)]
                for layout, root in roots.items()}
-    # [what work() found, the entry, the barriers passed before it ran: 1 for the builders, 2 for the others]
-    assert results["shared"] == [["built", "rank 0", 1], ["read", "rank 0", 2], ["read", "rank 0", 2],
-                                 ["read", "rank 0", 2]]
-    assert results["node-local"] == [["built", "rank 0", 1], ["read", "rank 0", 2], ["built", "rank 2", 1],
-                                     ["read", "rank 2", 2]]
+    # [what work() found, the entry, whether it was told it runs first]
+    assert results["shared"] == [["built", "rank 0", True], ["read", "rank 0", False], ["read", "rank 0", False],
+                                 ["read", "rank 0", False]]
+    assert results["node-local"] == [["built", "rank 0", True], ["read", "rank 0", False], ["built", "rank 2", True],
+                                     ["read", "rank 2", False]]
     assert sorted(p.name for p in (roots["shared"] / "shared").iterdir()) == ["entry"]  # the probe is gone

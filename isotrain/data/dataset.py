@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 import numpy as np
@@ -57,9 +58,15 @@ class Dataset:
     samples: Sequence[Sample]  # a TokenStore (memory-mapped) once prepared
     stats: DataStats
     cache_path: str | None = field(default=None, compare=False)
+    epoch_table: ClassVar = None  # every epoch holds the same samples (a mixture's differ: data/mixture.py)
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @property
+    def fingerprint(self) -> str | None:
+        """What a resume must match: the cache entry's name (a hash of everything that made the samples)."""
+        return Path(self.cache_path).name if self.cache_path else None
 
     def __getitem__(self, index: int) -> Sample:
         try:

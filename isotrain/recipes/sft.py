@@ -2,10 +2,12 @@
 
     sizes      GA steps from the global batch (sizes.py); model, MoE, layout and chunked-loss checks; the
                held-out rows read, so that a wrong eval.path is reported before training
-    build      tokenizer -> dataset (tokenized once, cached) -> model and optimizer on the mesh -> the
-               packing check on this model -> the world-size-free sampler
+    build      tokenizer -> dataset (tokenized once, cached; or a weighted mixture of sources, each its own
+               cache entry) -> model and optimizer on the mesh -> the packing check on this model -> the
+               world-size-free sampler
     step k     this rank's micro-batches of global batch k -> train_step (one globally normalised
-               gradient, one optimizer step) -> exact counters and the metrics row
+               gradient, one optimizer step) -> exact counters and the metrics row (a mixture's per-source
+               sums added)
     after      exact-match accuracy of the final model on the held-out prompts
 """
 
@@ -19,6 +21,7 @@ from rich.console import Console
 
 from isotrain.config import TrainRunConfig
 from isotrain.data.collate import collate
+from isotrain.data.mixture import Mixture, SourceCounters
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import read_rows
 from isotrain.models.checks import check_prompt_room, max_positions
@@ -74,15 +77,21 @@ class SFT(Recipe):
         self.num_params = count_parameters(self.model)
         session.log(f"model: {self.num_params:,} parameters; data: {len(self.dataset)} samples, "
                     f"{self.data_stats.total_input_tokens:,} tokens, {self.data_stats.total_trained_tokens:,} trained")
-        self.sampler = GlobalBatchSampler(len(self.dataset), self.plan.global_batch_size, cfg.train.seed)
+        self.sampler = GlobalBatchSampler(len(self.dataset), self.plan.global_batch_size, cfg.train.seed,
+                                          epoch_table=self.dataset.epoch_table)
         self.options = step_options(cfg, parallel, document_mask=document_mask,
                                     router=router_settings(cfg.moe, hf_model(self.model).config))
         peak = peak_tflops(cfg.train.peak_tflops, info.device)
         self.world_peak_tflops = peak * info.world_size if peak else None  # None when unknown: no mfu field
 
     def extra_state(self) -> dict:
-        cache = self.dataset.cache_path
-        return {"sampler": self.sampler.state_dict(), "data_fingerprint": Path(cache).name if cache else None}
+        return {"sampler": self.sampler.state_dict(), "data_fingerprint": self.dataset.fingerprint}
+
+    def start(self, state: RunState) -> None:
+        # A mixture's per-source sums are a function of the step alone (data/mixture.py): a resumed run, on any
+        # layout, recomputes them for the steps before state.step instead of saving them.
+        self.source_counters = SourceCounters(self.dataset, self.sampler, state.step) \
+            if isinstance(self.dataset, Mixture) else None
 
     def step(self, state: RunState) -> dict:
         """Step `state.step`: this rank's micro-batches of global batch `state.step` -> one optimizer step."""
@@ -102,7 +111,10 @@ class SFT(Recipe):
         state.counters["tokens_seen"] += result.num_input_tokens
         state.counters["trained_tokens"] += result.num_trained_tokens
         state.counters["samples_seen"] += result.num_samples
-        return self._metrics_row(state.counters, result, lr, step_s)
+        row = self._metrics_row(state.counters, result, lr, step_s)
+        if self.source_counters is not None:
+            row.update(self.source_counters.add_step(state.step))
+        return row
 
     def _metrics_row(self, counters: dict, result, lr: float, step_s: float) -> dict:
         tokens_per_s = result.num_input_tokens / step_s

@@ -208,8 +208,8 @@ class SFTDataConfig(DataConfig):
         if self.sources is None:
             return self
         if self.path:
-            raise ValueError(f"data.path={self.path!r} and data.sources are both set; keep one (a single source can be "
-                             "data.sources=[{path: ...}]), or on the command line give data.path= to clear it")
+            raise ValueError(f"data.path={self.path!r} and data.sources are both set; keep one of them (a single "
+                             "source is data.sources=[{path: ...}])")
         if not self.sources:
             raise ValueError("data.sources is an empty list; give at least one {path, weight} or set data.path")
         for i, source in enumerate(self.sources):

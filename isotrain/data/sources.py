@@ -116,7 +116,7 @@ def checked_rows(path: str, field: str, problem, source: Source | None = None):
     if len(source.files) > 1 and _suffix(source.files[0]) == ".parquet":
         _check_parquet_schemas(source, field)
 
-    def rows():
+    def shard_rows():
         for index, file in enumerate(source.files):
             name = source.names[index] if source.names else str(file)
             base, num_valid, first_skip = index << SHARD_BITS, 0, None
@@ -129,7 +129,7 @@ def checked_rows(path: str, field: str, problem, source: Source | None = None):
                     f"{field} shard {name!r} has rows but not one valid row (first: {source.unit} {first_skip[0]}: "
                     f"{first_skip[1]}), so its schema differs from the other shards of {path!r}; fix or remove it")
 
-    return rows(), source.unit
+    return shard_rows(), source.unit
 
 
 def _check(raw, problem):

@@ -9,7 +9,9 @@ epoch of training must count exactly (invariant 2).
 
 from __future__ import annotations
 
+import os
 import shutil
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
@@ -72,13 +74,38 @@ class Dataset:
         try:
             return self.samples[int(index)]
         except StoreMismatch as err:
-            # A large store checks its token blocks as they are read: damage found mid-run ends the run before
-            # any damaged token is trained on, and the entry goes, so that the next start rebuilds it.
-            if self.cache_path is None:
-                raise
-            discard_entry(Path(self.cache_path))
-            raise DataError(f"the tokenized-data cache entry {self.cache_path} is damaged ({err}); it was removed: "
-                            "run the same command again to rebuild it and resume from the last checkpoint") from None
+            self._damaged(err)
+
+    def trained_counts(self) -> np.ndarray:
+        """Every sample's trained tokens, remembered beside the cache entry (`<cache>/trained-counts/<entry>.npy`)
+        so that only the first start reads the labels; a remembered array that does not match the entry's length
+        and total is computed again."""
+        entry = Path(self.cache_path)
+        memo = entry.parent.parent / "trained-counts" / f"{entry.name}.npy"
+        try:
+            counts = np.load(memo, allow_pickle=False)
+            if len(counts) == len(self) and int(counts.sum()) == self.stats.total_trained_tokens:
+                return counts
+        except (OSError, ValueError):
+            pass
+        try:
+            counts = self.samples.trained_counts()
+        except StoreMismatch as err:
+            self._damaged(err)
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{uuid.uuid4().hex}.npy")
+        np.save(tmp, counts, allow_pickle=False)
+        os.replace(tmp, memo)  # two ranks writing at once leave one whole file
+        return counts
+
+    def _damaged(self, err: StoreMismatch):
+        # A large store checks its token blocks as they are read: damage found mid-run ends the run before
+        # any damaged token is trained on, and the entry goes, so that the next start rebuilds it.
+        if self.cache_path is None:
+            raise err
+        discard_entry(Path(self.cache_path))
+        raise DataError(f"the tokenized-data cache entry {self.cache_path} is damaged ({err}); it was removed: "
+                        "run the same command again to rebuild it and resume from the last checkpoint") from None
 
 
 def data_options(data_cfg: SFTDataConfig) -> dict:

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -186,29 +184,10 @@ def prepare_mixture(data_cfg: SFTDataConfig, tokenizer, seed: int, *, log=print)
                                                  "sources": None})
         dataset = prepare_dataset(source_cfg, tokenizer, log=log, field=f"data.sources[{i}].path")
         datasets.append(dataset)
-        trained.append(trained_counts(dataset))
+        trained.append(dataset.trained_counts())
     mixture = Mixture(datasets, [source.weight for source in data_cfg.sources],
                       [source.label for source in data_cfg.sources], seed, trained)
     for line in mixture.describe():
         log(line)
     return mixture
 
-
-def trained_counts(dataset: Dataset) -> np.ndarray:
-    """Every sample's trained tokens, remembered beside the cache entry (`<cache>/trained-counts/<entry>.npy`) so
-    that only the first start reads the labels; a remembered array that does not match the entry's length and
-    total is computed again."""
-    entry = Path(dataset.cache_path)
-    memo = entry.parent.parent / "trained-counts" / f"{entry.name}.npy"
-    try:
-        counts = np.load(memo, allow_pickle=False)
-        if len(counts) == len(dataset) and int(counts.sum()) == dataset.stats.total_trained_tokens:
-            return counts
-    except (OSError, ValueError):
-        pass
-    counts = dataset.samples.trained_counts()
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f".{memo.name}.{uuid.uuid4().hex}.npy")
-    np.save(tmp, counts, allow_pickle=False)
-    os.replace(tmp, memo)  # two ranks writing at once leave one whole file
-    return counts

@@ -163,12 +163,6 @@ def resolve_source(path: str, field: str = "data.path") -> Source:
     return Source(path, (source,))
 
 
-def check_source(path: str, field: str = "data.path") -> Path:
-    """`path` as a Path if it names a readable kind of source, else a DataError saying what to use."""
-    resolve_source(path, field)
-    return Path(path)
-
-
 def _glob_source(pattern: str, field: str) -> Source:
     files = sorted(Path(match) for match in glob.glob(pattern, recursive=True) if Path(match).is_file())
     if not files:

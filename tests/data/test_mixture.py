@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from isotrain.config import load_config
-from isotrain.data.mixture import Mixture, SourceCounters, apportion, prepare_mixture, trained_counts
+from isotrain.data.mixture import Mixture, SourceCounters, apportion, prepare_mixture
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.errors import DataError
 from isotrain.models.tokenizer import train_tokenizer
@@ -92,7 +92,7 @@ def test_epoch_totals_and_source_counters_are_exact(tmp_path, tok, packing):
     assert mixture.stats.total_input_tokens == sum(len(s.input_ids) for s in samples)
     assert mixture.stats.total_trained_tokens == sum(int((s.labels != -100).sum()) for s in samples)
     for dataset in mixture.datasets:
-        assert trained_counts(dataset).tolist() == [int((s.labels != -100).sum()) for s in dataset.samples]
+        assert dataset.trained_counts().tolist() == [int((s.labels != -100).sum()) for s in dataset.samples]
     one_epoch = GlobalBatchSampler(len(mixture), len(mixture), 0, epoch_table=mixture.epoch_table)
     totals = SourceCounters(mixture, one_epoch, 0)
     totals.add_step(0)  # one step = mixture epoch 0: the logged totals, exactly
@@ -115,3 +115,24 @@ def test_a_source_without_a_seat_is_refused(tmp_path, tok):
     with pytest.raises(DataError, match=r"^data.sources\[0\] \('small', weight 0.001\) gets 0 of the 49 samples of "
                                         r"a mixture epoch; raise its weight or remove the source$"):
         make_mixture(tmp_path, tok, weights={"small": 0.001, "large": 1.0, "mid": 1.0})
+
+
+def test_trained_counts_are_remembered_and_damage_found_reading_them_removes_the_entry(tmp_path, tok, monkeypatch):
+    from pathlib import Path
+
+    from isotrain.data.store import StoreMismatch, TokenStore
+
+    dataset = make_mixture(tmp_path, tok).datasets[0]
+    expected = dataset.trained_counts().tolist()
+    monkeypatch.setattr(TokenStore, "trained_counts", lambda self: pytest.fail("the labels were read again"))
+    assert dataset.trained_counts().tolist() == expected
+    entry = Path(dataset.cache_path)
+    (entry.parent.parent / "trained-counts" / f"{entry.name}.npy").unlink()
+
+    def damaged(self):
+        raise StoreMismatch("block 0 of labels.bin (bytes 0-80) does not match its checksum")
+
+    monkeypatch.setattr(TokenStore, "trained_counts", damaged)
+    with pytest.raises(DataError, match=r"cache entry .* is damaged \(block 0 of labels.bin .*\); it was removed"):
+        dataset.trained_counts()
+    assert not entry.exists()

@@ -121,8 +121,10 @@ def checked_rows(path: str, field: str, problem, source: Source | None = None):
             name = source.names[index] if source.names else str(file)
             base, num_valid, first_skip = index << SHARD_BITS, 0, None
             for row_id, row, reason in _check(_read_file(file, name, field), problem):
-                num_valid += reason is None
-                first_skip = first_skip or (reason and (row_id, reason))
+                if reason is None:
+                    num_valid += 1
+                elif first_skip is None:
+                    first_skip = (row_id, reason)
                 yield base | row_id, row, reason
             if source.names and len(source.files) > 1 and not num_valid and first_skip:
                 raise DataError(
@@ -145,7 +147,7 @@ def _suffix(path: Path) -> str:
 
 def resolve_source(path: str, field: str = "data.path") -> Source:
     """What `path` names (module docstring), else a DataError saying what to use."""
-    if path and glob.has_magic(path):
+    if path and glob.has_magic(path) and not Path(path).exists():  # a file named data[1].jsonl is that file
         return _glob_source(path, field)
     source = Path(path)
     if not path or not source.exists():
@@ -164,7 +166,7 @@ def resolve_source(path: str, field: str = "data.path") -> Source:
 
 
 def _glob_source(pattern: str, field: str) -> Source:
-    files = sorted(Path(match) for match in glob.glob(pattern, recursive=True) if Path(match).is_file())
+    files = [Path(match) for match in sorted(glob.glob(pattern, recursive=True)) if Path(match).is_file()]
     if not files:
         raise DataError(f"{field} {pattern!r} matches no file; check the pattern, or point {field} at a {SUPPORTED}")
     # Names are relative to the pattern's fixed directories, so the key and messages do not depend on where it runs.

@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from isotrain.data.sources import resolve_source
 from isotrain.data.store import FILES, TOKEN_FILES, TokenStore
 from isotrain.disk import commit, sha256_file
 
@@ -117,6 +118,20 @@ def cache_key(data_path: str | list[tuple[str, Path]], tokenizer, options: dict,
         _hash_path(digest, source, memo_dir)
     digest.update(f"\0tokenizer:{tokenizer_fingerprint(tokenizer)}\0".encode())
     digest.update(json.dumps(options, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def source_fingerprint(path: str, field: str = "data.path") -> str:
+    """sha256 of the data a source path names: a single file's own sha256, else that of every shard's (or saved
+    dataset file's) name and sha256 (for a resume check: the same data, wherever it is read from)."""
+    source = resolve_source(path, field)
+    if not source.names and not source.saved_dataset:
+        return sha256_file(source.files[0])
+    digest = hashlib.sha256()
+    if source.saved_dataset:
+        _hash_path(digest, source.files[0])
+    for name, file in zip(source.names, source.files):
+        digest.update(f"shard:{name}:{sha256_file(file)}\0".encode())
     return digest.hexdigest()
 
 

@@ -103,3 +103,15 @@ def test_the_cache_key_covers_every_shard_and_the_expansion(tmp_path, shard_dir)
     renamed = prepare_dataset(cfg, tok, log=lambda *_: None)
     assert renamed.cache_path not in (first.cache_path, grown.cache_path)
     assert Path(renamed.cache_path).parent == Path(first.cache_path).parent
+
+
+def test_a_sources_fingerprint_is_a_files_sha256_or_covers_every_shard(tmp_path, shard_dir):
+    from isotrain.data.cache import source_fingerprint
+    from isotrain.disk import sha256_file
+
+    single = shard_dir / "b.jsonl"
+    assert source_fingerprint(str(single)) == sha256_file(single)  # as RL checkpoints recorded it before
+    before = source_fingerprint(str(shard_dir))
+    assert source_fingerprint(str(shard_dir / "**" / "*.jsonl*")) == before  # the same shards, named alike
+    (shard_dir / "sub" / "c.jsonl").write_text(lines(text_rows(50, 1)))
+    assert source_fingerprint(str(shard_dir)) != before

@@ -89,9 +89,10 @@ def test_a_weighted_mixture_gives_the_same_batches_on_every_layout_and_after_a_s
     # What the ranks measured (tokens_seen: all-reduced from the collated micro-batches) is, step by step, the
     # tokens of the samples that the pure mixture rule puts into that step's global batch.
     mixture, sampler = _rebuilt(root, dirs["single"])
-    measured = np.diff([0] + [row["tokens_seen"] for row in reference])
-    planned = [int(mixture.input_tokens[sampler.global_batch(step)].sum()) for step in range(STEPS)]
-    assert measured.tolist() == planned
+    for counter, per_sample in (("tokens_seen", mixture.input_tokens), ("trained_tokens", mixture.trained_tokens)):
+        measured = np.diff([0] + [row[counter] for row in reference])
+        planned = [int(per_sample[sampler.global_batch(step)].sum()) for step in range(STEPS)]
+        assert measured.tolist() == planned, counter
     last = reference[-1]
     counts = mixture.counts.tolist()
     assert counts == [13, 13, 38]

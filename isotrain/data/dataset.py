@@ -14,8 +14,8 @@ import shutil
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 

@@ -47,12 +47,14 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 def training_texts(data_cfg) -> list[str]:
     """The raw text of data.path's rows, or of every source's rows of a mixture (weights aside): what a tokenizer is
     trained on."""
-    sources = getattr(data_cfg, "sources", None)
+    sources = getattr(data_cfg, "sources", None)  # only isotrain train's data section has sources
     if not sources:
         return row_texts(read_rows(data_cfg.path, data_cfg.format).rows, data_cfg.format)
-    return [text for i, source in enumerate(sources)
-            for text in row_texts(read_rows(source.path, source.format or data_cfg.format,
-                                            f"data.sources[{i}].path").rows, source.format or data_cfg.format)]
+    texts = []
+    for i, source in enumerate(sources):
+        fmt = source.format or data_cfg.format
+        texts += row_texts(read_rows(source.path, fmt, f"data.sources[{i}].path").rows, fmt)
+    return texts
 
 
 def row_texts(rows: list[dict], fmt: str) -> list[str]:

@@ -113,12 +113,15 @@ class TokenizerConfig(Section):
     )
 
 
+DataFormat = Literal["text", "prompt_completion", "chat"]
+
+
 class DataConfig(Section):
     path: str = Field(
         "", description="Training data: a .jsonl, .jsonl.gz, .json or .parquet file, a glob or a directory of such "
         "shards (read in name order; docs/data.md), or a directory saved with datasets.save_to_disk."
     )
-    format: Literal["text", "prompt_completion", "chat"] = Field(
+    format: DataFormat = Field(
         "text",
         description="Row format: `text` ({text}), `prompt_completion` ({prompt, completion}; prompt masked "
         "from the loss) or `chat` ({messages: [{role, content}]}; only assistant turns trained).",
@@ -140,7 +143,6 @@ class DataConfig(Section):
 
 
 Overflow = Literal["split", "truncate", "drop"]
-DataFormat = Literal["text", "prompt_completion", "chat"]
 
 
 class SourceConfig(Section):

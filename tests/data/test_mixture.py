@@ -136,3 +136,17 @@ def test_trained_counts_are_remembered_and_damage_found_reading_them_removes_the
     with pytest.raises(DataError, match=r"cache entry .* is damaged \(block 0 of labels.bin .*\); it was removed"):
         dataset.trained_counts()
     assert not entry.exists()
+
+
+def test_adding_a_source_tokenizes_only_that_one(tmp_path, tok):
+    make_mixture(tmp_path, tok)
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps({"text": f"new {i}"}) + "\n" for i in range(5)))
+    sources = ", ".join(f"{{path: {tmp_path / name}.jsonl, weight: {WEIGHTS.get(name, 1.0)}}}"
+                        for name in [*SIZES, "new"])
+    cfg = load_config(None, [f"data.sources=[{sources}]", "data.format=text", "data.max_seq_len=16",
+                             f"data.cache_dir={tmp_path / 'cache'}"])
+    logs = []
+    mixture = prepare_mixture(cfg.data, tok, 0, log=logs.append)
+    assert sum("loaded tokenized data from cache" in line for line in logs) == 3
+    assert any(line.startswith("data new.jsonl: 5 rows") for line in logs)
+    assert mixture.names == ["small", "large", "mid", "new"] and len(mixture) == 54

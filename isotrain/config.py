@@ -196,6 +196,14 @@ class SFTDataConfig(DataConfig):
         "or `drop` it (counted and reported). Unset: split for text, truncate for prompt_completion and chat.",
     )
 
+    log_samples: bool = Field(
+        False,
+        description="Every rank appends the samples it trains at each step to `<output_dir>/samples/rank-<r>.jsonl`, "
+        "one line `{step, samples: [[index, [row ids]], ...]}` per step: the sample's place in the dataset (for "
+        "`data.sources`, in their concatenation) and its documents' source rows (`shard << 40 | line` for shards). "
+        "To find what a step learned from; a resumed run first drops the lines after its checkpoint.",
+    )
+
     @model_validator(mode="after")
     def _split_needs_text(self) -> SFTDataConfig:
         formats = [source.format or self.format for source in self.sources or ()] or [self.format]

@@ -36,6 +36,7 @@ from isotrain.train.chunked_loss import check_chunked_loss_settings, check_head_
 from isotrain.train.evaluate import exact_match
 from isotrain.train.metrics import flops_per_token, peak_tflops
 from isotrain.train.run_loop import RunState
+from isotrain.train.sample_log import SampleLog
 from isotrain.train.schedule import lr_of_step
 from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer, step_options
 from isotrain.train.step import train_step
@@ -92,6 +93,13 @@ class SFT(Recipe):
         # layout, recomputes them for the steps before state.step instead of saving them.
         self.source_counters = SourceCounters(self.dataset, self.sampler, state.step) \
             if isinstance(self.dataset, Mixture) else None
+        info = self.session.info
+        self.sample_log = SampleLog(self.session.output_dir, info.rank, info.is_main, state.step) \
+            if self.cfg.data.log_samples else None
+
+    def close(self) -> None:
+        if getattr(self, "sample_log", None) is not None:  # None until start(), which a refused run never reaches
+            self.sample_log.close()
 
     def step(self, state: RunState) -> dict:
         """Step `state.step`: this rank's micro-batches of global batch `state.step` -> one optimizer step."""
@@ -102,7 +110,11 @@ class SFT(Recipe):
         # instead of one per row length (packed rows nearly fill max_seq_len, so the padding costs little).
         length = cfg.data.max_seq_len if cfg.train.compile and cfg.data.packing else None
         pad_id = self.tokenizer.pad_token_id
-        micro_batches = [collate([self.dataset[i] for i in indices], pad_id, length) for indices in index_lists]
+        samples = [[self.dataset[i] for i in indices] for indices in index_lists]
+        micro_batches = [collate(batch, pad_id, length) for batch in samples]
+        if self.sample_log is not None:
+            self.sample_log.write(state.step + 1, [i for indices in index_lists for i in indices],
+                                  [sample for batch in samples for sample in batch])
         lr = lr_of_step(cfg.train, state.step)
         start = time.perf_counter()
         result = train_step(self.model, self.optimizer, micro_batches, lr, self.options, session.info.device,

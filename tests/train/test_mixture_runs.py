@@ -1,7 +1,8 @@
 """Invariant 3 with a weighted mixture of 3 sources, through the real CLI and real processes: 1 process, DDP 2 and
-FSDP2 2 learn from the same global batches (the same losses and exact token, sample and per-source counts at every
-step, and each step's measured tokens are those of the samples data/mixture.py assigns to it), and an FSDP2 run
-SIGKILLed after checkpoint 6 and resumed on 1 process continues with exactly the next batches."""
+FSDP2 2 learn from the same global batches, and an FSDP2 run SIGKILLed after checkpoint 6 and resumed on 1 process
+continues with exactly the next batches. Shown three ways at every step: the samples and source rows every rank
+wrote that it trained (`data.log_samples`), together, are the global batch that data/mixture.py assigns to the
+step; the losses and gradient norms agree (1e-5); the token, sample and per-source counts are exact and equal."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def overrides(data_dir) -> list[str]:
     return [f"data.sources=[{sources}]", "data.format=text", "data.max_seq_len=16", f"data.cache_dir={data_dir / 'cache'}",
             "model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=2",
             "train.global_batch_size=8", "train.micro_batch_size=4", f"train.max_steps={STEPS}",
-            "train.deterministic=true", "checkpoint.every_steps=3", "logging.progress=false", "eval.path=null"]
+            "train.deterministic=true", "checkpoint.every_steps=3", "logging.progress=false", "eval.path=null",
+            "data.log_samples=true"]
 
 
 def arguments(layout: str, data_dir, run_dir) -> list[str]:
@@ -49,6 +51,16 @@ def killed_after(step: int, layout: str, data_dir, run_dir) -> None:
            "-m", "isotrain", *arguments(layout, data_dir, run_dir)]
     kill_after_commit(cmd, run_dir, step)
     assert not (run_dir / "model").exists()
+
+
+def trained_samples(run_dir) -> dict[int, list]:
+    """Step -> the (sample index, source rows) that the run's ranks, together, wrote they trained at that step."""
+    by_step: dict[int, list] = {}
+    for path in sorted((run_dir / "samples").glob("rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            by_step.setdefault(row["step"], []).extend((index, tuple(rows)) for index, rows in row["samples"])
+    return {step: sorted(samples) for step, samples in by_step.items()}
 
 
 def metrics(run_dir) -> list[dict]:
@@ -89,6 +101,11 @@ def test_a_weighted_mixture_gives_the_same_batches_on_every_layout_and_after_a_s
     # What the ranks measured (tokens_seen: all-reduced from the collated micro-batches) is, step by step, the
     # tokens of the samples that the pure mixture rule puts into that step's global batch.
     mixture, sampler = _rebuilt(root, dirs["single"])
+    planned = {step + 1: sorted((int(i), mixture[int(i)].row_ids) for i in sampler.global_batch(step))
+               for step in range(STEPS)}
+    for name in dirs:
+        assert trained_samples(dirs[name]) == planned, name
+    assert sorted((dirs["fsdp2-then-single"] / "samples").iterdir())[-1].name == "rank-00001.jsonl"
     for counter, per_sample in (("tokens_seen", mixture.input_tokens), ("trained_tokens", mixture.trained_tokens)):
         measured = np.diff([0] + [row[counter] for row in reference])
         planned = [int(per_sample[sampler.global_batch(step)].sum()) for step in range(STEPS)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -121,11 +122,15 @@ class TokenizerConfig(Section):
     )
 
 
+DataFormat = Literal["text", "prompt_completion", "chat"]
+
+
 class DataConfig(Section):
     path: str = Field(
-        "", description="Training data: a .jsonl/.json/.parquet file or a saved Hugging Face dataset directory."
+        "", description="Training data: a .jsonl, .jsonl.gz, .json or .parquet file, a glob or a directory of such "
+        "shards (read in name order; docs/data.md), or a directory saved with datasets.save_to_disk."
     )
-    format: Literal["text", "prompt_completion", "chat"] = Field(
+    format: DataFormat = Field(
         "text",
         description="Row format: `text` ({text}), `prompt_completion` ({prompt, completion}; prompt masked "
         "from the loss) or `chat` ({messages: [{role, content}]}; only assistant turns trained).",
@@ -149,8 +154,49 @@ class DataConfig(Section):
 Overflow = Literal["split", "truncate", "drop"]
 
 
+class SourceConfig(Section):
+    """One source of a weighted mixture (`data.sources`); its rows are read and tokenized like data.path's."""
+
+    # A str, not a Path: a Hugging Face Hub dataset id will be one more kind of value here.
+    path: str = Field(
+        description="The source's rows: a .jsonl, .jsonl.gz, .json or .parquet file, a glob or a directory of such "
+        "shards, or a directory saved with datasets.save_to_disk (as `data.path`). Required.",
+    )
+    weight: float = Field(
+        1.0, allow_inf_nan=False,
+        description="Relative share, > 0: a mixture epoch of N samples (N = all sources' samples together) takes "
+        "N × weight / Σ weights from this source (largest remainder; docs/data.md), repeating a small source "
+        "and cycling a large one over the mixture epochs.",
+    )
+    format: DataFormat | None = Field(None, description="The source's row format; default: `data.format`.")
+    name: str | None = Field(
+        None, description="Its name in the start-up lines and in metrics.jsonl (`source/<name>/...`). Default: the "
+        "path's last fixed part without data suffixes (`web/*.jsonl.gz` -> `web`).",
+    )
+
+    @property
+    def label(self) -> str:
+        """`name`, or the path's last part that is not a pattern, without its data suffixes."""
+        if self.name:
+            return self.name
+        parts = [part for part in Path(self.path.rstrip("/")).parts if not any(c in part for c in "*?[")]
+        last = parts[-1] if parts else self.path
+        for suffix in (".gz", ".jsonl", ".json", ".parquet"):
+            last = last.removesuffix(suffix)
+        return last or self.path
+
+
 class SFTDataConfig(DataConfig):
     """`isotrain train`'s data: DataConfig and what becomes of a row longer than data.max_seq_len."""
+
+    sources: list[SourceConfig] | None = Field(
+        None,
+        description="A weighted mixture of several sources instead of `data.path`: a list of {path, weight, format, "
+        "name} (the `data.sources[]` keys below). Each source is tokenized (and packed) on its own, in its own cache "
+        "entry; the order of global batches stays a function of (seed, sources, weights, global batch size) "
+        "(docs/data.md). On the command line, `data.sources=[...]` replaces the YAML file's `data.path` (and "
+        "`data.path=...` its `data.sources`).",
+    )
 
     overflow: Overflow | None = Field(
         None,
@@ -159,11 +205,42 @@ class SFTDataConfig(DataConfig):
         "or `drop` it (counted and reported). Unset: split for text, truncate for prompt_completion and chat.",
     )
 
+    log_samples: bool = Field(
+        False,
+        description="Every rank appends the samples it trains at each step to `<output_dir>/samples/rank-<r>.jsonl`, "
+        "one line `{step, samples: [[index, [row ids]], ...]}` per step: the sample's place in the dataset (for "
+        "`data.sources`, in their concatenation) and its documents' source rows (`shard << 40 | line` for shards). "
+        "To find what a step learned from; a resumed run first drops the lines after its checkpoint.",
+    )
+
     @model_validator(mode="after")
     def _split_needs_text(self) -> SFTDataConfig:
-        if self.overflow == "split" and self.format != "text":
-            raise ValueError(f"data.overflow=split applies to data.format=text only: a piece of a {self.format} row "
+        formats = [source.format or self.format for source in self.sources or ()] or [self.format]
+        fmt = next((fmt for fmt in formats if fmt != "text"), None)
+        if self.overflow == "split" and fmt is not None:
+            raise ValueError(f"data.overflow=split applies to data.format=text only: a piece of a {fmt} row "
                              "would train without its prompt; set data.overflow=truncate or drop")
+        return self
+
+    @model_validator(mode="after")
+    def _one_kind_of_source(self) -> SFTDataConfig:
+        if self.sources is None:
+            return self
+        if self.path:
+            raise ValueError(f"data.path={self.path!r} and data.sources are both set; keep one of them (a single "
+                             "source is data.sources=[{path: ...}])")
+        if not self.sources:
+            raise ValueError("data.sources is an empty list; give at least one {path, weight} or set data.path")
+        for i, source in enumerate(self.sources):
+            if source.weight <= 0:
+                raise ValueError(f"data.sources[{i}].weight={source.weight:g} must be > 0 (a source's share of each "
+                                 "mixture epoch is its weight / the sum of weights); give it a positive weight or "
+                                 "remove the source")
+        labels = [source.label for source in self.sources]
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                raise ValueError(f"data.sources[{labels.index(label)}] and data.sources[{i}] are both named {label!r} "
+                                 "(in logs and metrics); give one of them another `name`")
         return self
 
     @property
@@ -638,6 +715,20 @@ def _check_keys(data: Any, model: type[BaseModel], prefix: str) -> None:
         annotation = fields[key].annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             _check_keys(value, annotation, f"{dotted}.")
+        item = list_item_section(annotation)
+        if item is not None and isinstance(value, list):
+            for i, element in enumerate(value):
+                _check_keys(element, item, f"{dotted}[{i}].")
+
+
+def list_item_section(annotation) -> type[BaseModel] | None:
+    """The section of a `list[Section]` (or `list[Section] | None`) field, else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        args = typing.get_args(candidate)
+        if typing.get_origin(candidate) is list and args and isinstance(args[0], type) \
+                and issubclass(args[0], BaseModel):
+            return args[0]
+    return None
 
 
 # What a valid value looks like, for the fields whose bad values otherwise train garbage or fail deep inside.
@@ -721,6 +812,18 @@ def _replace_model_source(tree: dict, keys: list[str]) -> None:
         model.pop("name_or_path", None)
 
 
+def _replace_data_source(tree: dict, keys: list[str]) -> None:
+    """`data.sources=[...]` on the command line replaces the file's `data.path`, and `data.path=...` its
+    `data.sources`, as a model source does (`_replace_model_source`)."""
+    data = tree.get("data")
+    if not isinstance(data, dict):
+        return
+    if "data.sources" in keys and "data.path" not in keys:
+        data.pop("path", None)
+    if "data.path" in keys and "data.sources" not in keys:
+        data.pop("sources", None)
+
+
 def load_tree(path: str | Path | None, overrides: list[str] = (), default: Path | None = None,
               recipe: Recipe = "train") -> dict:
     """The config tree of a YAML file (or `default`, else the bundled recipe of `recipe`, when `path` is None) with
@@ -741,6 +844,7 @@ def load_tree(path: str | Path | None, overrides: list[str] = (), default: Path 
         set_dotted(tree, key, value)
         keys.append(key)
     _replace_model_source(tree, keys)
+    _replace_data_source(tree, keys)
     return tree
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from isotrain.config import RECIPE_ROOTS
+from isotrain.config import RECIPE_ROOTS, list_item_section
 
 DOCS_PATH = Path(__file__).resolve().parent.parent / "docs" / "config.md"
 
@@ -82,11 +82,15 @@ def _table(model: type[BaseModel], prefix: str) -> list[str]:
 
 
 def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel]]]:
-    """(dotted prefix, model) of every section in declaration order, depth first."""
+    """(dotted prefix, model) of every section in declaration order, depth first; the items of a list of
+    sections (`data.sources`) as `data.sources[].`."""
     found = [(prefix, model)]
     for name, field in model.model_fields.items():
         if _is_section(field.annotation):
             found += _sections(field.annotation, f"{prefix}{name}.")
+        item = list_item_section(field.annotation)
+        if item is not None:
+            found += _sections(item, f"{prefix}{name}[].")
     return found
 
 

@@ -90,7 +90,8 @@ def test_refused_before_any_step(capsys, tmp_path, name):
 def test_a_missing_eval_file_is_named_as_such_before_training(capsys, tmp_path):
     proc = cli(capsys, ["train", *FIRST_STEP, "eval.path=/nonexistent/eval.jsonl", f"output_dir={tmp_path}"])
     assert_error_sentence(proc, "eval.path '/nonexistent/eval.jsonl' does not exist; point eval.path at a .jsonl, "
-                          ".json, .parquet or a directory saved with datasets.save_to_disk")
+                          ".jsonl.gz, .json or .parquet file, a glob or directory of such shards, or a "
+                          "directory saved with datasets.save_to_disk")
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

@@ -306,7 +306,7 @@ class CheckpointManager:
              self.contract.batch_field),
             ("seed", saved_sampler["seed"], sampler["seed"], "train.seed"),
             ("data", (saved_sampler["num_samples"], state["data_fingerprint"]),
-             (sampler["num_samples"], extra["data_fingerprint"]), "data (data.path or its settings)"),
+             (sampler["num_samples"], extra["data_fingerprint"]), "data (data.path or data.sources, or their settings)"),
             ("tokenizer", state["tokenizer_sha256"], extra["tokenizer_sha256"], "the tokenizer"),
         ]
         for name, saved, current, what in checks:

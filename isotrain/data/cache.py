@@ -1,7 +1,7 @@
 """On-disk cache of tokenized (and packed) samples, keyed by everything that determines them.
 
-    key = sha256(format version, sha256 of the data files, tokenizer, format, max_seq_len, packing, overflow,
-                 added tokens)
+    key = sha256(format version, sha256 of the data files (and the names of a glob's or directory's shards),
+                 tokenizer, format, max_seq_len, packing, overflow, added tokens)
 
 A data file's sha256 is remembered under `<root>/fingerprints/` with the file's path, size, mtime (ns), inode and
 device, and reused while all five are unchanged, so that a warm start does not read a corpus of gigabytes again. A
@@ -29,6 +29,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from isotrain.data.sources import resolve_source
 from isotrain.data.store import FILES, TOKEN_FILES, TokenStore
 from isotrain.disk import commit, sha256_file
 
@@ -99,17 +100,38 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def cache_key(data_path: str, tokenizer, options: dict, memo_dir: Path | None = None) -> str:
+def cache_key(data_path: str | list[tuple[str, Path]], tokenizer, options: dict, memo_dir: Path | None = None) -> str:
     """The entry name for `data_path` tokenized with `tokenizer` under the data `options`; the data files'
-    sha256 are remembered in `memo_dir` if given."""
+    sha256 are remembered in `memo_dir` if given. `data_path` is one file or saved-dataset directory, or the
+    (name, file) shards of a glob or directory of shards: each shard's name (so the glob's expansion), size and
+    sha256 are in the key (a shard's name and position number its rows, and its suffix decides the parsing)."""
     digest = hashlib.sha256()
-    source = Path(data_path)
-    # The kind of source decides how the bytes are parsed (.json vs .jsonl), so it is part of the key.
-    kind = "directory" if source.is_dir() else source.suffix
-    digest.update(f"{CACHE_FORMAT}\0{kind}\0".encode())
-    _hash_path(digest, source, memo_dir)
+    if isinstance(data_path, list):
+        digest.update(f"{CACHE_FORMAT}\0shards:{len(data_path)}\0".encode())
+        for name, file in data_path:
+            digest.update(f"shard:{name}:{file.stat().st_size}:{file_sha256(file, memo_dir)}\0".encode())
+    else:
+        source = Path(data_path)
+        # The kind of source decides how the bytes are parsed (.json vs .jsonl), so it is part of the key.
+        kind = "directory" if source.is_dir() else source.suffix
+        digest.update(f"{CACHE_FORMAT}\0{kind}\0".encode())
+        _hash_path(digest, source, memo_dir)
     digest.update(f"\0tokenizer:{tokenizer_fingerprint(tokenizer)}\0".encode())
     digest.update(json.dumps(options, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def source_fingerprint(path: str, field: str = "data.path") -> str:
+    """sha256 of the data a source path names: a single file's own sha256, else that of every shard's (or saved
+    dataset file's) name and sha256 (for a resume check: the same data, wherever it is read from)."""
+    source = resolve_source(path, field)
+    if not source.names and not source.saved_dataset:
+        return sha256_file(source.files[0])
+    digest = hashlib.sha256()
+    if source.saved_dataset:
+        _hash_path(digest, source.files[0])
+    for name, file in zip(source.names, source.files):
+        digest.update(f"shard:{name}:{sha256_file(file)}\0".encode())
     return digest.hexdigest()
 
 

@@ -9,18 +9,22 @@ epoch of training must count exactly (invariant 2).
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from itertools import chain
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
 from isotrain.config import SFTDataConfig
 from isotrain.data.cache import CacheUnreadable, cache_key, cache_root, discard_entry, load_entry, save_entry
 from isotrain.data.packing import Sample, pack_plan
-from isotrain.data.sources import FORMATS, check_source, checked_rows, no_rows_message, row_problem
+from isotrain.data.sources import FORMATS, Source, checked_rows, no_rows_message, resolve_source, row_label, row_problem
 from isotrain.data.store import StoreMismatch, StoreWriter, TokenStore, token_dtype
 from isotrain.data.tokenize import IGNORE_INDEX, Pieces, TokenizeStats, tokenize_chunk
 from isotrain.errors import DataError
@@ -44,6 +48,7 @@ class DataStats:
     num_pieces: int = 0  # the examples the kept rows became: num_documents plus the extra pieces of split rows
     corpus_tokens: int = 0  # Σ tokens of the rows that tokenized, before any cut
     corpus_trained_tokens: int = 0  # Σ targets of those rows before any cut: what one epoch could train
+    shards: list[str] = field(default_factory=list)  # a glob's or directory's shard names: row ids name them
 
     @classmethod
     def from_json(cls, mapping: dict) -> DataStats:
@@ -57,21 +62,52 @@ class Dataset:
     samples: Sequence[Sample]  # a TokenStore (memory-mapped) once prepared
     stats: DataStats
     cache_path: str | None = field(default=None, compare=False)
+    epoch_table: ClassVar = None  # every epoch holds the same samples (a mixture's differ: data/mixture.py)
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @property
+    def fingerprint(self) -> str | None:
+        """What a resume must match: the cache entry's name (a hash of everything that made the samples)."""
+        return Path(self.cache_path).name if self.cache_path else None
 
     def __getitem__(self, index: int) -> Sample:
         try:
             return self.samples[int(index)]
         except StoreMismatch as err:
-            # A large store checks its token blocks as they are read: damage found mid-run ends the run before
-            # any damaged token is trained on, and the entry goes, so that the next start rebuilds it.
-            if self.cache_path is None:
-                raise
-            discard_entry(Path(self.cache_path))
-            raise DataError(f"the tokenized-data cache entry {self.cache_path} is damaged ({err}); it was removed: "
-                            "run the same command again to rebuild it and resume from the last checkpoint") from None
+            self._damaged(err)
+
+    def trained_counts(self) -> np.ndarray:
+        """Every sample's trained tokens, remembered beside the cache entry (`<cache>/trained-counts/<entry>.npy`)
+        so that only the first start reads the labels; a remembered array that does not match the entry's length
+        and total is computed again."""
+        entry = Path(self.cache_path)
+        memo = entry.parent.parent / "trained-counts" / f"{entry.name}.npy"
+        try:
+            counts = np.load(memo, allow_pickle=False)
+            if len(counts) == len(self) and int(counts.sum()) == self.stats.total_trained_tokens:
+                return counts
+        except (OSError, ValueError):
+            pass
+        try:
+            counts = self.samples.trained_counts()
+        except StoreMismatch as err:
+            self._damaged(err)
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{uuid.uuid4().hex}.npy")
+        np.save(tmp, counts, allow_pickle=False)
+        os.replace(tmp, memo)  # two ranks writing at once leave one whole file
+        return counts
+
+    def _damaged(self, err: StoreMismatch):
+        # A large store checks its token blocks as they are read: damage found mid-run ends the run before
+        # any damaged token is trained on, and the entry goes, so that the next start rebuilds it.
+        if self.cache_path is None:
+            raise err
+        discard_entry(Path(self.cache_path))
+        raise DataError(f"the tokenized-data cache entry {self.cache_path} is damaged ({err}); it was removed: "
+                        "run the same command again to rebuild it and resume from the last checkpoint") from None
 
 
 def data_options(data_cfg: SFTDataConfig) -> dict:
@@ -84,15 +120,17 @@ def data_options(data_cfg: SFTDataConfig) -> dict:
     }
 
 
-def prepare_dataset(data_cfg: SFTDataConfig, tokenizer, *, log=print) -> Dataset:
-    """Samples of `data_cfg.path` for `tokenizer`, from the cache when the same inputs were seen before.
+def prepare_dataset(data_cfg: SFTDataConfig, tokenizer, *, log=print, field: str = "data.path") -> Dataset:
+    """Samples of `data_cfg.path` for `tokenizer`, from the cache when the same inputs were seen before;
+    messages name the setting `field` (data.path, or data.sources[i].path for a source of a mixture).
 
     Tokens added with `model.add_special_tokens` are already in `tokenizer` (the trainer adds them,
     since it also resizes the embeddings); the cache key covers them through the tokenizer's fingerprint.
     """
-    check_source(data_cfg.path)
+    source = resolve_source(data_cfg.path, field)
     root = cache_root(data_cfg.cache_dir)
-    entry = root / "tokenized" / cache_key(data_cfg.path, tokenizer, data_options(data_cfg), root / "fingerprints")
+    entry = root / "tokenized" / cache_key(_key_source(source), tokenizer, data_options(data_cfg),
+                                           root / "fingerprints")
     try:
         cached = load_entry(entry)
     except CacheUnreadable as err:
@@ -104,10 +142,16 @@ def prepare_dataset(data_cfg: SFTDataConfig, tokenizer, *, log=print) -> Dataset
         log(f"loaded tokenized data from cache {entry}")
     else:
         stats = DataStats.from_json(save_entry(entry, lambda directory: asdict(build_store(data_cfg, tokenizer,
-                                                                                          directory))))
+                                                                                          directory, field))))
         samples = TokenStore(entry)
     _log_stats(stats, data_cfg.path, log, data_cfg.max_seq_len, data_cfg.format)
     return Dataset(samples=samples, stats=stats, cache_path=str(entry))
+
+
+def _key_source(source: Source):
+    """What the cache key hashes: the path of one file or saved dataset, or every shard by name (the glob's or
+    directory's expansion) and content."""
+    return list(zip(source.names, source.files)) if source.names else source.path
 
 
 # Rows read and tokenized at a time: up to CHUNK_ROWS rows and CHUNK_CHARS characters of text. The tokenizer's
@@ -119,14 +163,16 @@ CHUNK_ROWS, CHUNK_CHARS = 4096, 1 << 20
 PACK_WINDOW_TOKENS = 1 << 22
 
 
-def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path) -> DataStats:
+def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path, field: str = "data.path") -> DataStats:
     """Read, tokenize and (optionally) pack the rows of data.path into a token store at `directory`, a chunk of
     rows at a time: the tokens go to disk as they come. A worker thread tokenizes the next chunk (the Rust
-    tokenizer runs on every core, without the GIL) while this one reads rows and writes the last chunk's tokens."""
+    tokenizer runs on every core, without the GIL) while this one reads rows and writes the last chunk's tokens.
+    Messages name the setting `field` that points at the rows."""
     fmt, max_seq_len = data_cfg.format, data_cfg.max_seq_len
     if fmt not in FORMATS:
         raise DataError(f"data.format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
-    rows, unit = checked_rows(data_cfg.path, "data.path", lambda row: row_problem(row, fmt))
+    source = resolve_source(data_cfg.path, field)
+    rows, unit = checked_rows(data_cfg.path, field, lambda row: row_problem(row, fmt), source)
     # Some tokenizers hold ids at or past len(tokenizer) (gaps before added tokens): the largest id decides.
     dtype = token_dtype(max(len(tokenizer) - 1, *tokenizer.get_vocab().values()))
     writer = StoreWriter(directory, dtype)
@@ -157,11 +203,13 @@ def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path) -> DataStat
         window.flush_all()
     writer.close()
     if not num_valid:
-        raise DataError(no_rows_message(data_cfg.path, fmt, tally.count, tally.first[:1], unit, "data.path"))
+        first = f"{row_label(tally.first[0][0], unit, source.names)}: {tally.first[0][1]}" if tally.first else None
+        raise DataError(no_rows_message(data_cfg.path, fmt, tally.count, first, field))
     if not totals.num_examples:
         first_id, first_reason = tally.first[0]
         raise DataError(
-            f"no row of data.path {data_cfg.path!r} could be tokenized ({unit} {first_id}: {first_reason}); "
+            f"no row of {field} {data_cfg.path!r} could be tokenized ({row_label(first_id, unit, source.names)}: "
+            f"{first_reason}); "
             "fix the rows, raise data.max_seq_len or use a tokenizer that fits data.format"
         )
     return DataStats(
@@ -169,7 +217,7 @@ def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path) -> DataStat
         num_truncated=totals.num_truncated, num_samples=writer.num_samples, total_input_tokens=tokens,
         total_trained_tokens=trained, num_documents=totals.num_rows, row_unit=unit, num_split=totals.num_split,
         num_pieces=totals.num_examples, corpus_tokens=totals.corpus_tokens,
-        corpus_trained_tokens=totals.corpus_trained_tokens)
+        corpus_trained_tokens=totals.corpus_trained_tokens, shards=list(source.names))
 
 
 def _one_ahead(pool, work, items):
@@ -260,9 +308,10 @@ class _PackWindow:
 
 
 def _log_stats(stats: DataStats, path: str, log, max_seq_len: int, fmt: str) -> None:
-    name = Path(path).name
+    name = Path(path).name + (f" ({len(stats.shards)} shards)" if len(stats.shards) > 1 else "")
     if stats.num_rows_skipped:
-        shown = "; ".join(f"{stats.row_unit} {row_id}: {reason}" for row_id, reason in stats.skipped[:MAX_LOGGED_SKIPS])
+        shown = "; ".join(f"{row_label(row_id, stats.row_unit, stats.shards)}: {reason}"
+                          for row_id, reason in stats.skipped[:MAX_LOGGED_SKIPS])
         more = "; …" if stats.num_rows_skipped > MAX_LOGGED_SKIPS else ""
         log(f"skipped {stats.num_rows_skipped} of {stats.num_rows_read} rows in {name}: {shown}{more}")
     log(f"data {name}: {stats.num_documents} rows -> {stats.num_samples} samples, {stats.total_input_tokens} tokens, "

@@ -4,7 +4,10 @@ Invariant 3: the global batch of step k is
 
     epoch  = k // steps_per_epoch
     perm   = permutation of range(num_samples) drawn from rng(seed, epoch)
-    batch  = perm[(k % steps_per_epoch) * G : (k % steps_per_epoch + 1) * G]
+    batch  = table(epoch)[perm[(k % steps_per_epoch) * G : (k % steps_per_epoch + 1) * G]]
+
+where table(epoch) is the identity for one dataset, and for a weighted mixture the samples that mixture
+epoch holds (data/mixture.py: a pure function of the seed, the sources, their weights and sizes).
 
 The world size, micro-batch size and gradient accumulation only decide how a batch is *cut*
 (rank r takes the contiguous slice [r*G/dp, (r+1)*G/dp), then consecutive micro-batches), never
@@ -14,19 +17,25 @@ at step k on any layout continues with exactly batch k.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from isotrain.errors import ConfigError, DataError
 
 
 class GlobalBatchSampler:
-    def __init__(self, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True,
+                 epoch_table: Callable[[int], np.ndarray] | None = None):
+        """`epoch_table(epoch)`: the `num_samples` dataset indices that epoch holds, position by position (a
+        mixture's); None: position j is sample j in every epoch."""
         if global_batch_size <= 0:
             raise ConfigError(f"train.global_batch_size={global_batch_size} must be positive")
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.shuffle = shuffle
+        self.epoch_table = epoch_table
         # Each epoch uses only whole global batches; the tail of the permutation is left out.
         self.steps_per_epoch = num_samples // global_batch_size
         if self.steps_per_epoch == 0:
@@ -55,7 +64,8 @@ class GlobalBatchSampler:
             raise ValueError(f"step must be >= 0, got {step}")
         epoch, index = divmod(step, self.steps_per_epoch)
         start = index * self.global_batch_size
-        return self.permutation(epoch)[start : start + self.global_batch_size].copy()
+        positions = self.permutation(epoch)[start : start + self.global_batch_size]
+        return positions.copy() if self.epoch_table is None else self.epoch_table(epoch)[positions]
 
     def rank_slice(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
         """The contiguous share of data-parallel rank `dp_rank` in the global batch of `step`."""

@@ -206,6 +206,21 @@ class TokenStore(Sequence):
         """Every sample's number of tokens, without reading a token."""
         return np.diff(self._offsets)
 
+    def trained_counts(self, chunk_tokens: int = 1 << 22) -> np.ndarray:
+        """Every sample's number of trained tokens (labels != -100): one pass over the labels, `chunk_tokens` at a
+        time (each block checked against its checksum first), so the memory it needs does not grow with the store."""
+        counts = np.zeros(len(self), dtype=np.int64)
+        first, itemsize = 0, self._labels.itemsize
+        while first < len(self):
+            last = int(np.searchsorted(self._offsets, self._offsets[first] + chunk_tokens, side="right")) - 1
+            last = min(max(last, first + 1), len(self))
+            a, b = int(self._offsets[first]), int(self._offsets[last])
+            self._blocks.check(a * itemsize, b * itemsize)
+            trained = np.concatenate([[0], np.cumsum(np.asarray(self._labels[a:b]) != self._no_label)])
+            counts[first:last] = trained[self._offsets[first + 1 : last + 1] - a] - trained[self._offsets[first:last] - a]
+            first = last
+        return counts
+
 
 class _Blocks:
     """Which blocks of the token files have matched their checksums in this process; checks the others on demand.

@@ -49,7 +49,7 @@ def read_pairs(path: str, num_negatives: int, field: str = "data.path") -> RowsR
     """Every usable row of `path`, plus the skipped ones with their line (or row) numbers and reasons."""
     result = sort_rows(path, field, lambda row: row_problem(row, num_negatives))
     if not result.rows:
-        first = f" (first: {result.unit} {result.skipped[0][0]}: {result.skipped[0][1]})" if result.skipped else ""
+        first = f" (first: {result.label(result.skipped[0][0])}: {result.skipped[0][1]})" if result.skipped else ""
         raise DataError(f"{field} {path!r} has no usable {{query, positive, negatives}} rows{first}; "
                         "fix the rows or lower embed.hard_negatives")
     return result
@@ -106,8 +106,8 @@ def read_training_pairs(path: str, configured: int | None, field: str = "data.pa
     kept = keep_rows_with_negatives(result, num_negatives)
     if not kept.rows:
         first = kept.skipped[0]
-        raise DataError(f"{field} {path!r} has no usable {{query, positive, negatives}} rows (first: {kept.unit} "
-                        f"{first[0]}: {first[1]}); fix the rows or lower embed.hard_negatives")
+        raise DataError(f"{field} {path!r} has no usable {{query, positive, negatives}} rows (first: "
+                        f"{kept.label(first[0])}: {first[1]}); fix the rows or lower embed.hard_negatives")
     return kept, num_negatives, note
 
 
@@ -115,7 +115,7 @@ def skipped_report(result: RowsResult, limit: int = 5) -> str | None:
     """One line naming how many rows were skipped and the first few, or None when none were."""
     if not result.skipped:
         return None
-    shown = "; ".join(f"{result.unit} {i}: {reason}" for i, reason in result.skipped[:limit])
+    shown = "; ".join(f"{result.label(i)}: {reason}" for i, reason in result.skipped[:limit])
     more = f"; and {len(result.skipped) - limit} more" if len(result.skipped) > limit else ""
     return f"skipped {len(result.skipped)} of {result.num_rows_read} rows: {shown}{more}"
 

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from isotrain.config import RLRunConfig
-from isotrain.disk import sha256_file
+from isotrain.data.cache import source_fingerprint
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.checks import check_prompt_room
 from isotrain.models.loading import check_layout_fits, checked_config, count_parameters, model_config
@@ -111,7 +111,7 @@ class RL(Recipe):
                               f"data.max_seq_len={limit}", f"eval.path={cfg.eval.path!r}")
 
     def extra_state(self) -> dict:
-        return {"sampler": self.stream.state_dict(), "data_fingerprint": sha256_file(self.cfg.data.path),
+        return {"sampler": self.stream.state_dict(), "data_fingerprint": source_fingerprint(self.cfg.data.path),
                 "start_model_sha256": start_fingerprint(self.cfg)}
 
     def components(self) -> tuple:

@@ -2,10 +2,12 @@
 
     sizes      GA steps from the global batch (sizes.py); model, MoE, layout and chunked-loss checks; the
                held-out rows read, so that a wrong eval.path is reported before training
-    build      tokenizer -> dataset (tokenized once, cached) -> model and optimizer on the mesh -> the
-               packing check on this model -> the world-size-free sampler
+    build      tokenizer -> dataset (tokenized once, cached; or a weighted mixture of sources, each its own
+               cache entry) -> model and optimizer on the mesh -> the packing check on this model -> the
+               world-size-free sampler
     step k     this rank's micro-batches of global batch k -> train_step (one globally normalised
-               gradient, one optimizer step) -> exact counters and the metrics row
+               gradient, one optimizer step) -> exact counters and the metrics row (a mixture's per-source
+               sums added)
     after      exact-match accuracy of the final model on the held-out prompts
 """
 
@@ -19,6 +21,7 @@ from rich.console import Console
 
 from isotrain.config import TrainRunConfig
 from isotrain.data.collate import collate
+from isotrain.data.mixture import Mixture, SourceCounters
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import read_rows
 from isotrain.models.checks import check_prompt_room, max_positions
@@ -33,6 +36,7 @@ from isotrain.train.chunked_loss import check_chunked_loss_settings, check_head_
 from isotrain.train.evaluate import exact_match
 from isotrain.train.metrics import flops_per_token, peak_tflops
 from isotrain.train.run_loop import RunState
+from isotrain.train.sample_log import SampleLog
 from isotrain.train.schedule import lr_of_step
 from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer, step_options
 from isotrain.train.step import train_step
@@ -74,15 +78,28 @@ class SFT(Recipe):
         self.num_params = count_parameters(self.model)
         session.log(f"model: {self.num_params:,} parameters; data: {len(self.dataset)} samples, "
                     f"{self.data_stats.total_input_tokens:,} tokens, {self.data_stats.total_trained_tokens:,} trained")
-        self.sampler = GlobalBatchSampler(len(self.dataset), self.plan.global_batch_size, cfg.train.seed)
+        self.sampler = GlobalBatchSampler(len(self.dataset), self.plan.global_batch_size, cfg.train.seed,
+                                          epoch_table=self.dataset.epoch_table)
         self.options = step_options(cfg, parallel, document_mask=document_mask,
                                     router=router_settings(cfg.moe, hf_model(self.model).config))
         peak = peak_tflops(cfg.train.peak_tflops, info.device)
         self.world_peak_tflops = peak * info.world_size if peak else None  # None when unknown: no mfu field
 
     def extra_state(self) -> dict:
-        cache = self.dataset.cache_path
-        return {"sampler": self.sampler.state_dict(), "data_fingerprint": Path(cache).name if cache else None}
+        return {"sampler": self.sampler.state_dict(), "data_fingerprint": self.dataset.fingerprint}
+
+    def start(self, state: RunState) -> None:
+        # A mixture's per-source sums are a function of the step alone (data/mixture.py): a resumed run, on any
+        # layout, recomputes them for the steps before state.step instead of saving them.
+        self.source_counters = SourceCounters(self.dataset, self.sampler, state.step) \
+            if isinstance(self.dataset, Mixture) else None
+        info = self.session.info
+        self.sample_log = SampleLog(self.session.output_dir, info.rank, info.is_main, state.step) \
+            if self.cfg.data.log_samples else None
+
+    def close(self) -> None:
+        if getattr(self, "sample_log", None) is not None:  # None until start(), which a refused run never reaches
+            self.sample_log.close()
 
     def step(self, state: RunState) -> dict:
         """Step `state.step`: this rank's micro-batches of global batch `state.step` -> one optimizer step."""
@@ -93,7 +110,11 @@ class SFT(Recipe):
         # instead of one per row length (packed rows nearly fill max_seq_len, so the padding costs little).
         length = cfg.data.max_seq_len if cfg.train.compile and cfg.data.packing else None
         pad_id = self.tokenizer.pad_token_id
-        micro_batches = [collate([self.dataset[i] for i in indices], pad_id, length) for indices in index_lists]
+        samples = [[self.dataset[i] for i in indices] for indices in index_lists]
+        micro_batches = [collate(batch, pad_id, length) for batch in samples]
+        if self.sample_log is not None:
+            self.sample_log.write(state.step + 1, [i for indices in index_lists for i in indices],
+                                  [sample for batch in samples for sample in batch])
         lr = lr_of_step(cfg.train, state.step)
         start = time.perf_counter()
         result = train_step(self.model, self.optimizer, micro_batches, lr, self.options, session.info.device,
@@ -102,7 +123,10 @@ class SFT(Recipe):
         state.counters["tokens_seen"] += result.num_input_tokens
         state.counters["trained_tokens"] += result.num_trained_tokens
         state.counters["samples_seen"] += result.num_samples
-        return self._metrics_row(state.counters, result, lr, step_s)
+        row = self._metrics_row(state.counters, result, lr, step_s)
+        if self.source_counters is not None:
+            row.update(self.source_counters.add_step(state.step))
+        return row
 
     def _metrics_row(self, counters: dict, result, lr: float, step_s: float) -> dict:
         tokens_per_s = result.num_input_tokens / step_s

@@ -44,7 +44,7 @@ class MetricsWriter:
         self._file = None
         if enabled:
             path = output_dir / "metrics.jsonl"
-            kept = _rows_up_to(path, start_step) if start_step > 0 else []
+            kept = rows_up_to(path, start_step) if start_step > 0 else []
             self._file = open(path, "w")
             self._file.writelines(kept)
             self._file.flush()
@@ -78,7 +78,8 @@ class MetricsWriter:
             self._tb.close()
 
 
-def _rows_up_to(path: Path, step: int) -> list[str]:
+def rows_up_to(path: Path, step: int) -> list[str]:
+    """The JSON lines of `path` whose "step" is at most `step` (a line cut short by a kill is left out)."""
     if not path.is_file():
         return []
     kept = []

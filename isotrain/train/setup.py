@@ -20,6 +20,7 @@ import torch
 from isotrain.config import RLRunConfig, RunConfig, TrainRunConfig
 from isotrain.data import prepare_dataset
 from isotrain.data.cache import cache_root
+from isotrain.data.mixture import prepare_mixture
 from isotrain.data.sources import read_rows
 from isotrain.errors import ConfigError
 from isotrain.models.build import build
@@ -44,6 +45,19 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+
+
+def training_texts(data_cfg) -> list[str]:
+    """The raw text of data.path's rows, or of every source's rows of a mixture (weights aside): what a tokenizer is
+    trained on."""
+    sources = getattr(data_cfg, "sources", None)  # only isotrain train's data section has sources
+    if not sources:
+        return row_texts(read_rows(data_cfg.path, data_cfg.format).rows, data_cfg.format)
+    texts = []
+    for i, source in enumerate(sources):
+        fmt = source.format or data_cfg.format
+        texts += row_texts(read_rows(source.path, fmt, f"data.sources[{i}].path").rows, fmt)
+    return texts
 
 
 def row_texts(rows: list[dict], fmt: str) -> list[str]:
@@ -76,8 +90,7 @@ def prepare_tokenizer(cfg: RunConfig, info: DistInfo, output_dir: Path, log):
 
         def train_and_save():
             if info.is_main:
-                rows = read_rows(cfg.data.path, cfg.data.format).rows
-                trained = train_tokenizer(row_texts(rows, cfg.data.format), cfg.tokenizer.type, cfg.tokenizer.vocab_size)
+                trained = train_tokenizer(training_texts(cfg.data), cfg.tokenizer.type, cfg.tokenizer.vocab_size)
                 trained.save_pretrained(trained_dir)
                 log(f"trained a {cfg.tokenizer.type} tokenizer ({len(trained)} tokens) -> {trained_dir}")
             return load_tokenizer(str(trained_dir))
@@ -89,11 +102,17 @@ def prepare_tokenizer(cfg: RunConfig, info: DistInfo, output_dir: Path, log):
     return tokenizer
 
 
-def prepare_data(cfg: RunConfig, info: DistInfo, tokenizer, log):
-    """The dataset, prepared by one rank per file system that holds the cache (every node's, if node-local)."""
-    return local_main_first(info.local_rank,
-                            lambda first: prepare_dataset(cfg.data, tokenizer, log=log if info.is_main else _quiet),
-                            shared_dir=cache_root(cfg.data.cache_dir))
+def prepare_data(cfg: TrainRunConfig, info: DistInfo, tokenizer, log):
+    """The Dataset of data.path, or the Mixture of data.sources (data/mixture.py) for train.seed, prepared by one
+    rank per file system that holds the cache (every node's, if node-local)."""
+    log = log if info.is_main else _quiet
+    if cfg.data.sources is not None:
+        def prepare(first):
+            return prepare_mixture(cfg.data, tokenizer, cfg.train.seed, log=log)
+    else:
+        def prepare(first):
+            return prepare_dataset(cfg.data, tokenizer, log=log)
+    return local_main_first(info.local_rank, prepare, shared_dir=cache_root(cfg.data.cache_dir))
 
 
 def _quiet(*_args, **_kwargs) -> None:

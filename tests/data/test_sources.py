@@ -76,7 +76,7 @@ def test_missing_file_and_unsupported_extension_messages(tmp_path):
         read_rows(missing, "text")
     csv = tmp_path / "data.csv"
     csv.write_text("text\nhello\n")
-    with pytest.raises(DataError, match=r"unsupported extension '.csv'; use a .jsonl, .json, .parquet or a directory"):
+    with pytest.raises(DataError, match=r"unsupported extension '.csv'; use a .jsonl, .jsonl.gz, .json or .parquet file, a glob"):
         read_rows(str(csv), "text")
 
 

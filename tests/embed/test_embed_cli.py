@@ -144,5 +144,5 @@ def test_the_rows_negatives_are_used_by_default(data, tmp_path):
     # The count is part of the data's fingerprint: resuming with another one would change the samples.
     changed = load_config(None, [*unset, "train.micro_batch_size=8", "train.max_steps=2", "embed.hard_negatives=1"],
                           recipe="embed")
-    with pytest.raises(ConfigError, match=r"^data \(data.path or its settings\) differs from checkpoint .*step-00000001"):
+    with pytest.raises(ConfigError, match=r"^data \(data.path or data.sources, or their settings\) differs from checkpoint .*step-00000001"):
         embed_train(changed, Console(file=io.StringIO()))

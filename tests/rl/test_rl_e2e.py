@@ -470,7 +470,8 @@ def test_missing_prompt_file_is_refused(sft_cli_runs):
     proc, run_dir = sft_cli_runs["prompt file"]
     missing = run_dir.parent.parent / "nope.jsonl"
     assert_clean_error(proc, f"data.path '{missing}' does not exist; point data.path at a .jsonl, "
-                             ".json, .parquet or a directory saved with datasets.save_to_disk")
+                             ".jsonl.gz, .json or .parquet file, a glob or directory of such shards, or a "
+                             "directory saved with datasets.save_to_disk")
 
 
 def test_resuming_from_an_sft_checkpoint_needs_load_only(sft, tmp_path):

@@ -33,6 +33,7 @@ from isotrain.checkpoint.files import atomic_write_text
 from isotrain.checkpoint.manager import MODEL_DIR, SFT_COUNTERS, CheckpointContract, CheckpointManager, Resumed
 from isotrain.config import RunConfig, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
+from isotrain.data.sources import fetch_hub_data
 from isotrain.models.source import fetch_run_files
 from isotrain.parallel.dims import ParallelDims, resolve_dims
 from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
@@ -149,6 +150,7 @@ def run_session(cfg: RunConfig, make_recipe, console: Console | None = None) -> 
             fetch_run_files(cfg, "config", info.local_rank)
             recipe = make_recipe(cfg, degrees)  # every size and early check, before any work
             fetch_run_files(cfg, "weights", info.local_rank)
+            fetch_hub_data(_data_paths(cfg), info.local_rank)
             session = Session(cfg, info, console, degrees, recipe.plan, rank_log(info, console))
             _own(session, scope)
             try:
@@ -266,3 +268,12 @@ def plan_table(plan, degrees: ParallelDims):
 def rank_log(info: DistInfo, console: Console):
     """`log` of a process: prints on rank 0 only; soft_wrap keeps paths whole in a terminal and a log file alike."""
     return functools.partial(console.print, soft_wrap=True) if info.is_main else (lambda *a, **k: None)
+
+
+def _data_paths(cfg: RunConfig) -> dict[str, str | None]:
+    """The run's data paths by config name (data.path, each data.sources[i].path, eval.path): Hub datasets among
+    them are fetched before the recipe reads them."""
+    paths = {"data.path": cfg.data.path, "eval.path": getattr(getattr(cfg, "eval", None), "path", None)}
+    for i, source in enumerate(getattr(cfg.data, "sources", None) or []):
+        paths[f"data.sources[{i}].path"] = source.path
+    return paths

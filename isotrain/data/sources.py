@@ -6,6 +6,11 @@ A source (`data.path`, `data.sources[].path`) is one of
     a glob           e.g. `corpus/*.jsonl.gz`: the matching files, sorted by name, are the shards
     a directory      a `datasets.save_to_disk` directory (it holds dataset_info.json, state.json or
                      dataset_dict.json), else every data file under it (hidden ones aside), sorted by relative name
+    a Hub dataset    `org/name` (not a local path, no data-file suffix): every data file of the dataset repository
+                     on the Hugging Face Hub, as a directory of shards; `hf://datasets/org/name[@revision]/pattern`:
+                     the files the glob pattern matches in the repository (e.g. one split: `data/train-*.parquet`).
+                     Fetched into the Hugging Face cache (isotrain/hub.py) by each machine's local rank 0 first
+                     (`fetch_hub_data`), read from there; the offline variables are respected.
 
 Rows are read one at a time (.jsonl and .jsonl.gz line by line, .parquet a record batch at a time, saved datasets
 a batch at a time; a .json list one shard at a time), so reading a corpus needs no memory that grows with it.
@@ -30,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from isotrain.errors import DataError
+from isotrain.hub import is_hub_id, resolve
+from isotrain.parallel.dist import local_main_first
 
 FORMATS = ("text", "prompt_completion", "chat")
 ROLES = ("system", "user", "assistant")
@@ -38,6 +45,8 @@ SUPPORTED = ".jsonl, .jsonl.gz, .json or .parquet file, a glob or directory of s
 SUFFIXES = (".jsonl.gz", ".jsonl", ".json", ".parquet")  # the longest first: a .jsonl.gz is not a .gz of anything
 KINDS = {".jsonl.gz": "JSON lines", ".jsonl": "JSON lines", ".json": "JSON", ".parquet": "Parquet"}
 SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+HUB_URL = "hf://datasets/"
+HUB_DATA_FILES = tuple(f"*{suffix}" for suffix in SUFFIXES)  # what a plain dataset id fetches: its data files
 SHARD_BITS = 40  # up to 2**40 rows per shard and 2**23 shards in an int64 row id
 PARQUET_BATCH_ROWS = 1024
 
@@ -147,22 +156,72 @@ def _suffix(path: Path) -> str:
 
 def resolve_source(path: str, field: str = "data.path") -> Source:
     """What `path` names (module docstring), else a DataError saying what to use."""
+    if path and not Path(path).exists() and hub_reference(path) is not None:
+        return _hub_source(path, field)
     if path and glob.has_magic(path) and not Path(path).exists():  # a file named data[1].jsonl is that file
         return _glob_source(path, field)
     source = Path(path)
     if not path or not source.exists():
         raise DataError(f"{field} {path!r} does not exist; point {field} at a {SUPPORTED}")
     if source.is_dir():
-        if any((source / marker).is_file() for marker in SAVED_DATASET_MARKERS):
-            return Source(path, (source,), saved_dataset=True)
-        files = sorted((file for file in source.rglob("*") if _is_shard(file, source)),
-                       key=lambda file: file.relative_to(source).as_posix())
-        if not files:  # neither shards nor a saved dataset: load_from_disk names what is missing
-            return Source(path, (source,), saved_dataset=True)
-        return _shards(path, files, source, field)
+        return _directory_source(path, source, field)
     if _suffix(source) not in SUFFIXES:
         raise DataError(f"{field} {path!r} has an unsupported extension {source.suffix!r}; use a {SUPPORTED}")
     return Source(path, (source,))
+
+
+def _directory_source(path: str, directory: Path, field: str) -> Source:
+    if any((directory / marker).is_file() for marker in SAVED_DATASET_MARKERS):
+        return Source(path, (directory,), saved_dataset=True)
+    files = sorted((file for file in directory.rglob("*") if _is_shard(file, directory)),
+                   key=lambda file: file.relative_to(directory).as_posix())
+    if not files:  # neither shards nor a saved dataset: load_from_disk names what is missing
+        return Source(path, (directory,), saved_dataset=True)
+    return _shards(path, files, directory, field)
+
+
+def hub_reference(path: str) -> tuple[str, str | None, str | None] | None:
+    """(repo id, revision, file pattern) of a Hub dataset `path` (module docstring), or None if it names none."""
+    if path.startswith(HUB_URL):
+        repo, _, pattern = path[len(HUB_URL):].partition("/")
+        name, _, pattern = pattern.partition("/")
+        name, _, revision = name.partition("@")
+        return f"{repo}/{name}", revision or None, pattern or None
+    if _suffix(Path(path)) not in SUFFIXES and is_hub_id(path):
+        return path, None, None
+    return None
+
+
+def _hub_directory(path: str, field: str, local_only: bool = False) -> tuple[Path, str | None]:
+    """The snapshot directory of Hub dataset `path` in the Hugging Face cache, and its file pattern."""
+    repo_id, revision, pattern = hub_reference(path)
+    if not is_hub_id(repo_id):
+        raise DataError(f"{field} {path!r} names no Hugging Face dataset; write hf://datasets/org/name/pattern, "
+                        "e.g. hf://datasets/org/name/data/train-*.parquet, or org/name")
+    directory = resolve(repo_id, revision, field=field, repo_type="dataset",
+                        allow_patterns=(pattern,) if pattern else HUB_DATA_FILES, local_only=local_only)
+    return directory, pattern
+
+
+def _hub_source(path: str, field: str) -> Source:
+    directory, pattern = _hub_directory(path, field)
+    if pattern is None:
+        return _directory_source(path, directory, field)
+    files = [Path(match) for match in sorted(glob.glob(str(directory / pattern), recursive=True))
+             if _is_shard(Path(match), directory)]
+    if not files:
+        raise DataError(f"{field} {path!r} matches no .jsonl, .jsonl.gz, .json or .parquet file of the dataset "
+                        f"(its snapshot: {directory}); check the pattern against the repository's files")
+    return _shards(path, files, directory, field)
+
+
+def fetch_hub_data(paths: dict[str, str | None], local_rank: int) -> None:
+    """Fetch the Hub datasets among `paths` ({field: path}) into the Hugging Face cache, on each machine's local
+    rank 0 first; the machine's other ranks then read that cache only. Local paths are left alone."""
+    hub = {field: path for field, path in paths.items() if path and not Path(path).exists() and hub_reference(path)}
+    if hub:
+        local_main_first(local_rank, lambda first: [_hub_directory(path, field, local_only=not first)
+                                                    for field, path in hub.items()])
 
 
 def _glob_source(pattern: str, field: str) -> Source:

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from helpers import isotrain_cli, run_concurrently
+from helpers import run_concurrently
+from zygote import run_forked_ranks
 
 TEXT = "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(8))
 
@@ -32,10 +33,13 @@ def cli_runs(tmp_path_factory):
         "weight zero": [f"data.sources=[{{path: {good}, weight: 0}}]"],
         "not gzip": [f"data.sources=[{{path: {good}, weight: 2}}, {{path: {fake}}}]"],
     }
-    commands = {name: ["train", *args, "data.format=text", f"output_dir={root / 'run'}"] for name, args in cases.items()}
-    commands["path and sources"] = ["train", str(root / "both.yaml"), f"output_dir={root / 'run'}"]
-    runs = run_concurrently({name: functools.partial(isotrain_cli, command) for name, command in commands.items()})
-    assert not (root / "run" / "metrics.jsonl").exists()
+    # One output_dir each: runs started side by side on one directory would meet its lock.
+    commands = {name: ["train", *args, "data.format=text", f"output_dir={root / 'runs' / str(i)}"]
+                for i, (name, args) in enumerate(cases.items())}
+    commands["path and sources"] = ["train", str(root / "both.yaml"), f"output_dir={root / 'runs' / 'both'}"]
+    # Forked from a process that has imported isotrain (tests/zygote.py): no seconds of imports per command.
+    runs = run_concurrently({name: functools.partial(run_forked_ranks, 1, command) for name, command in commands.items()})
+    assert not list((root / "runs").glob("*/metrics.jsonl"))
     return root, runs
 
 

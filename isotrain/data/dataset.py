@@ -117,6 +117,7 @@ def data_options(data_cfg: SFTDataConfig) -> dict:
         "max_seq_len": data_cfg.max_seq_len,
         "packing": data_cfg.packing,
         "overflow": data_cfg.overflow_rule,
+        "pack_window_tokens": PACK_WINDOW_TOKENS if data_cfg.packing else None,
     }
 
 

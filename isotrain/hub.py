@@ -13,7 +13,7 @@ download first is the caller's business (`parallel/dist.py` `local_main_first`);
 collective. Resolved snapshots are remembered per process, so the readers of a run (config checks, tokenizer,
 weights) ask the Hub once.
 
-Used for models and tokenizers (isotrain/models/source.py) and for `repo_type="dataset"`.
+Used for models and tokenizers (isotrain/models/loading.py) and for `repo_type="dataset"`.
 """
 
 from __future__ import annotations

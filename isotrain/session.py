@@ -1,7 +1,7 @@
 """One run of any recipe (SFT, RL, embedding training), top to bottom.
 
     start    the process group; the layout (parallel/dims.py); Hub ids' config and tokenizer files fetched once
-             per machine (models/source.py); the recipe's sizes and early checks: every size checked, every small
+             per machine (models/loading.py); the recipe's sizes and early checks: every size checked, every small
              input read, before any work (invariant 7); then a Hub model's weights
     own      the run directory, locked until the run ends (train/run_dir.py); sizes and placement printed;
              every RNG seeded; the DeviceMesh
@@ -34,7 +34,7 @@ from isotrain.checkpoint.manager import MODEL_DIR, SFT_COUNTERS, CheckpointContr
 from isotrain.config import RunConfig, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.data.sources import fetch_hub_data
-from isotrain.models.source import fetch_run_files
+from isotrain.models.loading import fetch_run_files
 from isotrain.parallel.dims import ParallelDims, resolve_dims
 from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import ParallelState, build_parallel

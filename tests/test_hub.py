@@ -16,7 +16,7 @@ from isotrain.config import ModelConfig, load_config
 from isotrain.errors import ConfigError
 from isotrain.hub import forget_resolved, resolve
 from isotrain.models.loading import checked_config
-from isotrain.models.source import model_dir, tokenizer_dir
+from isotrain.models.loading import model_dir, tokenizer_dir
 
 REPO_ID = "tiny-org/tiny-llama"
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

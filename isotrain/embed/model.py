@@ -9,7 +9,7 @@ from transformers import AutoModel
 from isotrain.errors import ConfigError
 from isotrain.models.build import build
 from isotrain.models.loading import model_config
-from isotrain.models.source import tokenizer_dir
+from isotrain.models.loading import tokenizer_dir
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.mesh import ParallelState, single_process

@@ -228,7 +228,7 @@ def meta_model(cfg: TrainRunConfig, config):
 
 def run_vocab_size(cfg: TrainRunConfig, config) -> tuple[int, str]:
     """The vocabulary the run will have, and how it was found (a trained tokenizer's size is its target)."""
-    from isotrain.models.source import tokenizer_dir
+    from isotrain.models.loading import tokenizer_dir
     from isotrain.models.tokenizer import holds_tokenizer, load_tokenizer
 
     source = tokenizer_dir(cfg)

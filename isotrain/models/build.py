@@ -25,8 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from isotrain.config import ModelConfig
 from isotrain.models.checks import attention_kernel
-from isotrain.models.loading import model_config
-from isotrain.models.source import model_dir
+from isotrain.models.loading import model_config, model_dir
 from isotrain.models.unwrap import model_tensors
 from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.boxes import box_index, shard_spec

@@ -13,7 +13,7 @@ import torch
 from isotrain.config import RLRunConfig
 from isotrain.disk import sha256_file
 from isotrain.models.build import build
-from isotrain.models.source import model_dir
+from isotrain.models.loading import model_dir
 from isotrain.train.optim import build_optimizer
 from isotrain.train.setup import compute_dtype, lora_adapter
 

@@ -24,9 +24,8 @@ from isotrain.data.mixture import prepare_mixture
 from isotrain.data.sources import read_rows
 from isotrain.errors import ConfigError
 from isotrain.models.build import build
-from isotrain.models.loading import check_model_dir
+from isotrain.models.loading import check_model_dir, tokenizer_dir
 from isotrain.models.lora import apply_lora
-from isotrain.models.source import tokenizer_dir
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
 from isotrain.parallel.dist import DistInfo, barrier, local_main_first
 from isotrain.moe.settings import RouterSettings

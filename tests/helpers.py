@@ -120,14 +120,33 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL a launcher and every process under it at once, like a node losing power."""
+    """SIGKILL a launcher and every process under it at once, like a node losing power, and wait until every one
+    of them has ended: a process goes on holding what it holds (a run directory's lock) until its exit is done,
+    which on a loaded machine can come well after the signal."""
     import signal
+    import time
 
-    for target in [pid, *descendants(pid)]:
+    targets = {target: _started(target) for target in [pid, *descendants(pid)]}
+    for target in targets:
         try:
             os.kill(target, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.monotonic() + HANG_S
+    while any(started is not None and _started(target) == started for target, started in targets.items()):
+        assert time.monotonic() < deadline, f"processes {list(targets)} outlived SIGKILL"
+        time.sleep(0.01)
+
+
+def _started(pid: int) -> int | None:
+    """The start tick of process `pid` (/proc/<pid>/stat field 22), or None once it has ended: gone, or a zombie
+    (which only waits for its parent to read its status). Compared with the tick read before, a later process
+    given the same pid is not taken for it."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def kill_after_commit(cmd: list[str], run_dir, step: int) -> list[Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".model", ".pth")
@@ -46,3 +47,20 @@ def directory_files(directory: Path) -> dict[str, bytes]:
     """Every file under `directory`, by its path relative to it (a saved model as a repository's files)."""
     directory = Path(directory)
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@contextmanager
+def offline_home(monkeypatch, home: Path):
+    """Point this process at the Hugging Face home `home`, offline, with isotrain's remembered snapshots forgotten
+    before and after (they belong to whatever cache was set before)."""
+    from isotrain.hub import forget_resolved
+
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    forget_resolved()
+    try:
+        yield home
+    finally:
+        forget_resolved()

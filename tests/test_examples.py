@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
-from hub_cache import write_snapshot
+from hub_cache import offline_home, write_snapshot
 from isotrain.config import load_tree
-from isotrain.hub import forget_resolved
 
 EXAMPLES = REPO / "examples"
 # recipe -> (world size it states, whether estimate-memory covers its step)
@@ -38,13 +37,8 @@ def config_only_cache(tmp_path, monkeypatch):
     home = tmp_path / "hf-home"
     for config in sorted((EXAMPLES / "configs").glob("*/config.json")):
         write_snapshot(home / "hub", config.parent.name.replace("--", "/", 1), {"config.json": config.read_bytes()})
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    forget_resolved()
-    yield home
-    forget_resolved()
+    with offline_home(monkeypatch, home):
+        yield home
 
 
 def _cli(argv: list[str], capsys) -> tuple[int, str, str]:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from helpers import counted_metrics, failure, model_weights, subprocess_env, torchrun
-from hub_cache import directory_files, write_snapshot
+from hub_cache import directory_files, offline_home, write_snapshot
 from isotrain.config import ModelConfig, load_config
 from isotrain.errors import ConfigError
-from isotrain.hub import forget_resolved, resolve
+from isotrain.hub import resolve
 from isotrain.models.loading import checked_config
 from isotrain.models.loading import model_dir, tokenizer_dir
 
@@ -51,13 +51,8 @@ def hub(tmp_path, monkeypatch, tiny_dirs):
     home = tmp_path / "hf-home"
     commits = {"main": write_snapshot(home / "hub", REPO_ID, directory_files(main_dir)),
                "v1": write_snapshot(home / "hub", REPO_ID, directory_files(v1_dir), refs=("v1",))}
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    forget_resolved()
-    yield home, commits
-    forget_resolved()
+    with offline_home(monkeypatch, home):
+        yield home, commits
 
 
 def test_a_hub_id_is_its_cached_snapshot_and_a_revision_selects_the_commit(hub, tiny_dirs):

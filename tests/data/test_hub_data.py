@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 
 from helpers import counted_metrics, isotrain_cli
-from hub_cache import write_snapshot
+from hub_cache import offline_home, write_snapshot
 from isotrain.config import SFTDataConfig
 from isotrain.data import prepare_dataset
 from isotrain.errors import ConfigError, DataError
-from isotrain.hub import forget_resolved
 from isotrain.models.tokenizer import train_tokenizer
 
 REPO_ID = "tiny-org/corpus"
@@ -36,13 +35,8 @@ def hub(tmp_path, monkeypatch):
     write_snapshot(home / "hub", REPO_ID, {**files, "README.md": b"# corpus\n"}, repo_type="dataset")
     write_snapshot(home / "hub", REPO_ID, {"data/train-00000.jsonl": jsonl(["zz"])}, refs=("v1",),
                    repo_type="dataset")
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    forget_resolved()
-    yield home
-    forget_resolved()
+    with offline_home(monkeypatch, home):
+        yield home
 
 
 @pytest.fixture(scope="module")

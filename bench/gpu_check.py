@@ -33,8 +33,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("tests", "memory", "speed")
-SPEED_TOOLS = ["minimal loop", "isotrain eager", "HF Trainer", "isotrain packed", "minimal loop (again)",
-               "isotrain compiled"]
+SPEED_TOOLS = ["minimal loop", "isotrain eager", "HF Trainer", "isotrain packed", "isotrain packed varlen",
+               "minimal loop (again)", "isotrain compiled"]
 
 
 def environment() -> dict:
@@ -154,6 +154,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="Directory for gpu_check.json / .md and test logs.")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny models, a few seconds.")
     parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="Run only these parts.")
+    parser.add_argument("--tools", nargs="+", choices=SPEED_TOOLS, help="Speed: these tools only, in this order.")
     parser.add_argument("--warmup", type=int, default=2, help="Speed: untimed steps per tool.")
     parser.add_argument("--steps", type=int, default=5, help="Speed: timed steps per tool.")
     parser.add_argument("--tests-timeout", type=float, default=330.0, help="Seconds the CUDA tests may take.")
@@ -199,7 +200,8 @@ def main() -> int:
 
         begun = time.perf_counter()
         setting = gpu_speed.setting(args.dry_run, args.warmup, args.steps)
-        tools = [t for t in SPEED_TOOLS if not (args.dry_run and t == "isotrain compiled")]  # compiling takes minutes on CPU
+        tools = [t for t in args.tools or SPEED_TOOLS
+                 if not (args.dry_run and t == "isotrain compiled")]  # compiling takes minutes on CPU
 
         def report_speed(rows):
             result["speed"] = {"rows": rows, "ratios": gpu_speed.ratios(rows), "warmup": setting.warmup,

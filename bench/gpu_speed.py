@@ -16,7 +16,9 @@ global token mean here: every row has the same trained tokens), the HF Trainer w
                rows s = Σ n² / Σ n over the documents, since each token attends only inside its document)
 
 Packed: documents of long-tailed lengths (bench/sft_lengths.py's ShareGPT fit, clipped to 4096 instead of 1024)
-packed whole into rows of 4096 (`data.packing=true`); its tokens/s counts real tokens. The minimal loop runs first
+packed whole into rows of 4096 (`data.packing=true`); its tokens/s counts real tokens. "packed" attends with SDPA and
+transformers' per-document mask, "packed varlen" with `model.attn_implementation=varlen` (flash's variable-length
+kernel, isotrain/models/varlen.py). The minimal loop runs first
 and again before the compiled run (the GPU's clocks drift with heat): isotrain's ratios use the mean of the two.
 """
 
@@ -95,10 +97,10 @@ def write_rows(path: Path, num_rows: int, chars: int) -> None:
 
 
 def isotrain_config(s: Setting, work: Path, name: str, data: Path, *, packing=False, compile_model=False,
-                    global_batch=GLOBAL_BATCH):
+                    global_batch=GLOBAL_BATCH, attention=None):
     return build_config({
         "output_dir": str(work / "runs" / name),
-        "model": {"config": dict(s.model), "dtype": "bfloat16"},
+        "model": {"config": dict(s.model), "dtype": "bfloat16", "attn_implementation": attention},
         "tokenizer": {"type": "char"},
         "data": {"path": str(data), "format": "text", "max_seq_len": s.seq_len, "packing": packing,
                  "cache_dir": str(work / "cache"), "overflow": "truncate"},
@@ -246,8 +248,8 @@ def measure(s: Setting, work: Path, tools: list[str], report, deadline: float = 
             clock = run_minimal(s, dataset, tokenizer.pad_token_id)
         elif tool == "HF Trainer":
             clock = run_hf_trainer(s, work, dataset)
-        elif tool == "isotrain packed":
-            packed_cfg, attended = packed_config(s, work)
+        elif tool.startswith("isotrain packed"):
+            packed_cfg, attended = packed_config(s, work, "varlen" if tool.endswith("varlen") else None)
             clock = run_isotrain(s, packed_cfg)
         else:
             compiled = tool == "isotrain compiled"
@@ -265,14 +267,14 @@ def measure(s: Setting, work: Path, tools: list[str], report, deadline: float = 
     return rows
 
 
-def packed_config(s: Setting, work: Path):
+def packed_config(s: Setting, work: Path, attention: str | None = None):
     """Long-tailed documents packed into rows of seq_len; about as many rows per step as the full-row tools."""
     documents = work / "documents.jsonl"
     model = LengthModel(PACKED_LENGTHS.mean_tokens, PACKED_LENGTHS.sigma, s.seq_len, PACKED_LENGTHS.source)
     # Enough documents for the steps: mean length after clipping is under the fit's mean.
     count = int(GLOBAL_BATCH * (s.warmup + s.steps) * s.seq_len / min(model.mean_tokens, s.seq_len / 4) * 1.5)
     write_documents(documents, document_lengths_of(model, count, SEED), SEED)
-    cfg = isotrain_config(s, work, "isotrain-packed", documents, packing=True)
+    cfg = isotrain_config(s, work, f"isotrain-packed-{attention}", documents, packing=True, attention=attention)
     texts = [json.loads(line)["text"] for line in documents.read_text().splitlines()]
     tokenizer = train_tokenizer(texts, "char", cfg.tokenizer.vocab_size)
     dataset = prepare_dataset(cfg.data, tokenizer, log=lambda *a, **k: None)
@@ -292,6 +294,10 @@ def ratios(rows: list[dict]) -> dict[str, float]:
         out["compiled / eager"] = rate["isotrain compiled"] / rate["isotrain eager"]
     if "isotrain packed" in rate and "isotrain eager" in rate:
         out["packed (real tokens) / eager"] = rate["isotrain packed"] / rate["isotrain eager"]
+    if "isotrain packed varlen" in rate and "isotrain eager" in rate:
+        out["packed varlen (real tokens) / eager"] = rate["isotrain packed varlen"] / rate["isotrain eager"]
+    if "isotrain packed varlen" in rate and "isotrain packed" in rate:
+        out["packed varlen / packed sdpa"] = rate["isotrain packed varlen"] / rate["isotrain packed"]
     if "HF Trainer" in rate and "isotrain eager" in rate:
         out["eager / HF Trainer"] = rate["isotrain eager"] / rate["HF Trainer"]
     return out

@@ -83,9 +83,10 @@ class ModelConfig(Section):
         "float32",
         description="Compute dtype. `bfloat16` keeps fp32 master weights and optimizer state (mixed precision).",
     )
-    attn_implementation: Literal["sdpa", "eager"] | None = Field(
+    attn_implementation: Literal["sdpa", "eager", "varlen"] | None = Field(
         None, description="Attention kernel passed to transformers; default: `sdpa` where the model supports it, "
-        "else `eager`."
+        "else `eager`. `varlen`: `sdpa`, but packed rows run flash attention's variable-length kernel on a CUDA "
+        "GPU in bf16 (no cross-document blocks computed); no attention dropout."
     )
     add_special_tokens: list[str] = Field(
         default_factory=list,

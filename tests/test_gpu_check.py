@@ -14,7 +14,8 @@ import pytest
 
 from helpers import HANG_S, REPO, subprocess_env
 
-TOOLS = ["minimal loop", "isotrain eager", "HF Trainer", "isotrain packed", "minimal loop (again)"]
+TOOLS = ["minimal loop", "isotrain eager", "HF Trainer", "isotrain packed", "isotrain packed varlen",
+         "minimal loop (again)"]
 
 
 @pytest.mark.slow
@@ -44,11 +45,12 @@ def test_dry_run_writes_every_part(tmp_path):
     packed = next(row for row in rows if row["tool"] == "isotrain packed")
     assert packed["attended_length"] < result["speed"]["seq_len"]  # documents attend within themselves
     assert set(result["speed"]["ratios"]) == {"eager / minimal loop", "eager / HF Trainer",
-                                                "packed (real tokens) / eager"}
+                                                "packed (real tokens) / eager",
+                                                "packed varlen (real tokens) / eager", "packed varlen / packed sdpa"}
 
     table = (out / "gpu_check.md").read_text()
     assert "## CUDA tests:" in table and "## Memory: bfloat16, activation checkpointing full" in table
-    assert "| isotrain packed |" in table
+    assert "| isotrain packed |" in table and "| isotrain packed varlen |" in table
 
 
 def test_without_a_gpu_and_without_dry_run_it_says_what_to_do(tmp_path):

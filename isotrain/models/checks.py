@@ -112,16 +112,28 @@ def fit_max_seq_len(max_seq_len: int, explicit: bool, config, where: str, fresh:
 
 def attention_kernel(requested: str | None, config, model_class) -> str:
     """`requested` (model.attn_implementation), or sdpa where the architecture has it and eager where not
-    (e.g. Gemma2)."""
+    (e.g. Gemma2). `varlen` (models/varlen.py) is sdpa with packed rows through flash's variable-length kernel,
+    registered with transformers under its own name."""
     try:
         supports_sdpa = model_class._model_mapping[type(config)]._supports_sdpa
     except (AttributeError, KeyError):
         supports_sdpa = True  # let transformers decide and say so
     if requested is None:
         return "sdpa" if supports_sdpa else "eager"
-    if requested == "sdpa" and not supports_sdpa:
-        raise ConfigError(f"model.attn_implementation='sdpa' is not supported by {config.model_type} models in "
-                          "transformers; set model.attn_implementation=eager or leave it unset")
+    if requested in ("sdpa", "varlen") and not supports_sdpa:
+        raise ConfigError(f"model.attn_implementation='{requested}' is not supported by {config.model_type} models "
+                          "in transformers; set model.attn_implementation=eager or leave it unset")
+    if requested == "varlen":
+        from transformers import AutoModel
+
+        from isotrain.models import varlen
+
+        if model_class is AutoModel:
+            raise ConfigError("model.attn_implementation=varlen runs packed causal-LM rows (isotrain train and rl), "
+                              "not an embedding encoder; set model.attn_implementation=sdpa or leave it unset")
+
+        varlen.check(config)
+        return varlen.register()
     return requested
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from isotrain.errors import ConfigError
+from isotrain.models import varlen
 from isotrain.models.unwrap import hf_model, unwrap
 
 # Relative tolerances of the probe, by the dtype its matmuls run in. The probe runs in fp32 unless FSDP2
@@ -78,6 +79,8 @@ def lm_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Te
     transformers adds no aux loss of its own (isotrain forms it: isotrain/moe/). `logits_to_keep`: the
     positions whose logits the head computes (transformers' argument; default every position)."""
     kwargs = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+    if hf_model(model).config._attn_implementation == varlen.NAME:
+        kwargs.update(varlen.document_bounds(position_ids))
     if with_mask:
         kwargs["attention_mask"] = document_mask(position_ids, hf_model(model).config._attn_implementation)
     if router_logits:

@@ -9,7 +9,8 @@ what it needs:
 - a SIGKILL after checkpoint 8, then a resume, ends byte-identical to the uninterrupted run, also with attention
   dropout (the CUDA RNG state comes back with the checkpoint);
 - async saves (pinned host memory) write the bytes of sync saves;
-- packed documents, and the chunked loss, give the first loss of the unpacked run with SDPA's CUDA kernels;
+- packed documents, and the chunked loss, give the first loss of the unpacked run with SDPA's CUDA kernels, and
+  with flash's variable-length kernel (`model.attn_implementation=varlen`, bf16);
 - `train.compile=true` gives the eager losses;
 - a one-process torchrun joins an `nccl` group, shards with FSDP2 (`parallel.dp_shard=-1`), and resumes;
 - the bundled RL recipe runs a few steps.
@@ -113,6 +114,9 @@ def runs(tmp_path_factory):
                             ("packed chunked", [*PACKED, "train.loss_chunk_tokens=8"])):
             jobs[f"{name} {dtype}"] = functools.partial(_train, root / f"{name}-{dtype}".replace(" ", "-"), *packing,
                                                         *extra, f"model.dtype={dtype}")
+    for name, extra in (("packed varlen", PACKED), ("packed chunked varlen", [*PACKED, "train.loss_chunk_tokens=8"])):
+        jobs[f"{name} bfloat16"] = functools.partial(_train, root / f"{name}-bf16".replace(" ", "-"), *packing, *extra,
+                                                     "model.dtype=bfloat16", "model.attn_implementation=varlen")
     return run_concurrently(jobs)
 
 
@@ -226,8 +230,9 @@ def test_async_saves_write_the_bytes_of_sync_saves(runs):
         assert_same_bytes(checkpoint(sync, step), checkpoint(background, step))
 
 
-@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
-@pytest.mark.parametrize("packed", ["packed", "packed chunked"])
+@pytest.mark.parametrize("packed,dtype,tolerance", [
+    ("packed", "float32", 1e-5), ("packed", "bfloat16", 2e-2), ("packed chunked", "float32", 1e-5),
+    ("packed chunked", "bfloat16", 2e-2), ("packed varlen", "bfloat16", 2e-2), ("packed chunked varlen", "bfloat16", 2e-2)])
 def test_packed_documents_give_the_unpacked_first_loss(runs, packed, dtype, tolerance):
     """The same 8 documents, 2 per packed row; bf16 within its rounding (8 mantissa bits: 2^-8 ≈ 4e-3 per value)."""
     got = metrics(finished(runs, f"{packed} {dtype}")[1])[0]
@@ -270,3 +275,57 @@ def test_bundled_rl_recipe_runs_on_the_gpu(runs):
         for key in ("loss", "reward_mean", "kl", "entropy", "grad_norm"):
             assert row[key] == row[key] and abs(row[key]) < 1e6, (key, row)  # finite
     assert "held-out" in proc.stdout or "accuracy" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_flash_varlen_kernel_gives_each_document_alone(kv_heads):
+    """models/varlen.py's flash call (bf16, a bound of 512 as max_length, grouped KV heads) against its CPU
+    reference, causal SDPA over each document alone in fp32: outputs and input gradients within bf16 rounding."""
+    from isotrain.models import varlen
+
+    lengths = [5, 130, 1, 300, 64]
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(sum(lengths), 4, 64), (sum(lengths), kv_heads, 64), (sum(lengths), kv_heads, 64)]
+    inputs = [torch.randn(shape, device="cuda", generator=generator) for shape in shapes]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    weight = torch.randn(shapes[0], device="cuda", generator=generator)
+    results = {}
+    for name, dtype in (("flash", torch.bfloat16), ("reference", torch.float32)):
+        leaves = [t.to(dtype).requires_grad_() for t in inputs]
+        out = varlen._flash(*leaves, cu, 512, None) if name == "flash" else varlen._per_document(*leaves, cu, None)
+        (out.float() * weight).sum().backward()
+        results[name] = [out.float(), *(t.grad.float() for t in leaves)]
+    for got, want in zip(results["flash"], results["reference"]):
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_varlen_runs_flash_in_every_layer_under_autocast(monkeypatch):
+    """model.attn_implementation=varlen as isotrain's bf16 step runs it (fp32 weights, bf16 autocast, where RoPE
+    leaves the query in fp32): every layer's attention goes through flash, and each packed document gets the
+    logits it gets alone, within bf16 rounding."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from isotrain.models import varlen
+    from isotrain.models.checks import attention_kernel
+    from isotrain.models.packing_check import lm_forward
+
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=attention_kernel("varlen", config, AutoModelForCausalLM)).cuda()
+    lengths = [70, 3, 183]  # two rows of 128: [70 + 3 + 55 of the third], [the third's last 128]
+    docs = [torch.randint(0, 128, (n,), device="cuda") for n in lengths]
+    input_ids = torch.cat(docs).view(2, 128)
+    position_ids = torch.cat([torch.arange(70), torch.arange(3), torch.arange(183)]).view(2, 128).cuda()
+    flash, calls = varlen._flash, []
+    monkeypatch.setattr(varlen, "_flash", lambda *args: calls.append(args[0].dtype) or flash(*args))
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        packed = lm_forward(model, input_ids, position_ids, False).logits.float().view(-1, 128)
+        alone = [model(input_ids=doc[None], use_cache=False).logits.float()[0] for doc in docs[:2]]
+        tail = model(input_ids=docs[2][None, 55:], position_ids=torch.arange(55, 183, device="cuda")[None],
+                     use_cache=False).logits.float()[0]
+    assert calls == [torch.bfloat16] * 3
+    # the third document's second row restarts at its row: rows are cut, so it attends within that row only
+    for got, want in zip((packed[:70], packed[70:73], packed[128:]), (*alone, tail)):
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()

@@ -54,6 +54,8 @@ def runs(tmp_path_factory):
     jobs = {
         "opt fsdp packed": (2, *OPT, *PACKED, "parallel.dp_shard=2"),
         "llama tp packed": (2, *LLAMA, *PACKED, "parallel.tp=2"),
+        "llama tp packed varlen": (2, *LLAMA, *PACKED, "parallel.tp=2", "model.attn_implementation=varlen"),
+        "llama packed varlen": (1, *LLAMA, *PACKED, "model.attn_implementation=varlen"),
         "opt packed": (1, *OPT, *PACKED),
         "opt unpacked": (1, *OPT, *UNPACKED),
         "llama unpacked": (1, *LLAMA, *UNPACKED),
@@ -84,6 +86,17 @@ def test_llama_under_tp_keeps_documents_apart_by_positions(runs):
     got, want = first_row(runs["llama tp packed"]), first_row(runs["llama unpacked"])
     assert "packing: LlamaForCausalLM keeps packed documents apart by their position ids" in runs["llama tp packed"][0].stdout
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", ["llama packed varlen", "llama tp packed varlen"])
+def test_varlen_cut_documents_give_the_unpacked_loss(runs, packed):
+    """model.attn_implementation=varlen (documents cut from the position ids; on CPU each runs through SDPA
+    alone), on one process and with the heads split by TP."""
+    got, want = first_row(runs[packed]), first_row(runs["llama unpacked"])
+    assert (got["samples_seen"], got["trained_tokens"]) == (4, want["trained_tokens"])
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
 
 def test_bloom_is_refused_before_any_step(tmp_path):

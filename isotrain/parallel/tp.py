@@ -117,6 +117,9 @@ def layer_plan(config) -> dict[str, str]:
             f"model type {config.model_type!r} has no tensor-parallel plan (its transformers config ships none); "
             "use parallel.tp=1 for this model"
         )
+    # The input embedding is apply_tp's own (vocabulary-parallel: transformers' `embedding_rowwise` split), which
+    # some transformers releases (5.17) add to the plan of models with tied embeddings.
+    plan = {key: name for key, name in plan.items() if name != "embedding_rowwise"}
     if num_experts(config) is not None:
         plan = {key: name for key, name in plan.items() if not _is_expert_entry(key)}
         if not has_dense_mlp(config):  # every layer sparse: the family's dense-MLP entries have nothing to split

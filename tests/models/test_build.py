@@ -135,3 +135,16 @@ def test_a_loaded_model_trains_in_train_mode_with_its_configured_dropout(tmp_pat
     assert not torch.equal(first, second)  # dropout is active
     model.eval()
     assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_plan_that_names_the_tied_embedding_keeps_isotrains_vocabulary_split():
+    """transformers 5.17 adds `embed_tokens: embedding_rowwise` to the plan of tied models; apply_tp shards the
+    input embedding itself (the same vocabulary split), so the entry is not the layers' and not refused."""
+    from transformers import LlamaConfig
+
+    from isotrain.parallel.tp import layer_plan
+
+    config = LlamaConfig(tie_word_embeddings=True)
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "embed_tokens": "embedding_rowwise"}
+    plan = layer_plan(config)
+    assert "embed_tokens" not in plan and plan["layers.*.self_attn.q_proj"] == "colwise"

@@ -219,3 +219,18 @@ def rewrite_as_sha256_manifest(directory) -> dict:
     assert all(set(spec) == {"bytes", "sha256"} for spec in old["files"].values())
     (directory / "manifest.json").write_text(json.dumps(old, indent=2, sort_keys=True) + "\n")
     return old
+
+
+def assert_clean_error(proc, expected: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and expected in " ".join(lines[0].split()), proc.stderr
+
+
+def assert_error_sentence(proc, sentence: str) -> None:
+    """Exit code 2 and exactly `error: <sentence>` on stderr, nothing else."""
+    assert_clean_error(proc, sentence)
+    assert proc.returncode == 2
+    assert " ".join(proc.stderr.split()) == f"error: {sentence}"

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from helpers import HANG_S, REPO, TINY_RUN, run_concurrently
+from helpers import HANG_S, REPO, TINY_RUN, assert_clean_error, assert_error_sentence, run_concurrently
 from zygote import run_forked_ranks
 
 
@@ -109,21 +109,6 @@ def cli_runs(tmp_path_factory):
 def test_bad_override(cli_runs, name):
     _, expected = CASES[name]
     assert_clean_error(cli_runs[name], expected)
-
-
-def assert_clean_error(proc, expected: str) -> None:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("error: ") and expected in " ".join(lines[0].split()), proc.stderr
-
-
-def assert_error_sentence(proc, sentence: str) -> None:
-    """Exit code 2 and exactly `error: <sentence>` on stderr, nothing else."""
-    assert_clean_error(proc, sentence)
-    assert proc.returncode == 2
-    assert " ".join(proc.stderr.split()) == f"error: {sentence}"
 
 
 def test_override_without_value(cli_runs):

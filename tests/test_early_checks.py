@@ -14,8 +14,8 @@ import subprocess
 import pytest
 import yaml
 
-from helpers import TINY_RUN, isotrain_cli, run_concurrently
-from test_cli_errors import TINY_RL, assert_error_sentence
+from helpers import TINY_RUN, assert_error_sentence, isotrain_cli, run_concurrently
+from test_cli_errors import TINY_RL
 
 FIRST_STEP = [*TINY_RUN, "train.max_steps=1"]
 

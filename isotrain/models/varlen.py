@@ -59,8 +59,8 @@ def check(config) -> None:
 def document_bounds(position_ids: torch.Tensor) -> dict:
     """Transformers' flash keyword arguments for the rows of `position_ids` [B, L] flattened into one sequence:
     cu_seq_lens (int32, the offsets of every document start and the end) and max_length. max_length is L, a
-    bound rather than the longest document: it needs no device-to-host copy and keeps one value per run, so a
-    compiled layer is not recompiled for every micro-batch."""
+    bound rather than the longest document: one value per run, so a compiled layer is not recompiled for every
+    micro-batch. Finding the starts (`nonzero`) waits for the device once per micro-batch."""
     rows, length = position_ids.shape
     flat = position_ids.reshape(-1)
     starts = torch.ones_like(flat, dtype=torch.bool)

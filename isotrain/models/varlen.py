@@ -140,5 +140,6 @@ def _signature() -> inspect.Signature | None:
     return inspect.signature(varlen_attn)
 
 
-_HAS_VARLEN = _signature() is not None
-_VARLEN_GQA = _HAS_VARLEN and "enable_gqa" in _signature().parameters
+_SIGNATURE = _signature()
+_HAS_VARLEN = _SIGNATURE is not None
+_VARLEN_GQA = _HAS_VARLEN and "enable_gqa" in _SIGNATURE.parameters

@@ -418,6 +418,7 @@ class CheckpointConfig(Section):
 
 
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+RolloutCorrection = Literal["token_tis", "seq_tis", "token_mis", "seq_mis", "geo_rs", "bypass"]
 
 
 class RLConfig(Section):
@@ -479,7 +480,29 @@ class RLConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the rollouts.")
     tis_cap: float | None = Field(
         None, gt=0, description="Truncated importance-sampling correction min(π_trainer/π_engine, cap) of each token; "
-        "off when null (the mismatch is logged either way).",
+        "off when null (the mismatch is logged either way). The same as rl.rollout_correction=token_tis with "
+        "rl.rollout_is_cap=cap.",
+    )
+    rollout_correction: RolloutCorrection | None = Field(
+        None, description="Correction of the rollout engine–trainer mismatch, ρ = π_old/π_engine per token "
+        "(docs/rl.md, The rollout–trainer mismatch): `token_tis` min(ρ, cap); `seq_tis` min(Π ρ, cap) per sequence; "
+        "`token_mis` ρ, 0 outside [low, high]; `seq_mis` Π ρ, the sequence dropped outside [low, high]; `geo_rs` 1, "
+        "the sequence dropped when its geometric-mean ratio is outside [low, high]; `bypass` the engine's log-probs "
+        "as π_old (PPO's ratio taken against them, no weight). null: none (the mismatch is logged either way).",
+    )
+    rollout_is_cap: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="The largest weight of rl.rollout_correction=token_tis or seq_tis (e.g. 2.0); required by them.",
+    )
+    rollout_mask_low: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="The smallest ratio a masking rl.rollout_correction (token_mis, seq_mis, geo_rs) keeps, <= 1 "
+        "(e.g. 0.5; geo_rs: e.g. 0.999); required by them.",
+    )
+    rollout_mask_high: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="The largest ratio a masking rl.rollout_correction (token_mis, seq_mis, geo_rs) keeps, >= 1 "
+        "(e.g. 2.0; geo_rs: e.g. 1.001); required by them.",
     )
     reward: str = Field(
         "exact_match",
@@ -512,6 +535,61 @@ class RLConfig(Section):
                 except (TypeError, ValueError):
                     pass  # derived from an invalid setting, which validation then names
         return filled
+
+    @model_validator(mode="after")
+    def _one_rollout_correction(self) -> RLConfig:
+        """rl.tis_cap is token-level truncated IS (rl.rollout_correction=token_tis); every mode gets exactly the
+        settings it reads, so a setting that would silently do nothing is refused."""
+        mode, cap = self.rollout_correction, self.tis_cap
+        if cap is not None and mode not in (None, "token_tis"):
+            instead = " (set rl.rollout_is_cap for seq_tis)" if mode == "seq_tis" else ""
+            raise ValueError(f"rl.tis_cap={cap:g} is token-level truncated IS, which contradicts "
+                             f"rl.rollout_correction={mode}; remove rl.tis_cap{instead} or rl.rollout_correction")
+        if cap is not None and self.rollout_is_cap is not None:
+            raise ValueError(f"rl.tis_cap={cap:g} and rl.rollout_is_cap={self.rollout_is_cap:g} both set the cap of "
+                             "token-level truncated IS; keep one of them")
+        mode = self.correction
+        capped, masking = mode in ("token_tis", "seq_tis"), mode in ("token_mis", "seq_mis", "geo_rs")
+        if capped and self.correction_cap is None:
+            raise ValueError(f"rl.rollout_correction={mode} needs rl.rollout_is_cap, the largest weight; set it, "
+                             "e.g. rl.rollout_is_cap=2.0")
+        unread = [(name, value) for name, value, reads in (
+            ("rollout_is_cap", self.rollout_is_cap, capped), ("rollout_mask_low", self.rollout_mask_low, masking),
+            ("rollout_mask_high", self.rollout_mask_high, masking)) if value is not None and not reads]
+        if unread:
+            name, value = unread[0]
+            readers = "token_tis or seq_tis" if name == "rollout_is_cap" else "token_mis, seq_mis or geo_rs"
+            raise ValueError(f"rl.{name}={value:g} is read only when rl.rollout_correction is {readers}, not "
+                             f"{mode or 'null'}; remove rl.{name} or choose one of those modes")
+        return self
+
+    @model_validator(mode="after")
+    def _mask_bounds(self) -> RLConfig:
+        """A masking correction keeps the ratios in [low, high], which must hold 1 (engine and trainer agree)."""
+        mode, low, high = self.rollout_correction, self.rollout_mask_low, self.rollout_mask_high
+        if mode not in ("token_mis", "seq_mis", "geo_rs"):
+            return self
+        if low is None or high is None:
+            raise ValueError(f"rl.rollout_correction={mode} needs rl.rollout_mask_low and rl.rollout_mask_high, the "
+                             "range of kept ratios; set both, e.g. 0.5 and 2.0 (geo_rs: 0.999 and 1.001)")
+        if not low < high:
+            raise ValueError(f"rl.rollout_mask_low={low:g} is not below rl.rollout_mask_high={high:g}, so no range "
+                             "of ratios is kept; set low < high, e.g. 0.5 and 2.0")
+        if not low <= 1 <= high:
+            raise ValueError(f"rl.rollout_mask_low={low:g} and rl.rollout_mask_high={high:g} leave out the ratio 1 "
+                             "of an engine and trainer that agree, so the matched tokens would be dropped; choose "
+                             "low <= 1 <= high, e.g. 0.5 and 2.0")
+        return self
+
+    @property
+    def correction(self) -> str | None:
+        """The active mismatch correction: rl.rollout_correction, or token_tis when rl.tis_cap is set."""
+        return "token_tis" if self.tis_cap is not None else self.rollout_correction
+
+    @property
+    def correction_cap(self) -> float | None:
+        """The cap of token_tis / seq_tis: rl.tis_cap or rl.rollout_is_cap."""
+        return self.tis_cap if self.tis_cap is not None else self.rollout_is_cap
 
     @property
     def advantage(self) -> str:
@@ -740,6 +818,10 @@ _VALID = {
     "train.grad_clip": "a finite number >= 0 (0 disables clipping)",
     "train.weight_decay": "a finite number >= 0",
     "rl.critic_lr": "a finite number > 0, or null to use train.lr",
+    "rl.tis_cap": "a number > 0, e.g. 2.0, or null for no correction",
+    "rl.rollout_is_cap": "a finite number > 0, e.g. 2.0",
+    "rl.rollout_mask_low": "a finite number >= 0 and <= 1, e.g. 0.5",
+    "rl.rollout_mask_high": "a finite number >= 1, e.g. 2.0",
 }
 
 

@@ -37,7 +37,7 @@ from isotrain.rl.packing import row_layout
 from isotrain.rl.policy import build_policy, make_engine, start_fingerprint
 from isotrain.rl.prompts import PromptStream, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
-from isotrain.rl.update import UpdateContext, advantages, run_updates
+from isotrain.rl.update import UpdateContext, advantages, recomputes_old_logprobs, run_updates
 from isotrain.session import Recipe, RunResult, Session, run_session
 from isotrain.sizes import plan_rl_batches
 from isotrain.train.run_loop import RunState
@@ -165,7 +165,7 @@ class RL(Recipe):
         self._report_reward_errors(state.step + 1, rounds)
         return rl_metrics_row(counters, batch, rounds, totals, ctx.critic is not None, time.perf_counter() - start,
                               {"generate_s": generate_s, "logprob_s": logprob_s, "update_s": update_s,
-                               "sync_s": sync_s})
+                               "sync_s": sync_s}, rl.correction)
 
     def _trainer_logprobs(self, batch) -> tuple[list | None, list | None, list | None, float]:
         """Old (pre-update) and reference log-probs, and PPO's values, of every sample: each rank scores its own
@@ -174,8 +174,7 @@ class RL(Recipe):
         start = time.perf_counter()
         per_rank = len(batch) // plan.dp_size
         mine = batch.select(range(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank))
-        # On-policy shortcut: with one optimizer step per rollout the old policy is the current one.
-        need_old = plan.optimizer_steps_per_rollout > 1 or (rl.kl_coef > 0 and rl.kl_in_reward)
+        need_old = recomputes_old_logprobs(rl, plan.optimizer_steps_per_rollout)
         score = functools.partial(response_logprobs, batch=mine, pad_id=ctx.pad_id,
                                   micro_batch_size=plan.micro_batch_size, temperature=rl.temperature,
                                   device=ctx.device, autocast_dtype=ctx.options.autocast_dtype, layout=ctx.layout)

@@ -2,13 +2,18 @@
 
 Per response token t (all algorithms; terms switched off by their settings):
 
-    ℓ_t = w_IS,t · policy_loss_t(ratio, A_t) + kl_coef · KL_t − entropy_coef · H_t
+    ℓ_t = w_t · policy_loss_t(π / π_old, A_t) + kl_coef · KL_t − entropy_coef · H_t
 
+where w_t is rl.rollout_correction's detached weight of the engine–trainer mismatch (rl/mismatch.py; 1 without
+one, 0 on a dropped token), and π_old is the trainer's log-probs of the behaviour policy — recomputed when a rollout
+feeds several optimizer steps, else the current policy's own (ratio 1) — or, with `bypass`, the engine's.
 and the mini-batch loss is Σ_{ranks, micro-batches} Σ_t a_t ℓ_t / D, where (a_t, D) come from
 `aggregation_weights` for `rl.loss_agg` and D is summed over every rank and micro-batch *before*
 any backward — the same global normalisation as SFT, so the loss and gradient of every
 aggregation mode do not depend on the DP size or the micro-batch size (invariant 1).
-Logged statistics are token sums over the same global mini-batch, divided once.
+Logged statistics are token sums over the same global mini-batch, divided once; the mismatch figures compare
+the engine with the trainer's π_old (with `bypass` and no recomputed π_old: with the policy being updated, which
+is π_old on a rollout's first optimizer step).
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ from isotrain.rl.algos import (
     kl_penalty,
     policy_loss,
     token_logprobs,
-    truncated_is_weights,
 )
 from isotrain.rl.experience import forward_output
+from isotrain.rl.mismatch import correction_weights, logprob_gap
 
-# Token sums all-reduced with every mini-batch; divided by "tokens" when logged.
-STAT_NAMES = ("tokens", "pg_loss", "clipped", "kl", "entropy", "logprob_diff")
+# Token sums all-reduced with every mini-batch; divided by "tokens" when logged. The last five measure the
+# engine–trainer mismatch (rl/mismatch.py): |Δ|, exp|Δ|, k3, the correction's weight and its dropped tokens.
+STAT_NAMES = ("tokens", "pg_loss", "clipped", "kl", "entropy", "rollout_logprob_diff", "token_mult_prob_error",
+              "rollout_kl", "correction_weight", "correction_masked")
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,16 @@ class RLObjective:
     def denominator(self, mb: dict) -> float:
         return self.weights(mb)[1]
 
+    def correction(self, trainer_old: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor,
+                   sequence_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(w [rows, L] or None without a weighting correction, dropped [rows, L] bool) of rl.rollout_correction;
+        per sequence of packed rows (its `sequence_ids`), so the same in any layout."""
+        rl = self.rl
+        if rl.correction in (None, "bypass"):
+            return None, torch.zeros_like(mask, dtype=torch.bool)
+        return correction_weights(rl.correction, trainer_old, engine, mask, sequence_ids, rl.correction_cap,
+                                  rl.rollout_mask_low, rl.rollout_mask_high)
+
     def loss_sum(self, model, mb: dict, autocast, device: torch.device, stats: torch.Tensor,
                  router: RouterStep | None = None, index: int | None = None):
         """Σ_t a_t ℓ_t of one micro-batch; adds its token statistics into `stats` (float64, STAT_NAMES order).
@@ -69,11 +86,13 @@ class RLObjective:
         logits = output.logits.float() / rl.temperature
         logp = token_logprobs(logits, mb["targets"].to(device))
         # On-policy (one optimizer step per rollout): the old policy is the current one, ratio = 1.
-        old = mb["old_logprobs"].to(device) if mb.get("old_logprobs") is not None else logp.detach()
+        trainer_old = mb["old_logprobs"].to(device) if mb.get("old_logprobs") is not None else logp.detach()
         engine = mb["engine_logprobs"].to(device)
+        old = engine if rl.correction == "bypass" else trainer_old
         pg, clipped = policy_loss(logp, old, mb["advantages"].to(device), rl.clip_low, rl.clip_high, rl.dual_clip)
-        if rl.tis_cap is not None:
-            pg = pg * truncated_is_weights(old, engine, mask, rl.tis_cap)
+        weight, dropped = self.correction(trainer_old, engine, mask, mb["sequence_ids"].to(device))
+        if weight is not None:
+            pg = pg * weight
         loss = pg
         kl = torch.zeros_like(logp)
         if mb.get("ref_logprobs") is not None:
@@ -86,16 +105,24 @@ class RLObjective:
         if entropy_needed:
             loss = loss - rl.entropy_coef * entropy
         on = mask > 0
-        with torch.no_grad():  # summed in fp64: the GRPO loss cancels to ~0, so fp32 sums would be noise
-            stats += torch.stack([
-                on.sum().double(),
-                torch.where(on, pg, 0.0).double().sum(),
-                (clipped & on).sum().double(),
-                torch.where(on, kl, 0.0).double().sum(),
-                torch.where(on, entropy, 0.0).double().sum(),
-                torch.where(on, (old - engine).abs(), 0.0).double().sum(),
-            ])
+        with torch.no_grad():
+            stats += _token_sums(on, pg, clipped, kl, entropy, logprob_gap(trainer_old, engine), weight, dropped)
         weighted_sum = torch.where(on, loss * weights, 0.0).sum()
         if router is None:
             return weighted_sum
         return weighted_sum, router.term(output.router_logits, input_token_mask(mb["segment_ids"].to(device)), index)
+
+
+def _token_sums(on: torch.Tensor, pg, clipped, kl, entropy, gap: tuple, weight, dropped) -> torch.Tensor:
+    """STAT_NAMES' sums over the response tokens `on` of one micro-batch, in fp64: the GRPO loss cancels to ~0, so
+    fp32 sums would be noise. Without a weighting correction the weight sum is 0 (it is not logged then)."""
+
+    def total(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(on, x, 0.0).double().sum()
+
+    def count(x: torch.Tensor) -> torch.Tensor:
+        return (x & on).sum().double()
+
+    no_weight = torch.zeros((), dtype=torch.float64, device=on.device)
+    return torch.stack([count(on), total(pg), count(clipped), total(kl), total(entropy), *(total(x) for x in gap),
+                        total(weight) if weight is not None else no_weight, count(dropped)])

@@ -91,6 +91,14 @@ def advantages(batch: RolloutBatch, rl: RLConfig, old_logprobs, ref_logprobs,
     return [[float(a)] * n for a, n in zip(per_sample.tolist(), lengths)], None
 
 
+def recomputes_old_logprobs(rl: RLConfig, optimizer_steps_per_rollout: int) -> bool:
+    """Whether the trainer runs a forward for π_old's log-probs before the updates. With one optimizer step per
+    rollout the old policy is the current one (on-policy shortcut), and `bypass` takes the engine's log-probs as
+    π_old; KL in the reward still needs the trainer's own."""
+    for_ratio = optimizer_steps_per_rollout > 1 and rl.correction != "bypass"
+    return for_ratio or (rl.kl_coef > 0 and rl.kl_in_reward)
+
+
 @dataclass
 class UpdateTotals:
     """Sums over the optimizer steps of one RL step (global values)."""

@@ -5,7 +5,7 @@ rollout (P=4 prompts × n=4 samples, variable prompt and response lengths, an em
 truncated one; PPO clipping, KL in the loss, entropy bonus and truncated IS all active) gives the
 same loss, the same gradient of every parameter (DTensors compared in full), the same gradient
 norm and the same logged token statistics (totals.stats: tokens, pg_loss, clipped, kl, entropy,
-logprob_diff sums) in these layouts:
+rollout_logprob_diff, token_mult_prob_error, rollout_kl and correction sums) in these layouts:
     1 process × 1 micro-batch of 16 (reference), 1 process × GA 4,
     2 DDP ranks × GA 2, 2 FSDP2 ranks × GA 2, TP 2 × GA 4 (real processes, torchrun, gloo).
 Counts (tokens, clipped tokens, input tokens, samples) must match exactly; losses, gradients and the
@@ -109,7 +109,7 @@ def test_reference_exercises_every_term(reference):
     stat = {key: dict(zip(STAT_NAMES, r["stats"].tolist())) for key, r in reference.items()}
     for key, s in stat.items():
         assert 0 < s["clipped"] < s["tokens"], key
-        assert s["kl"] > 0 and s["entropy"] > 0 and s["logprob_diff"] > 0, key
+        assert s["kl"] > 0 and s["entropy"] > 0 and s["rollout_logprob_diff"] > 0, key
         assert reference[key]["grad_accum_steps"] == 1 and reference[key]["num_updates"] == 1, key
     for mode in MODES:
         assert stat[(mode, False)]["tokens"] - stat[(mode, True)]["tokens"] == MAX_NEW_TOKENS

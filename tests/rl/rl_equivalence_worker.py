@@ -3,7 +3,8 @@
 Launched by test_rl_equivalence.py with torchrun (real processes, gloo) or in-process for 1 rank:
     rl_equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH     (LAYOUTS: e.g. 2x1,1x2 = DDP then FSDP2)
 One launch covers every given layout (a mesh each) and every rl.loss_agg mode, each with
-rl.mask_truncated off and on (the model is rebuilt for each):
+rl.mask_truncated off and on (the model is rebuilt for each), and one case with sequence-level masked IS
+(CORRECTION_CASE):
 results[(dp_replicate, dp_shard)][(loss_agg, mask_truncated)] = {loss, grads, stats, grad_norm, ...};
 run() is one layout in this process.
 An optional 4th argument MOE_LAYOUTS (e.g. 2x1x8,2x1x4: dp_replicate × dp_shard × micro-batch size) adds a
@@ -56,6 +57,11 @@ MOE_CONFIG = {**MODEL_CONFIG, "model_type": "qwen3_moe", "head_dim": 8, "num_exp
               "moe_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []}
 MOE_SECTION = {"aux_loss_coef": 0.1, "z_loss_coef": 0.01}
 MOE_LOSS_AGG = "seq-mean-token-mean"
+# One more case: sequence-level masked IS of the engine–trainer mismatch instead of tis_cap, with bounds that keep
+# some sequences of the fixed rollout (weight Π ρ) and drop others (test_rl_equivalence.py checks both happen):
+# results[layout][CORRECTION_CASE].
+CORRECTION = {"tis_cap": None, "rollout_correction": "seq_mis", "rollout_mask_low": 0.5, "rollout_mask_high": 2.0}
+CORRECTION_CASE = ("seq-mean-token-mean", False, "seq_mis")
 
 
 def tiny_model(model_config: dict = MODEL_CONFIG):
@@ -66,7 +72,7 @@ def tiny_model(model_config: dict = MODEL_CONFIG):
 
 
 def make_config(loss_agg: str, mask_truncated: bool, micro_batch: int, dp_replicate: int, dp_shard: int, tp: int = 1,
-                moe: dict | None = None):
+                moe: dict | None = None, correction: dict | None = None):
     return build_config({
         "model": {"config": MODEL_CONFIG if moe is None else MOE_CONFIG},
         **({} if moe is None else {"moe": moe}),
@@ -75,7 +81,7 @@ def make_config(loss_agg: str, mask_truncated: bool, micro_batch: int, dp_replic
         "rl": {"algorithm": "grpo", "prompts_per_step": PROMPTS, "group_size": GROUP, "mini_batch_prompts": PROMPTS,
                "loss_agg": loss_agg, "mask_truncated": mask_truncated, "max_new_tokens": MAX_NEW_TOKENS,
                "clip_low": 0.1, "clip_high": 0.12, "kl_coef": 0.1, "kl_in_reward": False, "kl_estimator": "k3",
-               "entropy_coef": 0.01, "tis_cap": 1.5},
+               "entropy_coef": 0.01, "tis_cap": 1.5, **(correction or {})},
     }, recipe="rl")
 
 
@@ -117,10 +123,13 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def run_mode(info, parallel, loss_agg: str, mask_truncated: bool, micro_batch: int, moe: dict | None = None) -> dict:
-    """`moe`: the run's moe section, with the MoE policy (MOE_CONFIG) instead of the dense one."""
+def run_mode(info, parallel, loss_agg: str, mask_truncated: bool, micro_batch: int, moe: dict | None = None,
+             correction: dict | None = None) -> dict:
+    """`moe`: the run's moe section, with the MoE policy (MOE_CONFIG) instead of the dense one; `correction`: rl
+    settings of the mismatch correction instead of tis_cap."""
     degrees = parallel.dims
-    cfg = make_config(loss_agg, mask_truncated, micro_batch, degrees.dp_replicate, degrees.dp_shard, degrees.tp, moe)
+    cfg = make_config(loss_agg, mask_truncated, micro_batch, degrees.dp_replicate, degrees.dp_shard, degrees.tp, moe,
+                      correction)
     plan = plan_rl_batches(cfg, degrees)
     batch = make_rollout()
     per_token = per_token_arrays(batch, cfg)
@@ -202,6 +211,8 @@ def run_layouts(layouts: list[tuple[int, ...]], micro_batch: int, moe_layouts: l
         parallel = build_parallel(ParallelDims(*layout, *(1,) * (3 - len(layout))), info.device, info.rank)
         results[layout] = {(mode, masked): run_mode(info, parallel, mode, masked, micro_batch)
                            for mode in LOSS_AGG_MODES for masked in (False, True)}
+        mode, masked, _ = CORRECTION_CASE
+        results[layout][CORRECTION_CASE] = run_mode(info, parallel, mode, masked, micro_batch, correction=CORRECTION)
     results["moe"] = {}
     for dp_replicate, dp_shard, moe_micro_batch, *tp in moe_layouts:
         parallel = build_parallel(ParallelDims(dp_replicate, dp_shard, *tp or (1,)), info.device, info.rank)

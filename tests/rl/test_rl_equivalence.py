@@ -2,10 +2,11 @@
 
 For every rl.loss_agg mode (each with rl.mask_truncated off and on), the same mini-batch of a fixed
 rollout (P=4 prompts × n=4 samples, variable prompt and response lengths, an empty response, a
-truncated one; PPO clipping, KL in the loss, entropy bonus and truncated IS all active) gives the
-same loss, the same gradient of every parameter (DTensors compared in full), the same gradient
-norm and the same logged token statistics (totals.stats: tokens, pg_loss, clipped, kl, entropy,
-rollout_logprob_diff, token_mult_prob_error, rollout_kl and correction sums) in these layouts:
+truncated one; PPO clipping, KL in the loss, entropy bonus and truncated IS all active), and one more
+case with sequence-level masked IS (rl.rollout_correction=seq_mis, some sequences dropped, per sequence
+of packed rows) instead of truncated IS, gives the same loss, the same gradient of every parameter
+(DTensors compared in full), the same gradient norm and the same logged token statistics (totals.stats:
+tokens, pg_loss, clipped, kl, entropy and the mismatch sums of objective.STAT_NAMES) in these layouts:
     1 process × 1 micro-batch of 16 (reference), 1 process × GA 4,
     2 DDP ranks × GA 2, 2 FSDP2 ranks × GA 2, TP 2 × GA 4 (real processes, torchrun, gloo).
 Counts (tokens, clipped tokens, input tokens, samples) must match exactly; losses, gradients and the
@@ -33,7 +34,7 @@ from helpers import torchrun
 WORKER = str(Path(__file__).with_name("rl_equivalence_worker.py"))
 RTOL = 1e-6
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-EXACT_STATS = ("tokens", "clipped")
+EXACT_STATS = ("tokens", "clipped", "correction_masked")
 
 
 def _single(tmp_path, micro_batch: int) -> dict:
@@ -80,7 +81,10 @@ def differences(result: dict, reference: dict) -> dict[str, float]:
 def assert_equivalent(results: dict, reference: dict, grad_accum_steps: int) -> None:
     from isotrain.rl.objective import STAT_NAMES
 
-    assert set(results) == set(reference) == {(m, masked) for m in MODES for masked in (False, True)}
+    from rl_equivalence_worker import CORRECTION_CASE
+
+    cases = {(m, masked) for m in MODES for masked in (False, True)} | {CORRECTION_CASE}
+    assert set(results) == set(reference) == cases
     for key, ref in reference.items():
         got = results[key]
         assert got["grad_accum_steps"] == grad_accum_steps, key  # the layout really differs
@@ -106,11 +110,21 @@ def test_reference_exercises_every_term(reference):
 
     from rl_equivalence_worker import MAX_NEW_TOKENS
 
+    from rl_equivalence_worker import CORRECTION_CASE
+
     stat = {key: dict(zip(STAT_NAMES, r["stats"].tolist())) for key, r in reference.items()}
     for key, s in stat.items():
         assert 0 < s["clipped"] < s["tokens"], key
-        assert s["kl"] > 0 and s["entropy"] > 0 and s["rollout_logprob_diff"] > 0, key
+        assert s["kl"] > 0 and s["entropy"] > 0, key
+        assert s["rollout_logprob_diff"] > 0 and s["token_mult_prob_error"] > s["tokens"] and s["rollout_kl"] > 0, key
+        assert 0 < s["correction_weight"], key
         assert reference[key]["grad_accum_steps"] == 1 and reference[key]["num_updates"] == 1, key
+    # seq_mis drops some whole sequences and keeps others; truncated IS (tis_cap) drops none.
+    corrected = stat.pop(CORRECTION_CASE)
+    assert 0 < corrected["correction_masked"] < corrected["tokens"]
+    assert all(s["correction_masked"] == 0 for s in stat.values())
+    unmasked = reference[CORRECTION_CASE[:2]]
+    assert _rel(reference[CORRECTION_CASE]["loss"], unmasked["loss"]) > 1000 * RTOL
     for mode in MODES:
         assert stat[(mode, False)]["tokens"] - stat[(mode, True)]["tokens"] == MAX_NEW_TOKENS
     losses = [reference[(mode, False)]["loss"] for mode in MODES]

@@ -246,7 +246,9 @@ def test_valid_settings():
     assert (both.correction, both.correction_cap) == ("token_tis", 1.5)
     seq = rl_config(rollout_correction="seq_tis", rollout_is_cap=3.0)
     assert (seq.correction, seq.correction_cap) == ("seq_tis", 3.0)
-    assert rl_config(rollout_correction="geo_rs", rollout_mask_low=0.999, rollout_mask_high=1.001).correction == "geo_rs"
+    geo = rl_config(rollout_correction="geo_rs", rollout_mask_low=0.999, rollout_mask_high=1.001)
+    assert (geo.correction, geo.rollout_mask_low, geo.rollout_mask_high) == ("geo_rs", 0.999, 1.001)
+    # low 0 (no lower bound) and high 1 (only ratios below 1 kept) are the widest and narrowest valid ends
     assert rl_config(rollout_correction="token_mis", rollout_mask_low=0.0, rollout_mask_high=1.0).correction == \
         "token_mis"
     assert rl_config().correction is None

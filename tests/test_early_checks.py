@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from helpers import TINY_RUN, assert_error_sentence, isotrain_cli, run_concurrently
+from zygote import run_isotrain
 from test_cli_errors import TINY_RL
 
 FIRST_STEP = [*TINY_RUN, "train.max_steps=1"]
@@ -145,7 +146,7 @@ def runs(tmp_path_factory):
         "gemma2 by default": ["train", *FIRST_STEP, "model.config.model_type=gemma2", "model.config.head_dim=16",
                               f"output_dir={root / 'gemma2'}"],
     }
-    result = run_concurrently({name: functools.partial(isotrain_cli, command) for name, command in commands.items()})
+    result = run_concurrently({name: functools.partial(run_isotrain, command) for name, command in commands.items()})
     result["root"] = root
     return result
 
@@ -188,7 +189,7 @@ def test_a_first_save_that_fails_does_not_claim_earlier_checkpoints(tmp_path):
 @pytest.fixture(scope="module")
 def qwen2_checkpoint(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("qwen2") / "run"
-    proc = isotrain_cli(["train", *FIRST_STEP, "model.config.model_type=qwen2", "checkpoint.every_steps=1",
+    proc = run_isotrain(["train", *FIRST_STEP, "model.config.model_type=qwen2", "checkpoint.every_steps=1",
                          f"output_dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir / "checkpoints" / "step-00000001"
@@ -199,8 +200,8 @@ def test_load_only_checks_names_both_ways_and_ignore_keys_loads_the_rest(qwen2_c
     from a different function than the checkpoint's."""
     common = ["train", *FIRST_STEP, f"checkpoint.resume={qwen2_checkpoint}", "checkpoint.load_only=model"]
     runs = run_concurrently({
-        "strict": functools.partial(isotrain_cli, [*common, f"output_dir={tmp_path / 'strict'}"]),
-        "ignored": functools.partial(isotrain_cli, [*common, "checkpoint.ignore_keys=['*_proj.bias']",
+        "strict": functools.partial(run_isotrain, [*common, f"output_dir={tmp_path / 'strict'}"]),
+        "ignored": functools.partial(run_isotrain, [*common, "checkpoint.ignore_keys=['*_proj.bias']",
                                                     f"output_dir={tmp_path / 'ignored'}"]),
     })
     assert_error_sentence(runs["strict"], f"checkpoint {qwen2_checkpoint} holds 6 tensor(s) the model does not "

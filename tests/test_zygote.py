@@ -52,3 +52,27 @@ def test_a_run_is_watched_however_long_the_test_takes_to_look(tmp_path):
         os.close(pidfd)
     assert (tmp_path / "run.txt.exit").read_text() == "2"
     assert "unknown config key 'nosuch'" in log.read_text()
+
+
+def test_a_worker_script_ends_with_the_exit_code_python_would_give_it(tmp_path):
+    """A forked worker runs as `python SCRIPT ARGV` would: as __main__, its folder importable, its argv, and each
+    way of ending gives Python's own exit code (os._exit included, which some workers use to skip teardown)."""
+    (tmp_path / "sibling.py").write_text("VALUE = 'imported'\n")
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys\n"
+        "from sibling import VALUE\n"
+        "if __name__ == '__main__':\n"
+        "    print(VALUE, sys.argv[1:])\n"
+        "    how = sys.argv[1]\n"
+        "    if how == 'os_exit': os._exit(3)\n"
+        "    if how == 'sys_exit': sys.exit()\n"
+        "    if how == 'message': sys.exit('stopped')\n"
+        "    if how == 'raise': raise RuntimeError('boom')\n"
+    )
+    expected = {"return": 0, "os_exit": 3, "sys_exit": 0, "message": 1, "raise": 1}
+    for how, code in expected.items():
+        proc = run_forked_ranks(1, [how, "x"], script=script)
+        assert proc.returncode == code, (how, proc.stderr[-2000:])
+        assert f"imported ['{how}', 'x']" in proc.stdout, (how, proc.stdout)
+    assert "RuntimeError: boom" in run_forked_ranks(1, ["raise"], script=script).stderr

@@ -1,8 +1,9 @@
 """Runs forked from one process that has imported isotrain, torch and transformers.
 
-Importing them takes seconds, more than a tiny run itself. A zygote process pays that once and forks
-each rank of a run on request, with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT):
-real processes, real gloo collectives, real files, real signals, only without the start-up.
+Importing them takes seconds (about 7 s of CPU on the 2-core CI machine), more than a tiny run itself. A
+zygote process pays that once and forks each rank of a run on request, with torchrun's environment (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT): real processes, real gloo collectives, real files, real signals, only without
+the start-up. A rank runs `isotrain ARGV`, or a test's worker script as `python SCRIPT ARGV` would.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from helpers import HANG_S, REPO, free_port, subprocess_env
 
 ZYGOTE = r"""
-import json, os, resource, signal, sys, traceback
+import json, os, resource, runpy, signal, sys, traceback
 import isotrain.cli, isotrain.recipes.embed, isotrain.recipes.rl, isotrain.recipes.sft  # the seconds of start-up, paid once
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # else imported by every run
 
@@ -44,6 +45,18 @@ for line in sys.stdin:
     pid = os.fork()
     if pid == 0:
         code = 1
+        exit_now = os._exit
+
+        def finish(code):  # record the exit code (a killed run leaves none), end without the teardown
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                with open(job["log"] + ".exit", "w") as f:
+                    f.write(str(code))
+            finally:
+                exit_now(code)
+
+        os._exit = finish  # a worker script may end itself that way
         try:
             os.setsid()  # like torchrun's workers: a session of its own
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -74,19 +87,19 @@ for line in sys.stdin:
                 CheckpointManager._in_background = lambda self, function, *args: in_background(
                     self, slowly(function), *args)
             try:
-                isotrain.cli.main(job["argv"])
-            except SystemExit as done:
-                code = done.code if isinstance(done.code, int) else 1
+                if job["script"]:  # as `python SCRIPT ARGV`: its folder first on sys.path, run as __main__
+                    sys.argv = [job["script"], *job["argv"]]
+                    sys.path.insert(0, os.path.dirname(job["script"]))
+                    runpy.run_path(job["script"], run_name="__main__")
+                else:
+                    isotrain.cli.main(job["argv"])
+                code = 0
+            except SystemExit as done:  # as Python ends: None is 0, a message is 1
+                code = 0 if done.code is None else done.code if isinstance(done.code, int) else 1
         except BaseException:
             traceback.print_exc()
         finally:
-            try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                with open(job["log"] + ".exit", "w") as f:  # a killed run leaves none
-                    f.write(str(code))
-            finally:
-                os._exit(code)
+            finish(code)
     print(pid, flush=True)
 """
 
@@ -102,11 +115,13 @@ class Zygote:
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
 
     def fork(self, argv: list[str], log_path, env: dict, max_file_bytes: int | None = None,
-             late_failure_s: float = 0.0, err_path=None, cwd=REPO) -> int:
-        """Start one process running `isotrain argv`; its output goes to `log_path` (stderr to `err_path` if
-        given) and its exit code to `log_path` + ".exit". Returns a pidfd of it, which the caller closes."""
+             late_failure_s: float = 0.0, err_path=None, cwd=REPO, script=None) -> int:
+        """Start one process running `isotrain argv` (or `python script argv`); its output goes to `log_path`
+        (stderr to `err_path` if given) and its exit code to `log_path` + ".exit". Returns a pidfd of it, which
+        the caller closes."""
         job = {"argv": argv, "log": str(log_path), "env": env, "cwd": str(cwd), "max_file_bytes": max_file_bytes,
-               "late_failure_s": late_failure_s, "err": str(err_path) if err_path else None}
+               "late_failure_s": late_failure_s, "err": str(err_path) if err_path else None,
+               "script": str(script) if script else None}
         with self.lock:  # one request at a time (tests start runs from threads); the zygote reaps only at the next
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
@@ -169,10 +184,10 @@ class Forked:
 
 
 def fork_ranks(zygote: Zygote, nproc: int, argv: list[str], logs: list[Path], max_file_bytes: dict | None = None,
-               late_failure_s: dict | None = None, errs: list[Path] | None = None, cwd=REPO) -> Forked:
-    """Start the `nproc` ranks of `isotrain argv`, rank r writing to logs[r] (and its stderr to errs[r], if given).
-    `max_file_bytes` maps a rank to the largest file it can write, `late_failure_s` to how long its background
-    saves wait before they report a failure."""
+               late_failure_s: dict | None = None, errs: list[Path] | None = None, cwd=REPO, script=None) -> Forked:
+    """Start the `nproc` ranks of `isotrain argv` (or of `python script argv`), rank r writing to logs[r] (and its
+    stderr to errs[r], if given). `max_file_bytes` maps a rank to the largest file it can write, `late_failure_s`
+    to how long its background saves wait before they report a failure."""
     env, port = subprocess_env(), free_port()
     pidfds = []
     for rank in range(nproc):
@@ -183,7 +198,7 @@ def fork_ranks(zygote: Zygote, nproc: int, argv: list[str], logs: list[Path], ma
         limit = (max_file_bytes or {}).get(rank)
         late = (late_failure_s or {}).get(rank, 0.0)
         err = errs[rank] if errs else None
-        pidfds.append(zygote.fork(argv, logs[rank], rank_env, limit, late, err, cwd))
+        pidfds.append(zygote.fork(argv, logs[rank], rank_env, limit, late, err, cwd, script))
     return Forked(pidfds, logs)
 
 
@@ -207,23 +222,31 @@ def shared_zygote() -> Zygote:
 PORT_TAKEN = "EADDRINUSE"
 
 
-def run_forked_ranks(nproc: int, argv: list[str], timeout: float = HANG_S, cwd=REPO) -> subprocess.CompletedProcess:
-    """`isotrain argv` on `nproc` forked ranks, waited for, as one finished process: every rank's stdout, then every
-    rank's stderr, in rank order, and the first non-zero exit code."""
+def run_forked_ranks(nproc: int, argv: list[str], timeout: float = HANG_S, cwd=REPO,
+                     script=None) -> subprocess.CompletedProcess:
+    """`isotrain argv` (or `python script argv`, a test's worker) on `nproc` forked ranks, waited for, as one
+    finished process: every rank's stdout, then every rank's stderr, in rank order, and the first non-zero exit
+    code. What torchrun itself does (its rendezvous, restarts, killing the other ranks when one fails) is tested
+    with `helpers.torchrun`."""
     for _ in range(3):
-        proc = _run_forked_once(nproc, argv, timeout, cwd)
+        proc = _run_forked_once(nproc, argv, timeout, cwd, script)
         if nproc == 1 or proc.returncode == 0 or PORT_TAKEN not in proc.stderr:
             break
     return proc
 
 
-def _run_forked_once(nproc: int, argv: list[str], timeout: float, cwd) -> subprocess.CompletedProcess:
+def run_isotrain(argv: list[str], timeout: float = HANG_S, cwd=REPO) -> subprocess.CompletedProcess:
+    """`isotrain argv` on one forked process, as `python -m isotrain argv` would run it."""
+    return run_forked_ranks(1, argv, timeout, cwd)
+
+
+def _run_forked_once(nproc: int, argv: list[str], timeout: float, cwd, script) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="isotrain-run-") as tmp:
         logs = [Path(tmp) / f"rank{rank}.out" for rank in range(nproc)]
         errs = [Path(tmp) / f"rank{rank}.err" for rank in range(nproc)]
-        forked = fork_ranks(shared_zygote(), nproc, argv, logs, errs=errs, cwd=cwd)
+        forked = fork_ranks(shared_zygote(), nproc, argv, logs, errs=errs, cwd=cwd, script=script)
         forked.finish(timeout)
         codes = forked.exit_codes()
         stdout, stderr = ("".join(path.read_text() for path in paths if path.exists()) for paths in (logs, errs))
     code = next((c if c is not None else -signal.SIGKILL for c in codes if c != 0), 0)
-    return subprocess.CompletedProcess(["isotrain", *argv], code, stdout, stderr)
+    return subprocess.CompletedProcess([str(script) if script else "isotrain", *argv], code, stdout, stderr)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import model_weights, torchrun
+from helpers import model_weights
+from zygote import run_forked_ranks
 from isotrain.checkpoint.load import CheckpointReader, load_model, load_optimizer
 
 WORKER = str(Path(__file__).with_name("ep_worker.py"))
@@ -31,7 +32,7 @@ def test_expert_parallel_experts_save_under_global_ids_and_load_on_any_layout(tm
     model, optimizer = reference()
     save_as(tmp_path, "single", model, optimizer, rank=0, world=1)
     model.save_pretrained(tmp_path / "hf")
-    proc = torchrun(2, [WORKER, "save", str(tmp_path)])
+    proc = run_forked_ranks(2, ["save", str(tmp_path)], script=WORKER)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     ep2, expected = model_weights(tmp_path / "ep2"), load_file(tmp_path / "hf" / "model.safetensors")
@@ -44,7 +45,7 @@ def test_expert_parallel_experts_save_under_global_ids_and_load_on_any_layout(tm
     high = {weight_map[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] for e in (2, 3)}
     assert len(low) == len(high) == 1 and low != high  # each rank wrote the experts it holds
 
-    proc = torchrun(2, [WORKER, "load", str(tmp_path)])
+    proc = run_forked_ranks(2, ["load", str(tmp_path)], script=WORKER)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     from ep_worker import tiny_moe

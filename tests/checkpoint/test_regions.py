@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import TINY_LLAMA, model_weights, torchrun
+from helpers import TINY_LLAMA, model_weights
+from zygote import run_forked_ranks
 from isotrain.checkpoint.files import write_safetensors
 from isotrain.checkpoint.load import BLOCK_BYTES, CheckpointReader, RUN_BYTES, load_hf_weights, plan_reads
 from isotrain.errors import CheckpointError
@@ -98,9 +99,9 @@ def test_checkpoints_move_between_every_layout(tmp_path):
 
     expected = _reference(tmp_path)
     _tiny_llama().save_pretrained(tmp_path / "hf")
-    proc = torchrun(4, [WORKER, "regions,load-save", str(tmp_path), "single"])
+    proc = run_forked_ranks(4, ["regions,load-save", str(tmp_path), "single"], script=WORKER)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = torchrun(2, [WORKER, "load-save,hf", str(tmp_path), "single,fsdp2xtp2-from-single"])
+    proc = run_forked_ranks(2, ["load-save,hf", str(tmp_path), "single,fsdp2xtp2-from-single"], script=WORKER)
     assert proc.returncode == 0, proc.stderr[-4000:]
     saved = ["fsdp2xtp2-from-single", "tp2-from-single", "fsdp2-from-single", "tp2-from-fsdp2xtp2-from-single",
              "fsdp2-from-fsdp2xtp2-from-single"]

@@ -7,17 +7,18 @@ import json
 import pytest
 import torch
 
-from helpers import TINY_RUN, isotrain_cli
+from helpers import TINY_RUN
+from zygote import run_isotrain
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = root / "base"
-    proc = isotrain_cli(["train", *TINY_RUN, "train.max_steps=1", f"output_dir={base}"])
+    proc = run_isotrain(["train", *TINY_RUN, "train.max_steps=1", f"output_dir={base}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = root / "run"
-    proc = isotrain_cli(["train", *TINY_RUN, "model.config=null", f"model.name_or_path={base / 'model'}", "lora.r=4",
+    proc = run_isotrain(["train", *TINY_RUN, "model.config=null", f"model.name_or_path={base / 'model'}", "lora.r=4",
                          "lora.alpha=8", "train.lr=1e-2", "train.max_steps=3", "checkpoint.every_steps=3",
                          f"output_dir={run}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -45,7 +46,7 @@ def test_the_exported_adapter_loads_in_peft_with_the_runs_logits(lora_run, tmp_p
     base, run = lora_run
     checkpoint = run / "checkpoints" / "step-00000003"
     out = tmp_path / "adapter"
-    proc = isotrain_cli(["ckpt", "export", "--adapter", str(checkpoint), str(out)])
+    proc = run_isotrain(["ckpt", "export", "--adapter", str(checkpoint), str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8, str(base))
@@ -70,7 +71,7 @@ def test_export_adapter_of_a_run_without_lora_is_one_sentence(lora_run, tmp_path
     checkpoint = base.parent / "checkpoints"
     step = sorted(checkpoint.glob("step-*"))
     source = step[-1] if step else base
-    proc = isotrain_cli(["ckpt", "export", "--adapter", str(source), str(tmp_path / "out")])
+    proc = run_isotrain(["ckpt", "export", "--adapter", str(source), str(tmp_path / "out")])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert " ".join(proc.stderr.split()) == (f"error: {source} holds no LoRA adapters (it was not saved by a run "
                                              "with lora.r > 0); export its full weights without --adapter")

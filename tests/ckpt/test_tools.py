@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import TINY_RUN, isotrain_cli, model_weights, rewrite_as_sha256_manifest, torchrun
+from helpers import TINY_RUN, model_weights, rewrite_as_sha256_manifest
+from zygote import run_forked_ranks, run_isotrain
 from isotrain.cli import main
 
 TINY = [*TINY_RUN, "train.max_steps=4", "checkpoint.every_steps=2"]
@@ -28,7 +29,7 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 def fsdp2_run(tmp_path_factory):
     """4 steps on 2 FSDP2 ranks: checkpoints at steps 2 and 4, each with 2 model and 2 optimizer files."""
     run_dir = tmp_path_factory.mktemp("fsdp2") / "run"
-    proc = torchrun(2, ["-m", "isotrain", "train", *TINY, "parallel.dp_shard=2", f"output_dir={run_dir}"])
+    proc = run_forked_ranks(2, ["train", *TINY, "parallel.dp_shard=2", f"output_dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
@@ -113,10 +114,10 @@ def test_an_edited_index_is_found_by_its_content_too(checkpoint, capsys):
 @pytest.mark.slow
 def test_verify_from_the_shell_exits_non_zero_without_a_traceback(checkpoint):
     truncate(checkpoint / "model-00002-of-00002.safetensors")
-    proc = isotrain_cli(["ckpt", "verify", str(checkpoint)])
+    proc = run_isotrain(["ckpt", "verify", str(checkpoint)])
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "model-00002-of-00002.safetensors" in proc.stderr.splitlines()[0]
-    assert isotrain_cli(["ckpt", "verify", str(checkpoint.parent / "nowhere")]).returncode == 1
+    assert run_isotrain(["ckpt", "verify", str(checkpoint.parent / "nowhere")]).returncode == 1
 
 
 @pytest.mark.slow
@@ -205,7 +206,7 @@ def test_export_refuses_bad_input_and_keeps_what_exists(checkpoint, tmp_path, ca
 @pytest.mark.slow
 def test_export_of_a_bf16_run_uses_the_fp32_master_weights(tmp_path, capsys):
     run_dir = tmp_path / "bf16"
-    proc = isotrain_cli(["train", *TINY, "train.max_steps=2", "model.dtype=bfloat16", f"output_dir={run_dir}"])
+    proc = run_isotrain(["train", *TINY, "train.max_steps=2", "model.dtype=bfloat16", f"output_dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     source = run_dir / "checkpoints" / "step-00000002"
     masters = {k.removeprefix("master."): v for k, v in load_file(source / "train_state" / "optimizer.safetensors").items()

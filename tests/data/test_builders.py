@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import torchrun
+from zygote import run_forked_ranks
 
 WORKER = str(Path(__file__).with_name("builders_worker.py"))
 
@@ -19,7 +19,7 @@ def test_a_shared_cache_is_built_once_and_a_node_local_one_once_per_node(tmp_pat
     roots = {layout: tmp_path / layout for layout in ("shared", "node-local")}
     for root in roots.values():
         root.mkdir()
-    proc = torchrun(4, [WORKER, str(tmp_path)])
+    proc = run_forked_ranks(4, [str(tmp_path)], script=WORKER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {layout: [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(4)]
                for layout, root in roots.items()}

@@ -10,7 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from helpers import isotrain_cli, run_concurrently, torchrun
+from helpers import run_concurrently
+from zygote import run_forked_ranks
 from isotrain.config import ConfigError, build_config, load_config
 from isotrain.data import prepare_dataset
 from isotrain.data.tokenize import IGNORE_INDEX, shifted_labels, tokenize_rows
@@ -123,7 +124,7 @@ def epoch_runs(tmp_path_factory):
                 f"data.max_seq_len={SEQ}", *packing, "train.global_batch_size=2", "train.micro_batch_size=1",
                 f"train.max_steps={samples // 2}", "eval.path=null", "logging.progress=false",
                 "checkpoint.every_steps=0", f"output_dir={root / name.replace(' ', '-')}"]
-        proc = isotrain_cli(args) if nproc == 1 else torchrun(nproc, ["-m", "isotrain", *args])
+        proc = run_forked_ranks(nproc, args)
         return proc, root / name.replace(" ", "-"), samples
 
     jobs = {f"{kind} {nproc}": functools.partial(train, f"{kind} {nproc}", nproc) for kind in RUNS for nproc in (1, 2)}

@@ -11,7 +11,8 @@ import torch
 from isotrain.checkpoint.manifest import verify_checkpoint
 from isotrain.errors import ConfigError
 
-from helpers import isotrain_cli, kill_after_commit, model_weights, run_concurrently, subprocess_env
+from helpers import kill_after_commit, model_weights, run_concurrently, subprocess_env
+from zygote import run_isotrain
 
 BERT = ["model.config.model_type=bert", "model.config.hidden_size=32", "model.config.num_hidden_layers=2",
         "model.config.num_attention_heads=2", "model.config.intermediate_size=64",
@@ -37,7 +38,7 @@ def test_layouts_sigkill_and_resume(data, tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "isotrain",
                "embed", *overrides(data, two), "train.micro_batch_size=2"]
         kill_after_commit(cmd, two, 2)
-        return isotrain_cli(["embed", *overrides(data, two), "train.micro_batch_size=4"])
+        return run_isotrain(["embed", *overrides(data, two), "train.micro_batch_size=4"])
 
     def launch_sharded():  # FSDP2 over 2 ranks × GA 2, SIGKILLed once step 2 is committed, resumed sharded × GA 1
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "isotrain",
@@ -48,8 +49,8 @@ def test_layouts_sigkill_and_resume(data, tmp_path):
 
     done = run_concurrently({
         # Async saves, only the last checkpoint kept: the same run as the synchronous ones.
-        "one": lambda: isotrain_cli(["embed", *overrides(data, one), "train.micro_batch_size=2", "checkpoint.async=true",
-                                     "checkpoint.keep_last=1"]),
+        "one": lambda: run_isotrain(["embed", *overrides(data, one), "train.micro_batch_size=2",
+                                     "checkpoint.async=true", "checkpoint.keep_last=1"]),
         "two": launch_two,
         "sharded": launch_sharded,
     }, workers=2)
@@ -84,7 +85,7 @@ def test_layouts_sigkill_and_resume(data, tmp_path):
     # SIGKILL after checkpoint 2 and resume on the same layout: byte-identical final weights.
     killed = tmp_path / "killed"
     kill_after_commit(cmd_one, killed, 2)
-    proc = isotrain_cli(cmd_one[3:])
+    proc = run_isotrain(cmd_one[3:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resum" in proc.stdout.lower()
     got = model_weights(killed / "model")
@@ -99,7 +100,7 @@ def test_layouts_sigkill_and_resume(data, tmp_path):
 def test_pooling_the_model_cannot_do_is_one_sentence(data, tmp_path):
     llama = ["model.config.model_type=llama", "model.config.hidden_size=32", "model.config.intermediate_size=64",
              "model.config.num_hidden_layers=1", "model.config.num_attention_heads=2", "tokenizer.vocab_size=300"]
-    proc = isotrain_cli(["embed", *llama, f"data.path={data}", f"output_dir={tmp_path / 'r'}", "embed.pooling=cls",
+    proc = run_isotrain(["embed", *llama, f"data.path={data}", f"output_dir={tmp_path / 'r'}", "embed.pooling=cls",
                          "train.global_batch_size=8", "train.micro_batch_size=8", "logging.progress=false"])
     assert proc.returncode != 0
     assert "embed.pooling='cls' cannot embed with 'llama', a causal decoder whose first token sees no other token; " \

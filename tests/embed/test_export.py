@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from embed.test_embed_cli import BERT
-from helpers import isotrain_cli
+from zygote import run_isotrain
+
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
@@ -20,7 +21,7 @@ def test_sentence_transformers_round_trip(data, tmp_path, pooling):
     from isotrain.embed.evaluate import encode_texts
 
     run = tmp_path / "run"
-    proc = isotrain_cli(["embed", *BERT, f"data.path={data}", f"eval.path={data}", f"output_dir={run}",
+    proc = run_isotrain(["embed", *BERT, f"data.path={data}", f"eval.path={data}", f"output_dir={run}",
                          f"embed.pooling={pooling}", "train.global_batch_size=8", "train.micro_batch_size=4",
                          "train.max_steps=2", "checkpoint.every_steps=1", "logging.progress=false"])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -43,15 +44,15 @@ def test_eval_only_matches_the_runs_final_metrics(data, tmp_path):
     run = tmp_path / "run"
     common = [*BERT, f"data.path={data}", f"eval.path={data}", "train.global_batch_size=8",
               "train.micro_batch_size=8", "logging.progress=false"]
-    proc = isotrain_cli(["embed", *common, f"output_dir={run}", "train.max_steps=1", "checkpoint.every_steps=0"])
+    proc = run_isotrain(["embed", *common, f"output_dir={run}", "train.max_steps=1", "checkpoint.every_steps=0"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     model_dir = run / "model"
-    proc = isotrain_cli(["embed", "--eval-only", f"model.name_or_path={model_dir}", f"eval.path={data}",
+    proc = run_isotrain(["embed", "--eval-only", f"model.name_or_path={model_dir}", f"eval.path={data}",
                          "data.max_seq_len=32", f"output_dir={tmp_path / 'unused'}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if "retrieval on 40 held-out rows" in x][0]
     assert line.endswith(f"recall@1 {final['eval_recall@1']:.3f}, recall@10 {final['eval_recall@10']:.3f}, "
                          f"mrr@10 {final['eval_mrr@10']:.3f}, ndcg@10 {final['eval_ndcg@10']:.3f}")
-    proc = isotrain_cli(["embed", "--eval-only", f"model.name_or_path={model_dir}", "eval.path=null"])
+    proc = run_isotrain(["embed", "--eval-only", f"model.name_or_path={model_dir}", "eval.path=null"])
     assert proc.returncode == 2 and "isotrain embed --eval-only needs held-out rows" in proc.stderr

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from embed.embed_cases import CASES, full_graph_reference, relative_error, run_case
-from helpers import run_concurrently, torchrun
+from helpers import run_concurrently
+from zygote import run_forked_ranks
 from isotrain.embed.encode import forward_groups
 from isotrain.embed.loss import hard_negative_column
 
@@ -26,13 +27,13 @@ def results(tmp_path_factory):
 
     def launch(nproc, layouts):
         out = tmp / f"{nproc}.pt"
-        proc = torchrun(nproc, [WORKER, str(out), layouts])
+        proc = run_forked_ranks(nproc, [str(out), layouts], script=WORKER)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return torch.load(out)
 
     launched = run_concurrently({4: lambda: launch(4, "4x1"), 2: lambda: launch(2, "2x1,2x2,fsdp2x1,fsdp2x2")}, workers=2)
     merged = {**launched[2], **launched[4], "tags2": launched[2]["tags"], "tags4": launched[4]["tags"]}
-    # One intra-op thread, as in the torchrun workers (OMP_NUM_THREADS=1): fp32 matmuls split over other thread
+    # One intra-op thread, as in the launched workers (OMP_NUM_THREADS=1): fp32 matmuls split over other thread
     # counts sum in another order (1.5e-6 measured), which is not what the fp32 comparison is about.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import isotrain_cli, run_concurrently, torchrun
+from helpers import run_concurrently
+from zygote import run_forked_ranks, run_isotrain
 
 WORKER = str(Path(__file__).with_name("memory_worker.py"))
 EXACT = ("parameters", "gradients", "optimizer moments")
@@ -24,7 +25,7 @@ FSDP_TERMS = {"FSDP2 all-gather buffers", "FSDP2 reduce-scatter buffers"}
 
 def _measure(tmp_path, nproc: int, *layouts: str) -> list[dict]:
     out = tmp_path / f"{'_'.join(layouts)}.json"
-    proc = torchrun(nproc, [WORKER, str(out), *layouts])
+    proc = run_forked_ranks(nproc, [str(out), *layouts], script=WORKER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -124,20 +125,20 @@ def test_estimate_memory_command_prints_json_and_refuses_bad_sizes():
             "model.config.num_hidden_layers=2", "model.config.vocab_size=128", "data.max_seq_len=32",
             "train.global_batch_size=4", "train.micro_batch_size=2", "parallel.dp_shard=2",
             "parallel.dp_replicate=1", "--world-size", "2", "--json"]
-    proc = isotrain_cli(args)
+    proc = run_isotrain(args)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     names = [term["name"] for term in report["terms"]]
     assert names[:4] == ["parameters", "fp32 master weights", "gradients", "optimizer moments"]
     assert "FSDP2 all-gather buffers" in names and report["settings"]["dp_shard"] == 2
     assert report["total_bytes"] == sum(term["bytes"] for term in report["terms"])
-    bad = isotrain_cli([*args[:-3], "--world-size", "3"])
+    bad = run_isotrain([*args[:-3], "--world-size", "3"])
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
 def test_train_dry_run_does_no_work(tmp_path):
     out = tmp_path / "run"
-    proc = isotrain_cli(["train", "--dry-run", f"output_dir={out}", "data.path=/nonexistent.jsonl",
+    proc = run_isotrain(["train", "--dry-run", f"output_dir={out}", "data.path=/nonexistent.jsonl",
                          "model.config.hidden_size=64", "model.config.intermediate_size=128"])
     assert proc.returncode == 0, proc.stderr
     assert "optimizer moments" in proc.stdout and "total" in proc.stdout
@@ -153,9 +154,9 @@ MOE_ARGS = ["model.config.model_type=qwen3_moe", "model.config.hidden_size=64", 
 def test_estimate_memory_command_on_moe_models():
     """The CLI estimates an MoE model (transformers' grouped_mm experts on fake fp32 tensors) on 1 process and
     under expert parallelism, where each rank holds half of the experts and FSDP2 leaves them alone."""
-    single = isotrain_cli(["estimate-memory", *MOE_ARGS, "--json"])
+    single = run_isotrain(["estimate-memory", *MOE_ARGS, "--json"])
     assert single.returncode == 0 and "Traceback" not in single.stderr, single.stderr[-3000:]
-    sharded = isotrain_cli(["estimate-memory", *MOE_ARGS, "parallel.dp_shard=2", "parallel.dp_replicate=1",
+    sharded = run_isotrain(["estimate-memory", *MOE_ARGS, "parallel.dp_shard=2", "parallel.dp_replicate=1",
                             "parallel.ep=2", "train.global_batch_size=4", "--world-size", "2", "--json"])
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     one, two = (json.loads(proc.stdout) for proc in (single, sharded))
@@ -167,7 +168,7 @@ def test_estimate_memory_command_on_moe_models():
     # halves the rest (every dense tensor here has an even first dim).
     experts = 2 * 4 * (64 * 64 + 64 * 32) * 4
     assert terms[2]["parameters"] == experts // 2 + (terms[1]["parameters"] - experts) // 2
-    dry = isotrain_cli(["train", "--dry-run", "data.path=/nonexistent.jsonl", *MOE_ARGS])
+    dry = run_isotrain(["train", "--dry-run", "data.path=/nonexistent.jsonl", *MOE_ARGS])
     assert dry.returncode == 0 and "router logits" in dry.stdout, dry.stderr[-3000:]
 
 
@@ -185,7 +186,7 @@ def test_estimate_memory_counts_experts_replicated_over_tp():
     """TP 2 keeps every expert on every rank; EP 2 × TP 2 keeps half of them, the same half on both TP ranks of
     an EP group (experts are split by EP, never by TP)."""
     def parameters(*more: str) -> int:
-        proc = isotrain_cli(["estimate-memory", *MOE_ARGS, "train.global_batch_size=4", *more, "--json"])
+        proc = run_isotrain(["estimate-memory", *MOE_ARGS, "train.global_batch_size=4", *more, "--json"])
         assert proc.returncode == 0, proc.stderr[-3000:]
         return next(t["bytes"] for t in json.loads(proc.stdout)["terms"] if t["name"] == "parameters")
 

@@ -12,14 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import isotrain_cli, subprocess_env, torchrun
+from helpers import subprocess_env, torchrun
+from zygote import run_forked_ranks, run_isotrain
 
 WORKER = str(Path(__file__).with_name("build_worker.py"))
 
 
-def _launch(tmp_path, nproc: int, *args: str, **kwargs) -> dict:
+def _launch(tmp_path, nproc: int, *args: str, env: dict | None = None) -> dict:
+    """The worker on `nproc` ranks: forked from the zygote, or started by torchrun with its own environment."""
     out = tmp_path / f"{args[0]}-{nproc}.pt"
-    proc = torchrun(nproc, [WORKER, str(out), *args], **kwargs)
+    if env is None:
+        proc = run_forked_ranks(nproc, [str(out), *args], script=WORKER)
+    else:
+        proc = torchrun(nproc, [WORKER, str(out), *args], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
@@ -96,13 +101,13 @@ def test_startup_memory_is_a_shard_not_the_model(tmp_path, layout):
      "model type 'gpt2' has no tensor-parallel plan"),
 ], ids=["heads", "kv-heads", "vocab", "no-plan"])
 def test_bad_tensor_parallel_settings_get_one_sentence(tmp_path, overrides, message):
-    """One sentence from every rank, no traceback of ours (torchrun's own report of the failed ranks follows)."""
+    """One sentence from every rank, no traceback."""
     out = tmp_path / "run"
-    proc = torchrun(2 if "parallel.tp=2" in overrides else 3,
-                    ["-m", "isotrain", "train", f"output_dir={out}", "logging.progress=false", "eval.path=null",
-                     "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
-                     "model.config.intermediate_size=128", "model.config.hidden_size=64",
-                     "parallel.dp_replicate=1", *overrides])
+    proc = run_forked_ranks(2 if "parallel.tp=2" in overrides else 3,
+                            ["train", f"output_dir={out}", "logging.progress=false", "eval.path=null",
+                             "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
+                             "model.config.intermediate_size=128", "model.config.hidden_size=64",
+                             "parallel.dp_replicate=1", *overrides])
     assert proc.returncode != 0
     assert message in proc.stderr
     assert not [line for line in proc.stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
@@ -110,7 +115,7 @@ def test_bad_tensor_parallel_settings_get_one_sentence(tmp_path, overrides, mess
 
 
 def test_more_ranks_than_degrees_gets_one_sentence(tmp_path):
-    proc = isotrain_cli(["config", "show", "parallel.tp=2", "parallel.dp_replicate=1", "--world-size", "4"])
+    proc = run_isotrain(["config", "show", "parallel.tp=2", "parallel.dp_replicate=1", "--world-size", "4"])
     assert proc.returncode != 0
     assert "parallel.dp_replicate × dp_shard × tp = 1 × 1 × 2 = 2 but 4 processes were launched" in proc.stderr
     assert "Traceback" not in proc.stderr

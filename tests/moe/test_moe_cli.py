@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from helpers import isotrain_cli, run_concurrently
+from helpers import run_concurrently
+from zygote import run_isotrain
 from test_cli_errors import TINY_RL, assert_error_sentence
 from test_early_checks import cli
 
@@ -22,9 +23,9 @@ TINY_MOE = ["model.config.model_type=qwen3_moe", "model.config.hidden_size=32", 
 def test_moe_run_logs_router_metrics_and_dense_run_refuses_moe_keys(tmp_path):
     moe_run, dense_run = tmp_path / "moe", tmp_path / "dense"
     runs = run_concurrently({
-        "moe": lambda: isotrain_cli(["train", *TINY_MOE, "moe.z_loss_coef=0.001", "logging.tensorboard=true",
+        "moe": lambda: run_isotrain(["train", *TINY_MOE, "moe.z_loss_coef=0.001", "logging.tensorboard=true",
                                      f"output_dir={moe_run}"]),
-        "dense": lambda: isotrain_cli(["train", "moe.aux_loss_coef=0.01", f"output_dir={dense_run}"]),
+        "dense": lambda: run_isotrain(["train", "moe.aux_loss_coef=0.01", f"output_dir={dense_run}"]),
     })
     assert runs["moe"].returncode == 0, runs["moe"].stderr[-3000:]
     rows = [json.loads(line) for line in (moe_run / "metrics.jsonl").read_text().splitlines()]
@@ -59,7 +60,7 @@ def _dense_refusal(model_type: str, key: str = "aux_loss_coef", value: str = "0.
 @pytest.mark.slow
 def test_moe_rl_run_logs_router_metrics(tmp_path):
     # Two optimizer steps per rollout, each of two micro-batches: the routing pre-pass runs in every update.
-    proc = isotrain_cli(["rl", *RL_MOE[1:], "moe.z_loss_coef=0.001", "rl.mini_batch_prompts=2",
+    proc = run_isotrain(["rl", *RL_MOE[1:], "moe.z_loss_coef=0.001", "rl.mini_batch_prompts=2",
                          "train.micro_batch_size=4", f"output_dir={tmp_path}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

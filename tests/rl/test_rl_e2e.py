@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import HANG_S, REPO, isotrain_cli, kill_after_commit, model_weights, run_concurrently
-from zygote import run_forked_ranks
+from helpers import HANG_S, REPO, kill_after_commit, model_weights, run_concurrently
+from zygote import run_forked_ranks, run_isotrain
 
 SFT_STEPS = 400
 # Where 400 steps of the bundled recipe end depends steeply on the initialisation: held-out accuracy was
@@ -73,7 +73,7 @@ def tensor_files(directory) -> list[str]:
 def sft(tmp_path_factory):
     """The starting model: the bundled SFT recipe stopped early, with one checkpoint at its last step."""
     run_dir = tmp_path_factory.mktemp("sft") / "sft"
-    proc = isotrain_cli(["train", f"train.max_steps={SFT_STEPS}", f"train.seed={SFT_SEED}", f"output_dir={run_dir}",
+    proc = run_isotrain(["train", f"train.max_steps={SFT_STEPS}", f"train.seed={SFT_SEED}", f"output_dir={run_dir}",
                          "logging.progress=false", f"checkpoint.every_steps={SFT_STEPS}"],
                         timeout=LONG_RUN_TIMEOUT_S, cwd=run_dir.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -89,7 +89,7 @@ def rl_cli(sft_dir, run_dir, *overrides, timeout: float = HANG_S) -> subprocess.
     args = ["rl", f"model.name_or_path={sft_dir / 'model'}", f"output_dir={run_dir}", "logging.progress=false",
             "checkpoint.every_steps=0", *overrides]
     Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
-    return run_forked_ranks(1, args, timeout=timeout, cwd=Path(run_dir).parent)
+    return run_isotrain(args, timeout=timeout, cwd=Path(run_dir).parent)
 
 
 def rl_arguments(sft_dir, run_dir, overrides: list[str]) -> list[str]:
@@ -416,7 +416,7 @@ def cli_runs(tmp_path_factory):
         "unknown key": ["rl", "rl.grup_size=4", f"output_dir={root / 'run'}"],
     }
     cwd = {"unknown key": root}
-    return run_concurrently({name: functools.partial(isotrain_cli, args, cwd=cwd.get(name))
+    return run_concurrently({name: functools.partial(run_isotrain, args, cwd=cwd.get(name) or REPO)
                              for name, args in commands.items()})
 
 
@@ -498,7 +498,7 @@ def test_bundled_rl_recipe_runs_from_its_warm_start(sft, tmp_path):
     from isotrain.recipes import RL_WARM_START
 
     shutil.copytree(sft / "model", tmp_path / RL_WARM_START[0])
-    proc = isotrain_cli(["rl", "train.max_steps=2", "rl.prompts_per_step=4", "rl.group_size=4",
+    proc = run_isotrain(["rl", "train.max_steps=2", "rl.prompts_per_step=4", "rl.group_size=4",
                          "train.micro_batch_size=16", "logging.progress=false", "eval.max_samples=20"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "is absent" not in proc.stdout  # the warm start was found, not retrained

@@ -8,7 +8,7 @@ of packed rows) instead of truncated IS, gives the same loss, the same gradient 
 (DTensors compared in full), the same gradient norm and the same logged token statistics (totals.stats:
 tokens, pg_loss, clipped, kl, entropy and the mismatch sums of objective.STAT_NAMES) in these layouts:
     1 process × 1 micro-batch of 16 (reference), 1 process × GA 4,
-    2 DDP ranks × GA 2, 2 FSDP2 ranks × GA 2, TP 2 × GA 4 (real processes, torchrun, gloo).
+    2 DDP ranks × GA 2, 2 FSDP2 ranks × GA 2, TP 2 × GA 4 (real processes, gloo).
 Counts (tokens, clipped tokens, input tokens, samples) must match exactly; losses, gradients and the
 other statistics within 1e-6 relative (gradients: max abs difference / max abs value per tensor), in
 fp32. What remains is fp32 rounding of differently padded micro-batches, the same for every layout
@@ -18,7 +18,7 @@ token sums in objective.py, so fp64 would not tighten the loss check and fp32 is
 
 An MoE policy (tiny Qwen3-MoE) adds the router terms: its loss (aux and z-loss included), every gradient and
 the logged aux / z-loss agree within 1e-6 and the routing counts exactly, for GA 2 and 4 in one process and
-DDP 2 (GA 1 and 2) and FSDP2 2 (GA 2) in the same torchrun launch as the dense layouts; `micro_batch` scope,
+DDP 2 (GA 1 and 2) and FSDP2 2 (GA 2) in the same launch as the dense layouts; `micro_batch` scope,
 the control, differs under GA.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import torchrun
+from zygote import run_forked_ranks
 
 WORKER = str(Path(__file__).with_name("rl_equivalence_worker.py"))
 RTOL = 1e-6
@@ -50,10 +50,10 @@ def _joined(layouts: list[tuple[int, ...]]) -> str:
 
 
 def _multi(tmp_path, layouts: list[tuple[int, ...]], micro_batch: int, moe_layouts: list[tuple[int, ...]]) -> dict:
-    """One torchrun launch of 2 processes runs every layout in turn: {(dp_replicate, dp_shard[, tp]): results,
+    """One launch of 2 processes runs every layout in turn: {(dp_replicate, dp_shard[, tp]): results,
     "moe": {(dp_replicate, dp_shard, micro_batch): {scope: results}}}."""
     out = tmp_path / f"multi-{micro_batch}.pt"
-    proc = torchrun(2, [WORKER, str(out), _joined(layouts), str(micro_batch), _joined(moe_layouts)])
+    proc = run_forked_ranks(2, [str(out), _joined(layouts), str(micro_batch), _joined(moe_layouts)], script=WORKER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import torchrun
+from zygote import run_forked_ranks
 
 WORKER = str(Path(__file__).with_name("equivalence_worker.py"))
 RTOL = 1e-6
@@ -45,10 +45,10 @@ def _single(tmp_path, micro_batch: int, naive: bool = False, checkpointing: bool
 
 
 def _multi(tmp_path, nproc: int, layouts: list[tuple[int, int, int]], micro_batch: int, *flags: str) -> dict:
-    """One torchrun launch of `nproc` processes runs every layout in turn: {layout: results}."""
+    """One launch of `nproc` processes runs every layout in turn: {layout: results}."""
     out = tmp_path / f"multi-{nproc}-{micro_batch}-{'-'.join(flags)}.pt"
-    proc = torchrun(nproc, [WORKER, str(out), ",".join("x".join(map(str, lay)) for lay in layouts), str(micro_batch),
-                            *flags])
+    proc = run_forked_ranks(nproc, [str(out), ",".join("x".join(map(str, lay)) for lay in layouts), str(micro_batch),
+                            *flags], script=WORKER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
@@ -158,7 +158,7 @@ def test_missing_tp_reduction_fails_loudly(tmp_path):
     """Qwen3's q/k norms see only their rank's heads; without the TP sum of their gradients the replicas
     drift apart at the first update, and the run stops naming the parameter."""
     out = tmp_path / "unreduced.pt"
-    proc = torchrun(2, [WORKER, str(out), "1x1x2", str(MICRO_BATCH), "families=qwen3", "unreduced"])
+    proc = run_forked_ranks(2, [str(out), "1x1x2", str(MICRO_BATCH), "families=qwen3", "unreduced"], script=WORKER)
     assert proc.returncode != 0
     assert "self_attn.q_norm.weight is replicated over tensor-parallel ranks but differs between them" in proc.stderr
     assert not out.exists()

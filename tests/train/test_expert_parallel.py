@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import COUNTED, torchrun
+from helpers import COUNTED
+from zygote import run_forked_ranks
 from test_equivalence import FP32, FP64, RTOL, _multi, _single, assert_equivalent
 
 EP2_LAYOUTS = [(2, 1, 1, 2), (1, 2, 1, 2)]
@@ -162,11 +163,11 @@ def test_bf16_under_fsdp2_casts_the_experts_too(tmp_path):
     """FSDP2 casts the parameters it manages to bf16 and leaves the experts out: the expert-parallel forward
     casts them itself (without that, the first matmul fails on mixed dtypes). Same losses as FSDP2 alone, to
     bf16 rounding."""
-    train = ["-m", "isotrain", "train", *TINY_MOE_RUN, "model.dtype=bfloat16", "train.max_steps=2",
+    train = ["train", *TINY_MOE_RUN, "model.dtype=bfloat16", "train.max_steps=2",
              "parallel.dp_shard=2", "parallel.dp_replicate=1"]
     runs = {}
     for name, extra in (("fsdp2", []), ("fsdp2_ep2", ["parallel.ep=2"])):
-        proc = torchrun(2, [*train, *extra, f"output_dir={tmp_path / name}"])
+        proc = run_forked_ranks(2, [*train, *extra, f"output_dir={tmp_path / name}"])
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = _metrics(tmp_path / name)
     for row, ref in zip(runs["fsdp2_ep2"], runs["fsdp2"], strict=True):
@@ -180,7 +181,7 @@ def test_dispatch_matches_transformers_experts_under_skewed_routing(tmp_path):
     experts get zero gradients), and ranks with different token counts. Outputs, input and routing-weight
     gradients, expert gradients."""
     out = tmp_path / "dispatch.json"
-    proc = torchrun(2, [str(Path(__file__).with_name("ep_dispatch_worker.py")), str(out)])
+    proc = run_forked_ranks(2, [str(out)], script=str(Path(__file__).with_name("ep_dispatch_worker.py")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in json.loads(out.read_text()):
         for scenario in ("random", "skewed", "uneven"):

@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from helpers import failure, torchrun
+from helpers import failure
+from zygote import run_forked_ranks
 from test_equivalence import FP32, FP64, RTOL, SCALE_FLOOR, max_rel_diff
 
 WORKER = str(Path(__file__).with_name("moe_worker.py"))
@@ -98,7 +99,7 @@ PARALLEL_RUNS = [((2, 1, 1), 4), ((2, 1, 1), 2), ((1, 2, 1), 2), ((1, 2, 1), 1)]
 def test_parallel_layouts_keep_the_global_aux_loss(tmp_path, single):
     out = tmp_path / "moe-parallel.pt"
     runs = ",".join(f"{'x'.join(map(str, layout))}:{micro}" for layout, micro in PARALLEL_RUNS)
-    proc = torchrun(2, [WORKER, str(out), runs, "scopes=global"])
+    proc = run_forked_ranks(2, [str(out), runs, "scopes=global"], script=WORKER)
     assert proc.returncode == 0, failure(proc)
     results = torch.load(out)
     for layout, micro in PARALLEL_RUNS:
@@ -135,7 +136,7 @@ EP_TP_REPLICATED_RUNS = [((4, 1, 2, 2), 2)]
 def _launch(tmp_path, nproc: int, runs) -> dict:
     out = tmp_path / f"moe-{nproc}.pt"
     spec = ",".join(f"{'x'.join(map(str, layout))}:{micro}" for layout, micro in runs)
-    proc = torchrun(nproc, [WORKER, str(out), spec, "scopes=global"])
+    proc = run_forked_ranks(nproc, [str(out), spec, "scopes=global"], script=WORKER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 

@@ -14,7 +14,8 @@ import json
 
 import pytest
 
-from helpers import isotrain_cli, run_concurrently, torchrun
+from helpers import run_concurrently
+from zygote import run_forked_ranks, run_isotrain
 
 ROWS = ["alpha beta", "gamma delta!", "epsilon zeta", "eta theta", "iota kappa", "lambda mu", "nu xi omicron",
         "pi rho sigma"]
@@ -46,10 +47,8 @@ def runs(tmp_path_factory):
     data.write_text("".join(json.dumps({"text": text}) + "\n" for text in ROWS))
 
     def train(name, nproc, *overrides):
-        args = ["train", *common_overrides(data), *overrides, f"output_dir={root / name}"]
-        if nproc == 1:
-            return isotrain_cli(args), root / name
-        return torchrun(nproc, ["-m", "isotrain", *args]), root / name
+        return run_forked_ranks(nproc, ["train", *common_overrides(data), *overrides, f"output_dir={root / name}"]), \
+            root / name
 
     jobs = {
         "opt fsdp packed": (2, *OPT, *PACKED, "parallel.dp_shard=2"),
@@ -103,7 +102,7 @@ def test_bloom_is_refused_before_any_step(tmp_path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": text}) + "\n" for text in ROWS))
     run_dir = tmp_path / "run"
-    proc = isotrain_cli(["train", *common_overrides(data), *BLOOM, *PACKED, f"output_dir={run_dir}"])
+    proc = run_isotrain(["train", *common_overrides(data), *BLOOM, *PACKED, f"output_dir={run_dir}"])
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert " ".join(proc.stderr.split()) == f"error: {REFUSAL}"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import HANG_S, REPO, TINY_RUN, isotrain_cli, subprocess_env, torchrun
+from helpers import HANG_S, REPO, TINY_RUN, subprocess_env
+from zygote import run_forked_ranks, run_isotrain
 from isotrain.checkpoint.manifest import verify_checkpoint
 
 TINY = [*TINY_RUN, "train.log_every=1", "checkpoint.every_steps=5"]
@@ -50,7 +51,7 @@ def test_a_second_run_into_a_directory_in_use_is_refused_and_the_first_finishes_
         os.kill(first.pid, signal.SIGSTOP)
         try:
             held = lock_of(run_dir)
-            second = isotrain_cli(["train", *TINY, "train.max_steps=10", f"output_dir={run_dir}"])
+            second = run_isotrain(["train", *TINY, "train.max_steps=10", f"output_dir={run_dir}"])
         finally:
             os.kill(first.pid, signal.SIGCONT)
         out, err = first.communicate(timeout=HANG_S)
@@ -86,7 +87,7 @@ def test_a_lock_left_by_a_dead_run_of_this_host_is_taken_over(tmp_path):
     (run_dir / ".isotrain.lock").write_text(json.dumps({"pid": pid, "host": socket.gethostname(),
                                                         "started": "2026-01-02 03:04:05 UTC", "boot_id": boot_id,
                                                         "pid_start": start}) + "\n")
-    proc = isotrain_cli(["train", *TINY, "train.max_steps=2", f"output_dir={run_dir}"])
+    proc = run_isotrain(["train", *TINY, "train.max_steps=2", f"output_dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (f"taking over {run_dir / '.isotrain.lock'}: the run that held it (pid {pid} on {socket.gethostname()}, "
             "started 2026-01-02 03:04:05 UTC) is no longer running") in proc.stdout
@@ -101,7 +102,7 @@ def test_a_lock_of_another_host_is_refused_and_kept(tmp_path):
     text = json.dumps({"pid": 4242, "host": "node-17.cluster", "started": "2026-01-02 03:04:05 UTC",
                        "boot_id": "another-machine", "pid_start": 1}) + "\n"
     lock.write_text(text)
-    proc = isotrain_cli(["train", *TINY, "train.max_steps=2", f"output_dir={run_dir}"])
+    proc = run_isotrain(["train", *TINY, "train.max_steps=2", f"output_dir={run_dir}"])
     assert_refused(proc, f"output_dir {run_dir} is locked by a run on host node-17.cluster (pid 4242, started "
                          f"2026-01-02 03:04:05 UTC); choose another output_dir, or delete {lock} if that run is gone")
     assert lock.read_text() == text
@@ -112,7 +113,7 @@ def test_a_directory_of_the_users_own_files_is_refused_and_left_as_it_was(tmp_pa
     run_dir = tmp_path / "project"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("my: own settings\n")
-    proc = isotrain_cli(["train", *TINY, "train.max_steps=2", f"output_dir={run_dir}"])
+    proc = run_isotrain(["train", *TINY, "train.max_steps=2", f"output_dir={run_dir}"])
     assert_refused(proc, f"output_dir {run_dir} holds files that isotrain did not write (e.g. config.yaml); "
                          "choose a new or empty output_dir, or move those files away")
     assert (run_dir / "config.yaml").read_text() == "my: own settings\n"
@@ -131,12 +132,12 @@ def test_output_dir_dot_in_a_folder_of_other_files_is_refused(tmp_path):
 
 def test_the_lock_is_released_when_a_run_ends_by_an_error_and_the_directory_stays_a_run_directory(tmp_path):
     run_dir = tmp_path / "run"
-    proc = isotrain_cli(["train", *TINY, f"data.path={tmp_path / 'missing.jsonl'}", f"output_dir={run_dir}"])
+    proc = run_isotrain(["train", *TINY, f"data.path={tmp_path / 'missing.jsonl'}", f"output_dir={run_dir}"])
     assert proc.returncode == 2 and "missing.jsonl" in proc.stderr, proc.stderr[-3000:]
     assert not (run_dir / ".isotrain.lock").exists()
     history = [json.loads(line) for line in (run_dir / ".isotrain").read_text().splitlines()]
     assert [entry["host"] for entry in history] == [socket.gethostname()]
-    proc = isotrain_cli(["train", *TINY, "train.max_steps=1", f"output_dir={run_dir}"])  # its own directory again
+    proc = run_isotrain(["train", *TINY, "train.max_steps=1", f"output_dir={run_dir}"])  # its own directory again
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Written once, by the first run: a later run (refused or not) leaves it as it was.
     assert [json.loads(line) for line in (run_dir / ".isotrain").read_text().splitlines()] == history
@@ -144,10 +145,10 @@ def test_the_lock_is_released_when_a_run_ends_by_an_error_and_the_directory_stay
 
 def test_a_run_directory_written_before_the_marker_is_still_accepted(tmp_path):
     run_dir = tmp_path / "run"
-    proc = isotrain_cli(["train", *TINY, "train.max_steps=1", f"output_dir={run_dir}"])
+    proc = run_isotrain(["train", *TINY, "train.max_steps=1", f"output_dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir / ".isotrain").unlink()  # as an older isotrain left it: config.yaml, metrics.jsonl, checkpoints/, ...
-    proc = isotrain_cli(["train", *TINY, "train.max_steps=2", f"output_dir={run_dir}"])
+    proc = run_isotrain(["train", *TINY, "train.max_steps=2", f"output_dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
 
@@ -157,7 +158,7 @@ def test_every_rank_gets_the_refusal_and_none_hangs(tmp_path):
     run_dir = tmp_path / "project"
     run_dir.mkdir()
     (run_dir / "data.csv").write_text("a,b\n")
-    proc = torchrun(2, ["-m", "isotrain", "train", *TINY, "parallel.dp_replicate=2", f"output_dir={run_dir}"],
+    proc = run_forked_ranks(2, ["train", *TINY, "parallel.dp_replicate=2", f"output_dir={run_dir}"],
                     timeout=HANG_S)
     sentence = (f"output_dir {run_dir} holds files that isotrain did not write (e.g. data.csv); choose a new or empty "
                 "output_dir, or move those files away")

@@ -71,9 +71,9 @@ def _embed_overrides(path: str | None, overrides: list[str]) -> list[str]:
     """With no config, the bundled example trains all-MiniLM-L6-v2 on standard-library docstrings: its model is
     set here, unless the overrides name a model source (which then needs no `embed` extra); other model
     settings (`model.dtype=bfloat16`) apply to the bundled model."""
-    keys = [text.split("=", 1)[0] for text in overrides]
-    if path is not None or any(key in ("model.name_or_path", "model.config") or key.startswith("model.config.")
-                               for key in keys):
+    from isotrain.config import names_model_source
+
+    if path is not None or any(names_model_source(text.split("=", 1)[0]) for text in overrides):
         return overrides
     from isotrain.recipes import bundled_embedder_path
 

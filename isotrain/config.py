@@ -881,6 +881,17 @@ def read_yaml(path: str | Path) -> dict:
     return tree
 
 
+def sets_model_config(key: str) -> bool:
+    """Whether an override key writes the fresh model's config: `model.config` or one of its fields."""
+    return key == "model.config" or key.startswith("model.config.")
+
+
+def names_model_source(key: str) -> bool:
+    """Whether an override key chooses where the model comes from (`model.name_or_path`, `model.config...`), as
+    opposed to a setting of whichever model it is (`model.dtype`)."""
+    return key == "model.name_or_path" or sets_model_config(key)
+
+
 def _replace_model_source(tree: dict, keys: list[str]) -> None:
     """A model source given on the command line replaces the file's other one: `model.name_or_path=DIR` over a
     recipe that builds a fresh model (`model.config`) starts from DIR, and `model.config={...}` over a
@@ -888,7 +899,7 @@ def _replace_model_source(tree: dict, keys: list[str]) -> None:
     model = tree.get("model")
     if not isinstance(model, dict):
         return
-    touches_config = any(key == "model.config" or key.startswith("model.config.") for key in keys)
+    touches_config = any(sets_model_config(key) for key in keys)
     if "model.name_or_path" in keys and model.get("name_or_path") is not None and not touches_config:
         model.pop("config", None)
     if "model.config" in keys and model.get("config") is not None and "model.name_or_path" not in keys:

@@ -24,6 +24,13 @@ exact zeros to the gradient). The other way, unsharding once per step and accumu
 without sync, would hold the whole model and a whole-model gradient on every rank for the step, which is
 what sharding exists to avoid; with padding, gradients stay sharded (each backward reduce-scatters and
 FSDP2 accumulates the sharded sums), at the cost of a few tiny forwards on the ranks with fewer texts.
+
+The count is agreed BEFORE step 1, because the no-gradient forwards all-gather too. FSDP2 shards per
+transformer layer plus the root (parallel/apply.py); the root keeps its parameters unsharded after a forward,
+but every layer unit reshards after its forward, so EACH forward, with or without gradient, all-gathers every
+layer. A rank with fewer step-1 forwards that reached the count's all-reduce while another rank was still in a
+layer's all-gather of its extra forward would wait forever (the two collectives never match). (With the root
+as the only unit, only a rank's first forward all-gathered, which hid this.)
 """
 
 from __future__ import annotations
@@ -157,12 +164,12 @@ def embed_forward_backward(model: nn.Module, micro_batches: list[EmbedMicroBatch
     """Accumulate ∂L/∂θ of the global-batch contrastive loss into the parameters' .grad; return L and counts."""
     seeds = [mb.seeds(options.seed, step) for mb in micro_batches]
     forwards = [forward_groups([len(t) for t in mb.texts()], options.chunk_tokens) for mb in micro_batches]
-    vectors = [_encode_no_grad(model, mb, f, s, options, device)  # 1.
-               for mb, f, s in zip(micro_batches, forwards, seeds)]
     num_dummy = 0  # FSDP2: passes this rank adds so that every rank runs as many (module docstring)
-    if is_sharded(model):
+    if is_sharded(model):  # before the first forward, which already all-gathers (module docstring)
         num_local = sum(len(f) for f in forwards)
         num_dummy = num_padded_passes(num_local, group, device) - num_local
+    vectors = [_encode_no_grad(model, mb, f, s, options, device)  # 1.
+               for mb, f, s in zip(micro_batches, forwards, seeds)]
     for _ in range(num_dummy):
         _dummy_pass(model, micro_batches[0], options, device, backward=False)
     local_q, local_p, local_n = _split(vectors, micro_batches)

@@ -38,9 +38,12 @@ def _sum_allreduce_hook(process_group, bucket):
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of a Hugging Face model (`model.model.layers`)."""
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    """The repeated transformer blocks of a Hugging Face model: a causal LM's `model.model.layers`, a base
+    decoder's own `layers` (AutoModel), or a BERT-style encoder's `encoder.layer`."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
     layers = getattr(base, "layers", None)
+    if layers is None:
+        layers = getattr(getattr(base, "encoder", None), "layer", None)
     return list(layers) if layers is not None else []
 
 

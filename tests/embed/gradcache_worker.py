@@ -1,8 +1,10 @@
 """torchrun worker: every case on every given layout (dp × GA) in one launch; rank 0 saves the results.
 
-    python -m torch.distributed.run --nproc-per-node DP gradcache_worker.py OUT.pt 2x1,2x2,fsdp2x1
+    python -m torch.distributed.run --nproc-per-node DP gradcache_worker.py OUT.pt 2x1,2x2,fsdp2x1,hsdp2x2x1
 
-A layout `fsdpDPxGA` shards the encoder with FSDP2 over the DP ranks (parallel.dp_shard=DP).
+A layout `fsdpDPxGA` shards the encoder with FSDP2 over the DP ranks (parallel.dp_shard=DP); `hsdpRxSxGA` is HSDP,
+R replicas of an encoder sharded over S ranks (parallel.dp_replicate=R, parallel.dp_shard=S). Both also record
+how the encoder was sharded (`sharding`).
 """
 
 import sys
@@ -13,7 +15,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `embed.embed_cases`
 
-from embed.embed_cases import CASES, run_case  # noqa: E402
+from embed.embed_cases import CASES, run_case, tiny_encoder  # noqa: E402
+from isotrain.embed.encode import EncodeOptions, encode_chunk  # noqa: E402
 from isotrain.embed.gradcache import gather_global  # noqa: E402
 from isotrain.parallel.dims import ParallelDims  # noqa: E402
 from isotrain.parallel.mesh import build_parallel  # noqa: E402
@@ -32,19 +35,42 @@ def gathered_tags(rank: int, size: int, per_rank: int = 3, num_negatives: int = 
     return documents[:, 0].tolist()
 
 
+def sharding(parallel) -> dict:
+    """How `parallelize` shards the encoder: its FSDP2 units, and the most parameter elements held unsharded at
+    once during a forward (counted as each encoder layer starts its forward) against the whole model's."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from isotrain.parallel.apply import parallelize
+
+    model = parallelize(tiny_encoder().double(), parallel)
+    layers = list(model.encoder.layer)  # BERT's blocks, named here rather than by the code under test
+    unsharded = lambda: sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor))  # noqa: E731
+    most = []
+    hooks = [layer.register_forward_pre_hook(lambda *_: most.append(unsharded())) for layer in layers]
+    encode_chunk(model.eval(), [[1, 2, 3]], [0], EncodeOptions(), torch.device("cpu"))
+    for hook in hooks:
+        hook.remove()
+    return {"num_units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+            "num_layers": len(layers), "most_unsharded": max(most),
+            "num_parameters": sum(p.numel() for p in tiny_encoder().parameters())}
+
+
 def main(out: str, layouts: str) -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     results = {"tags": gathered_tags(rank, size)}
-    sharded = None
     for layout in layouts.split(","):
-        dp, ga = map(int, layout.removeprefix("fsdp").split("x"))
-        assert dp == size
-        if layout.startswith("fsdp"):
-            sharded = sharded or build_parallel(ParallelDims(1, size, 1), torch.device("cpu"), rank)
+        *degrees, ga = map(int, layout.removeprefix("fsdp").removeprefix("hsdp").split("x"))
+        replicas, shards = degrees if layout.startswith("hsdp") else (1, degrees[0])
+        assert replicas * shards == size
+        if layout.startswith(("fsdp", "hsdp")):
+            sharded = build_parallel(ParallelDims(replicas, shards, 1), torch.device("cpu"), rank)
+            results[(layout, "sharding")] = sharding(sharded)
             for case in CASES:
-                results[(layout, case)] = run_case(case, rank, size, ga, parallel=sharded)
-                results[(layout, case, "fp32")] = run_case(case, rank, size, ga, parallel=sharded, dtype=torch.float32)
+                results[(layout, case)] = run_case(case, sharded.dp_rank, size, ga, parallel=sharded)
+                results[(layout, case, "fp32")] = run_case(case, sharded.dp_rank, size, ga, parallel=sharded,
+                                                           dtype=torch.float32)
             continue
         for case in CASES:
             results[(layout, case)] = run_case(case, rank, size, ga, dist.group.WORLD)

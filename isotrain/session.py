@@ -226,7 +226,7 @@ def restart_message(step: int, last_logged: int | None) -> str:
     if last_logged is not None and last_logged > step:
         redone = f"steps {step + 1}-{last_logged} of the failed start are run again"
     else:
-        redone = "no logged step is run again"
+        redone = "the failed start had logged no step after it"
     return f"[yellow]torchrun restarted this job after a worker failed ({count}): {where}; {redone}[/]"
 
 

@@ -188,7 +188,7 @@ def _run(session: Session, recipe: Recipe) -> RunResult:
     if resumed is not None and not resumed.weights_only:
         state = RunState(resumed.step, dict(resumed.counters))
     if restart_count() > 0 and info.is_main:  # read before MetricsWriter drops the rows after the checkpoint
-        session.log(restart_message(state.step, last_logged_step(session.output_dir / "metrics.jsonl")))
+        session.log(restart_line(state.step, last_logged_step(session.output_dir / "metrics.jsonl")))
     if info.is_main:  # only now: a run refused above leaves the previous run's config.yaml as it was
         atomic_write_text(session.output_dir / "config.yaml", dump_config(cfg))
     writer = MetricsWriter(session.output_dir, info.is_main, cfg.logging.tensorboard, start_step=state.step)
@@ -219,7 +219,7 @@ def _run(session: Session, recipe: Recipe) -> RunResult:
                      data_stats=getattr(recipe, "data_stats", None))
 
 
-def restart_message(step: int, last_logged: int | None) -> str:
+def restart_line(step: int, last_logged: int | None) -> str:
     """What a start that torchrun restarted (--max-restarts) says: which restart, where it resumes, what is redone."""
     count = f"restart {restart_count()} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}"
     where = f"resuming at step {step}" if step > 0 else "no checkpoint to resume from, starting at step 0"

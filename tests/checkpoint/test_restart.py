@@ -10,13 +10,15 @@ job exits 0 by itself, and its metrics, final model and final checkpoint are tho
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from helpers import HANG_S, REPO, TINY_RUN, counted_metrics, descendants, failure, subprocess_env, torchrun
+from helpers import (HANG_S, REPO, TINY_RUN, counted_metrics, descendants, failure, isotrain_cli, subprocess_env,
+                     torchrun)
 from isotrain.checkpoint.layout import committed
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -98,3 +100,23 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_resumes_exactly(tmp_
     assert any("optimizer" in name for name in files)
     for name in files:
         assert (run_dir / name).read_bytes() == (straight_dir / name).read_bytes(), name
+
+
+def test_a_restarted_start_resumes_even_with_resume_never_and_says_what_it_runs_again(tmp_path, monkeypatch):
+    """What a restarted start reads from torchrun is TORCHELASTIC_RESTART_COUNT: set by hand here on one plain
+    process. Its first start (resume=never) logged steps 1-4 but committed only step 2 (step 4's checkpoint removed,
+    as a kill before its commit would leave it)."""
+    run_dir = tmp_path / "run"
+    args = ["train", *TINY_RUN, "checkpoint.every_steps=2", "checkpoint.resume=never", "train.log_every=1",
+            "train.max_steps=4", f"output_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}"]
+    first = isotrain_cli(args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000004")
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    restarted = isotrain_cli(args)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert ("torchrun restarted this job after a worker failed (restart 1 of at most 3): resuming at step 2; "
+            "steps 3-4 of the failed start are run again") in restarted.stdout, restarted.stdout[-3000:]
+    assert [row["step"] for row in counted_metrics(run_dir)] == [1, 2, 3, 4]

@@ -1,6 +1,6 @@
 """A rank dies, torchrun restarts the job by itself, and the job resumes exactly (issue #32, invariant 4).
 
-One worker of a 2-process FSDP2 run under `torchrun --max-restarts 1` is SIGKILLed as soon as a checkpoint is
+One worker of a 2-process FSDP2 (or DDP) run under `torchrun --max-restarts 1` is SIGKILLed as soon as a checkpoint is
 committed (the test watches the checkpoint directory, as `helpers.kill_after_commit` does). torchrun stops the other
 worker and starts the group again; the new group meets in torchrun's store, finds the checkpoint and finishes. The
 job exits 0 by itself, and its metrics, final model and final checkpoint are those of a run never interrupted.
@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import (HANG_S, REPO, TINY_RUN, counted_metrics, descendants, failure, isotrain_cli, subprocess_env,
                      torchrun)
 from isotrain.checkpoint.layout import committed
@@ -24,12 +26,14 @@ from isotrain.checkpoint.manifest import verify_checkpoint
 
 MAX_STEPS = 8
 KILL_AFTER_STEP = 2
+LAYOUTS = {"fsdp2": ["parallel.dp_replicate=1", "parallel.dp_shard=2"],
+           "ddp": ["parallel.dp_replicate=2", "parallel.dp_shard=1"]}
 
 
-def run_args(run_dir: Path, cache: Path) -> list[str]:
-    return ["-m", "isotrain", "train", *TINY_RUN, "train.deterministic=true", "parallel.dp_replicate=1",
-            "parallel.dp_shard=2", "checkpoint.every_steps=2", f"train.max_steps={MAX_STEPS}",
-            f"output_dir={run_dir}", f"data.cache_dir={cache}"]
+def run_args(run_dir: Path, cache: Path, layout: str) -> list[str]:
+    return ["-m", "isotrain", "train", *TINY_RUN, "train.deterministic=true", *LAYOUTS[layout],
+            "checkpoint.every_steps=2", f"train.max_steps={MAX_STEPS}", f"output_dir={run_dir}",
+            f"data.cache_dir={cache}"]
 
 
 def worker_of_rank(launcher: subprocess.Popen, rank: int) -> tuple[int, int]:
@@ -76,16 +80,17 @@ def kill_rank_after_commit(cmd: list[str], run_dir: Path, rank: int, step: int) 
         return subprocess.CompletedProcess(cmd, launcher.returncode, out.read(), err.read())
 
 
-def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_resumes_exactly(tmp_path, layout):
     cache = tmp_path / "cache"
-    straight = torchrun(2, run_args(tmp_path / "straight" / "run", cache))
+    straight = torchrun(2, run_args(tmp_path / "straight" / "run", cache, layout))
     assert straight.returncode == 0, failure(straight)
     straight_dir = tmp_path / "straight" / "run"
 
     run_dir = tmp_path / "restarted" / "run"
     run_dir.parent.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           *run_args(run_dir, cache)]
+           *run_args(run_dir, cache, layout)]
     proc = kill_rank_after_commit(cmd, run_dir, rank=1, step=KILL_AFTER_STEP)
 
     assert proc.returncode == 0, failure(proc)  # torchrun restarted the group, and the group finished

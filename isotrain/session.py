@@ -21,6 +21,7 @@ and the state it saves beside the model. Adding a recipe, or a parallel axis, to
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -35,11 +36,11 @@ from isotrain.config import RunConfig, dump_config
 from isotrain.data.cache import tokenizer_fingerprint
 from isotrain.data.sources import fetch_hub_data
 from isotrain.models.loading import fetch_run_files
-from isotrain.parallel.dims import ParallelDims, resolve_dims
+from isotrain.parallel.dims import ParallelDims, resolve_dims, restart_count
 from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import ParallelState, build_parallel
 from isotrain.parallel.tp import check_replicated
-from isotrain.train.metrics import MetricsWriter
+from isotrain.train.metrics import MetricsWriter, last_logged_step
 from isotrain.train.run_dir import own_output_dir
 from isotrain.train.run_loop import LoopSettings, RunState, run_loop, stopped_message
 from isotrain.train.schedule import schedule_settings
@@ -186,6 +187,8 @@ def _run(session: Session, recipe: Recipe) -> RunResult:
     state = RunState(0, {key: 0 for key in recipe.counter_keys})
     if resumed is not None and not resumed.weights_only:
         state = RunState(resumed.step, dict(resumed.counters))
+    if restart_count() > 0 and info.is_main:  # read before MetricsWriter drops the rows after the checkpoint
+        session.log(restart_line(state.step, last_logged_step(session.output_dir / "metrics.jsonl")))
     if info.is_main:  # only now: a run refused above leaves the previous run's config.yaml as it was
         atomic_write_text(session.output_dir / "config.yaml", dump_config(cfg))
     writer = MetricsWriter(session.output_dir, info.is_main, cfg.logging.tensorboard, start_step=state.step)
@@ -214,6 +217,17 @@ def _run(session: Session, recipe: Recipe) -> RunResult:
                      eval_after=recipe.eval_after,
                      model=recipe.model if not info.is_distributed and state.stopped_by is None else None,
                      data_stats=getattr(recipe, "data_stats", None))
+
+
+def restart_line(step: int, last_logged: int | None) -> str:
+    """What a start that torchrun restarted (--max-restarts) says: which restart, where it resumes, what is redone."""
+    count = f"restart {restart_count()} of at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}"
+    where = f"resuming at step {step}" if step > 0 else "no checkpoint to resume from, starting at step 0"
+    if last_logged is not None and last_logged > step:
+        redone = f"steps {step + 1}-{last_logged} of the failed start are run again"
+    else:
+        redone = "the failed start had logged no step after it"
+    return f"[yellow]torchrun restarted this job after a worker failed ({count}): {where}; {redone}[/]"
 
 
 def _write_row(writer: MetricsWriter, step: int, fields: dict | None) -> None:

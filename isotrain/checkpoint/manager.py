@@ -39,6 +39,7 @@ from isotrain.checkpoint.state import (
 from isotrain.config import RunConfig, dump_config
 from isotrain.errors import CheckpointError, ConfigError
 from isotrain.models.unwrap import hf_model, is_lora, model_tensors
+from isotrain.parallel.dims import restart_count
 
 MODEL_DIR = "model"
 SFT_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen")
@@ -181,6 +182,10 @@ class CheckpointManager:
         manifest, sizes, small files and headers check out (its tensor data is checked as it is
         loaded, `onepass.py`), skipping those whose load already failed that check (`failed`)."""
         mode = self.cfg.checkpoint.resume
+        if mode == "never" and restart_count() > 0:
+            # torchrun restarted this job: its first start found no checkpoint here (`never` refuses one), so every
+            # checkpoint now here is this job's own, and the restart continues from the newest.
+            mode = "auto"
         if mode == "never":
             existing = committed(self.root)
             if existing:

@@ -27,6 +27,11 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def restart_count() -> int:
+    """How many times torchrun (--max-restarts) has restarted this job's workers; 0 on a first start or without it."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int

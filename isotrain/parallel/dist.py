@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from isotrain.errors import IsotrainError
-from isotrain.parallel.dims import launched_by_torchrun
+from isotrain.parallel.dims import launched_by_torchrun, restart_count
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,32 @@ def init_distributed() -> DistInfo:
     else:
         device = torch.device("cpu")
     if (world_size > 1 or launched_by_torchrun()) and not dist.is_initialized():
+        options = {}
         if device.type == "cuda":  # bound to this rank's GPU: NCCL's communicators start at once, on the right device
-            dist.init_process_group(backend="nccl", device_id=device)
-        else:
-            dist.init_process_group(backend="gloo")
+            options["device_id"] = device
+        store = _attempt_store()
+        if store is not None:
+            options.update(store=store, rank=rank, world_size=world_size)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", **options)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _attempt_store():
+    """The store this start of the workers meets in: torchrun's own, under a prefix of its restart count.
+
+    torchrun's elastic agent serves one TCPStore (MASTER_ADDR:MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE=True) for
+    the whole job: a restart under --max-restarts reuses it, and the keys that the killed workers' process groups
+    wrote there are still set. Without a prefix, a restarted worker reads its dead peer's address (gloo's
+    connectFullMesh, NCCL's unique id) instead of waiting for the new peer's, and fails to connect or hangs
+    (pytorch/pytorch#135712). None without an agent store: init_process_group's env:// store is then new per start.
+    The restart count is the agent's; every worker of a node shares it (see docs/resume.md for several nodes)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=default_pg_timeout)
+    return dist.PrefixStore(f"isotrain/attempt-{restart_count()}", store)
 
 
 def shutdown_distributed() -> None:

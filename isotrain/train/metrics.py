@@ -92,6 +92,13 @@ def rows_up_to(path: Path, step: int) -> list[str]:
     return kept
 
 
+def last_logged_step(path: Path) -> int | None:
+    """The "step" of the last whole JSON line of `path`, None when it has none (e.g. a run killed before its first
+    row)."""
+    steps = [json.loads(line)["step"] for line in rows_up_to(path, 2**62)]
+    return steps[-1] if steps else None
+
+
 class ProgressBar:
     """Step, loss, tokens/s and ETA on rank 0; silent elsewhere or when disabled."""
 

@@ -8,14 +8,14 @@ import shutil
 import pytest
 
 from helpers import TINY_RUN, counted_metrics
-from zygote import run_forked_ranks
+from zygote import run_isotrain
 from isotrain.checkpoint.manifest import verify_checkpoint
 
 TINY = [*TINY_RUN, "train.deterministic=true", "checkpoint.every_steps=2"]
 
 
 def train(run_dir, *overrides: str):
-    return run_forked_ranks(1, ["train", *TINY, f"output_dir={run_dir}", *overrides])
+    return run_isotrain(["train", *TINY, f"output_dir={run_dir}", *overrides])
 
 
 

@@ -360,6 +360,16 @@ def truncated_is_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, mask
 # D of the same sequences padded one per row (n_b is the same integer, so w = m / n_b is bit-identical).
 
 
+def sequence_totals(values: Tensor, sequence_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """(Σ values per sequence [S], ids [B, T]) for packed rows: sequence_ids [B, T] (int, >= 0) names each token's
+    sequence and `totals[ids]` broadcasts the sums back to the tokens. Masked tokens must carry a value of 0 (their
+    ids are then harmless; negative ids count as 0)."""
+    ids = sequence_ids.long().clamp_min(0)
+    num_sequences = int(ids.max()) + 1 if ids.numel() else 0
+    totals = torch.zeros(num_sequences, dtype=values.dtype, device=values.device)
+    return totals.index_add_(0, ids.flatten(), values.flatten()), ids
+
+
 def aggregation_weights(mask: Tensor, mode: str, norm_length: int | None = None,
                         sequence_ids: Tensor | None = None) -> tuple[Tensor, float]:
     """Per-token weights w [B, T] and this batch's contribution D to the loss denominator (see above).
@@ -381,10 +391,7 @@ def aggregation_weights(mask: Tensor, mode: str, norm_length: int | None = None,
         if sequence_ids.shape != mask.shape:
             raise ValueError(f"sequence_ids must have the mask's shape {tuple(mask.shape)}, "
                              f"got {tuple(sequence_ids.shape)}.")
-        ids = sequence_ids.long().clamp_min(0)
-        num_sequences = int(ids.max()) + 1 if ids.numel() else 0
-        tokens_per_sequence = torch.zeros(num_sequences, dtype=torch.int64, device=mask.device)
-        tokens_per_sequence.index_add_(0, ids.flatten(), m.flatten().long())
+        tokens_per_sequence, ids = sequence_totals(m.long(), sequence_ids)
         tokens_at = tokens_per_sequence[ids]
     num_rows = float((tokens_per_sequence > 0).sum())
     if mode == "token-mean":

@@ -23,7 +23,7 @@ import math
 import torch
 from torch import Tensor
 
-from isotrain.rl.algos import kl_k3, truncated_is_weights
+from isotrain.rl.algos import kl_k3, sequence_totals, truncated_is_weights
 
 # rl.rollout_correction's values. "bypass" has no weight: it takes the engine's log-probs as π_old (objective.py).
 CORRECTIONS = ("token_tis", "seq_tis", "token_mis", "seq_mis", "geo_rs", "bypass")
@@ -40,11 +40,8 @@ def sequence_sums(values: Tensor, mask: Tensor, sequence_ids: Tensor | None = No
     v = torch.where(m, values.double(), 0.0)
     if sequence_ids is None:
         return v.sum(-1, keepdim=True).expand_as(v), m.sum(-1, keepdim=True).double().expand_as(v)
-    ids = sequence_ids.long().clamp_min(0)
-    num_sequences = int(ids.max()) + 1 if ids.numel() else 0
-    sums = torch.zeros(num_sequences, dtype=torch.float64, device=v.device).index_add_(0, ids.flatten(), v.flatten())
-    counts = torch.zeros(num_sequences, dtype=torch.float64, device=v.device).index_add_(
-        0, ids.flatten(), m.flatten().double())
+    sums, ids = sequence_totals(v, sequence_ids)
+    counts, _ = sequence_totals(m.double(), sequence_ids)
     return sums[ids], counts[ids]
 
 

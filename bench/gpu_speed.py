@@ -183,8 +183,9 @@ def run_hf_trainer(s: Setting, work: Path, dataset) -> StepClock:
     return clock
 
 
-def run_isotrain(s: Setting, cfg) -> StepClock:
-    """isotrain's own loop; the clock reads the end of each step where the loop writes its metrics row."""
+def run_isotrain(s: Setting, cfg, on_step=None) -> StepClock:
+    """isotrain's own loop; the clock reads the end of each step where the loop writes its metrics row, and
+    `on_step()` runs after it (a profiler's step)."""
     clock = StepClock(s)
     rows = []
 
@@ -194,6 +195,8 @@ def run_isotrain(s: Setting, cfg) -> StepClock:
             previous = rows[-1]["tokens_seen"] if rows else 0
             rows.append(row)
             clock.mark(row["tokens_seen"] - previous)
+            if on_step is not None:
+                on_step()
 
     original = session.MetricsWriter
     session.MetricsWriter = ClockedWriter  # the session's one hook; the step itself is untouched

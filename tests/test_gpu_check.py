@@ -59,3 +59,20 @@ def test_without_a_gpu_and_without_dry_run_it_says_what_to_do(tmp_path):
                           timeout=HANG_S)
     assert proc.returncode == 2
     assert "no CUDA GPU is visible" in proc.stdout and "--dry-run" in proc.stdout
+
+
+@pytest.mark.slow
+def test_step_profile_dry_run_puts_the_step_into_categories(tmp_path):
+    out = tmp_path / "profile"
+    proc = subprocess.run([sys.executable, "bench/gpu_profile.py", "--dry-run", "--out", str(out), "--tools",
+                           "isotrain eager"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=HANG_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "gpu_profile.json").read_text())
+    [row] = result["rows"]
+    assert row["tool"] == "isotrain eager" and row["step_ms"] > 0
+    # a Llama step is mostly matrix products; the categories add up to the busy time
+    assert max(row["categories"], key=row["categories"].get) == "matrix products"
+    assert sum(row["categories"].values()) == pytest.approx(row["busy_ms"])
+    assert 0 < row["busy_share"] <= 1.0
+    assert "| matrix products |" in (out / "gpu_profile.md").read_text()

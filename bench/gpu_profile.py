@@ -51,7 +51,8 @@ def profile_tool(s, work: Path, tool: str) -> dict:
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.cuda else [])
-    prof = profile(activities=activities, schedule=schedule(wait=0, warmup=s.warmup, active=s.steps, repeat=1))
+    prof = profile(activities=activities, schedule=schedule(wait=0, warmup=s.warmup, active=s.steps, repeat=1),
+                   record_shapes=True)
 
     if tool == "isotrain compiled":
         torch._dynamo.reset()
@@ -61,10 +62,16 @@ def profile_tool(s, work: Path, tool: str) -> dict:
     wall_s = clock.ends[-1] - clock.ends[s.warmup - 1]
     by_category: dict[str, float] = {}
     kernels: dict[str, float] = {}
+    attention_calls: dict[str, int] = {}
     for event in prof.events():
         on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
-        if s.cuda and not on_gpu:
-            continue
+        if not on_gpu and re.match(r"aten::_?(scaled_dot_product|_?flash|_?efficient|_?cudnn)", event.name):
+            # which kernel attention dispatched to, and with what: a mask (attn_bias) makes cuDNN's kernel slower
+            call = f"{event.name} {event.input_shapes} {getattr(event, 'concrete_inputs', '')}"
+            attention_calls[call] = attention_calls.get(call, 0) + 1
+        if s.cuda and (not on_gpu or getattr(event, "is_user_annotation", False) or "#" in event.name
+                       or event.name.startswith("ProfilerStep")):
+            continue  # kernels only: the profiler's step and optimizer ranges are annotations, not GPU work
         if not s.cuda and (not event.name.startswith("aten::") or _inside_operator(event)):
             continue  # CPU: outermost operators only, so that nothing is counted twice
         us = event.time_range.elapsed_us() if on_gpu else event.cpu_time_total
@@ -76,6 +83,7 @@ def profile_tool(s, work: Path, tool: str) -> dict:
     return {"tool": tool, "step_ms": wall_s * 1e3 / s.steps, "busy_ms": per_step(busy_us),
             "busy_share": busy_us / 1e6 / wall_s if wall_s > 0 else None,
             "categories": {k: per_step(v) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
+            "attention_calls": [{"call": call[:400], "count": n} for call, n in sorted(attention_calls.items())],
             "top": [{"name": name[:120], "category": category(name), "ms_per_step": per_step(us)} for name, us in top]}
 
 
@@ -109,6 +117,8 @@ def markdown(result: dict) -> str:
     for row in rows:
         lines += [f"## Top {len(row['top'])}: {row['tool']}", "", "| kernel | category | ms per step |", "|---|---|---:|"]
         lines += [f"| `{k['name']}` | {k['category']} | {k['ms_per_step']:,.2f} |" for k in row["top"]]
+        lines += ["", f"Attention operators of {row['tool']} (name, input shapes, calls in the profiled steps):", ""]
+        lines += [f"- `{c['call']}` × {c['count']}" for c in row["attention_calls"]]
         lines.append("")
     return "\n".join(lines)
 

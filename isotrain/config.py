@@ -295,7 +295,7 @@ class TrainConfig(Section):
     )
     deterministic: bool = Field(False, description="Use deterministic algorithms so CPU runs are bit-reproducible.")
     compile: bool = Field(
-        False, description="torch.compile the model (per decoder layer under FSDP2 or with train.loss_chunk_tokens); the loss is unchanged to fp tolerance. "
+        False, description="torch.compile each decoder layer (never the root, so attention stays causal without a mask); the loss is unchanged to fp tolerance. "
         "With data.packing, every row is padded to data.max_seq_len so that the model compiles for one shape."
     )
     loss_chunk_tokens: int = Field(

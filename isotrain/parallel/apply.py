@@ -92,19 +92,23 @@ def apply_ddp(model: nn.Module, parallel: ParallelState) -> nn.Module:
     return ddp
 
 
-def apply_compile(model: nn.Module, parallel: ParallelState, layers_only: bool = False) -> None:
-    """torch.compile in place: each decoder layer when FSDP2 will wrap them or `layers_only` (a root whose forward
-    hooks change per call, as the chunked loss's: train/chunked_loss.py), else the whole model."""
-    if parallel.dims.fsdp or layers_only:
-        for layer in decoder_layers(model):
-            layer.compile()
-    else:
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile in place, one decoder layer at a time (the whole model only when it has no decoder layers).
+
+    Never the root: transformers builds the attention mask in the root's forward, and traced by dynamo it
+    materialises a [B, 1, S, S] mask even for full causal rows, so attention runs masked instead of `is_causal`
+    with grouped KV heads repeated (3.1 x slower attention on an H200: docs/benchmarks.md). Per layer, FSDP2 wraps
+    the compiled layers, and a root whose forward hooks change per call (the chunked loss's) still works."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    if not layers:
         model.compile()
 
 
 def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: torch.dtype | None = None,
-                compile: bool = False, activation_checkpointing: bool = False, loss_parallel: bool = False,
-                compile_layers_only: bool = False) -> nn.Module:
+                compile: bool = False, activation_checkpointing: bool = False, loss_parallel: bool = False
+                ) -> nn.Module:
     """Everything up to the data-parallel wrapper that must come after the weights exist (`wrap_replicas`).
 
     `compute_dtype` (e.g. bf16) is used by FSDP2 only; DDP and single-process runs use autocast.
@@ -120,7 +124,7 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
-        apply_compile(model, parallel, compile_layers_only)
+        apply_compile(model)
     if parallel.dims.fsdp:
         apply_fsdp(model, parallel, compute_dtype)
     return model

@@ -125,8 +125,7 @@ def compute_dtype(cfg: RunConfig) -> torch.dtype | None:
 def prepare_model(cfg: TrainRunConfig | RLRunConfig, info: DistInfo, tokenizer, parallel: ParallelState):
     model = build(cfg.model, tokenizer, cfg.train.seed, parallel, info.device, compute_dtype=compute_dtype(cfg),
                   compile=cfg.train.compile, activation_checkpointing=cfg.train.activation_checkpointing == "full",
-                  loss_parallel=True, adapt=lora_adapter(cfg, parallel.dims),
-                  compile_layers_only=cfg.train.loss_chunk_tokens > 0)  # the chunked loss hooks the root's forward
+                  loss_parallel=True, adapt=lora_adapter(cfg, parallel.dims))
     optimizer = build_optimizer(model, cfg.train)
     return model, optimizer
 

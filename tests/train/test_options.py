@@ -67,3 +67,25 @@ def test_tensorboard_events_are_written(tmp_path):
     pytest.importorskip("tensorboard")
     result = _run(tmp_path, "tb", "logging.tensorboard=true")
     assert list((result.output_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_a_compiled_model_attends_causally_without_a_mask():
+    """train.compile compiles each decoder layer, not the root: traced by dynamo, transformers' mask code in the
+    root materialises a [B, 1, S, S] mask for full causal rows, and attention then runs masked with the grouped
+    KV heads repeated (3.1 x slower attention on an H200)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from isotrain.parallel.apply import apply_compile
+
+    model = tiny_model(torch.float32)
+    apply_compile(model)
+    input_ids = torch.randint(0, 50, (2, 16))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        model(input_ids=input_ids).logits.sum().backward()
+    calls = [e for e in prof.events() if e.name.startswith("aten::_scaled_dot_product") and "backward" not in e.name]
+    assert calls
+    for call in calls:
+        q, k, v, *rest = [shape for shape in call.input_shapes if len(shape) == 4]
+        assert rest == [], f"attention got a mask {rest}"
+        assert k[1] == model.config.num_key_value_heads, f"KV heads repeated: {k}"

@@ -1,5 +1,6 @@
 """Two "nodes" of 2 processes each on this machine, met by torchrun's c10d rendezvous, are the 4-process run of one
-node (issue #32): the same counters, losses, weights and checkpoints.
+node (issue #32): the same counters, losses, weights and checkpoints. A node whose output_dir is not the directory
+the other node sees (node-local disks, no shared file system) is refused before any training.
 
 Each node is its own `torchrun --nnodes 2 --node-rank i --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT`. The
 rendezvous store on PORT is served by this test (`--rdzv-conf is_host=false`: both agents are its clients): the test
@@ -10,6 +11,7 @@ choosing and binding it. Who serves the rendezvous store changes nothing the wor
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import uuid
@@ -22,6 +24,7 @@ from helpers import HANG_S, REPO, TINY_RUN, counted_metrics, failure, model_weig
     subprocess_env, torchrun
 from isotrain.checkpoint.layout import committed, leftovers, read_latest
 from isotrain.checkpoint.manifest import read_manifest, verify_checkpoint
+from isotrain.train.run_dir import SHARED_PROBE
 from zygote import run_isotrain
 
 MAX_STEPS = 4
@@ -103,6 +106,48 @@ def test_two_nodes_of_two_processes_equal_the_four_process_run(tmp_path):
     verified = run_isotrain(["ckpt", "verify", str(root / "step-00000004")])
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
-    # The same run directory.
+    # Nothing of the start-up's check of the shared directory is left in it.
     assert sorted(p.name for p in multi.iterdir()) == sorted(p.name for p in single.iterdir())
+    assert not [p for p in multi.iterdir() if p.name.startswith(SHARED_PROBE)]
 
+
+def worker_stderr(log_dir: Path) -> list[str]:
+    """What each worker of a node wrote to its stderr (torchrun --redirects), one string per worker."""
+    return [path.read_text() for path in sorted(log_dir.rglob("stderr.log"))]
+
+
+@pytest.mark.slow
+def test_a_node_local_output_dir_is_refused_before_any_training(tmp_path):
+    """No shared file system: both nodes are given output_dir=run, each started in a directory of its own, so the
+    same setting names a different directory on each node, as the same path on two machines' own disks does."""
+    cwds = [tmp_path / "node0", tmp_path / "node1"]
+    logs = [tmp_path / "logs0", tmp_path / "logs1"]
+    for path in cwds:
+        path.mkdir()
+    procs = two_nodes(train_args("run", tmp_path / "cache"), cwds, logs)
+
+    assert all(proc.returncode != 0 for proc in procs), [proc.returncode for proc in procs]
+    expected = ("output_dir run is not one directory that every node sees: the file rank 0 wrote into it is not "
+                f"there for ranks 2-3 on host {socket.gethostname()}; all nodes must see the same output_dir, so put "
+                "it on a file system that every node mounts at the same path")
+    stderrs = [text for log_dir in logs for text in worker_stderr(log_dir)]
+    assert len(stderrs) == 4
+    for text in stderrs:  # every worker: one line, the sentence, no traceback
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in text, text
+        assert " ".join(lines[0].split()).endswith(f"error: {expected}"), text
+    # Refused before any training: no metrics, no checkpoint, no config; the check's file is gone.
+    for cwd in cwds:
+        run = cwd / "run"
+        left = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
+        assert set(left) <= {".isotrain"}, left
+
+
+def test_the_refusal_names_the_ranks_that_miss_the_file_by_host():
+    from isotrain.train.run_dir import _ranks_on_hosts
+
+    assert _ranks_on_hosts([(5, "b")]) == "rank 5 on host b"
+    assert _ranks_on_hosts([(1, "a"), (3, "a"), (4, "a"), (5, "a"), (6, "b")]) == "ranks 1, 3-5 on host a, 6 on host b"
+    many = [(rank, f"node{rank // 8}") for rank in range(8, 56)]  # 6 hosts of 8 ranks
+    assert _ranks_on_hosts(many) == ("ranks 8-15 on host node1, 16-23 on host node2, 24-31 on host node3, "
+                                     "32-39 on host node4, more on 2 other hosts")

@@ -36,7 +36,6 @@ from isotrain.parallel.dist import DistInfo, broadcast_from_main, gather_from_al
 
 LOCK = ".isotrain.lock"
 MARKER = ".isotrain"
-SHARED_PROBE = ".isotrain-shared-"  # + a random hex name: the file of `check_shared`
 # What a run writes into its output_dir (session.py, recipes/, train/setup.py, train/metrics.py).
 RUN_FILES = {"config.yaml", "metrics.jsonl", "checkpoints", "model", "tokenizer", "engine_tokenizer", "tensorboard",
              LOCK, MARKER}
@@ -119,6 +118,9 @@ def _mark(output_dir: Path, record: str) -> None:
 
 
 # ----- one directory for every node ----------------------------------------------------------------
+SHARED_PROBE = ".isotrain-shared-"  # + a random hex name: the file of `check_shared`
+
+
 def check_shared(output_dir: Path, info: DistInfo) -> None:
     """Refuse an output_dir that is not one directory for every rank (node-local disks, no shared file system).
 

@@ -160,6 +160,15 @@ def local_main_first(local_rank: int, work, shared_dir: Path | None = None):
     return result if first else work(False)
 
 
+def gather_from_all(value) -> list:
+    """Every rank's `value` (any picklable object) on every rank, in rank order; [value] without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def broadcast_from_main(value):
     """Rank 0's `value` (any picklable object) on every rank; the value itself without a process group."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -12,6 +12,11 @@ A directory isotrain has run in carries a marker, `.isotrain` (naming the first 
 run refuses an existing directory without it unless the directory is empty or holds only what an
 isotrain run writes (directories of runs older than the marker): otherwise `output_dir=.` would
 write its config.yaml over the user's own, and its checkpoints beside the user's files.
+
+A run of several nodes needs one output_dir that all of them see (a shared file system): every rank writes its
+share of a checkpoint there and rank 0 commits them all, and the other nodes read what rank 0 writes (the
+tokenizer). Node-local directories of the same path are refused at start-up, before anything is trained
+(`check_shared`).
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import os
 import re
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from isotrain.errors import ConfigError
-from isotrain.parallel.dist import DistInfo, broadcast_from_main
+from isotrain.parallel.dist import DistInfo, broadcast_from_main, gather_from_all
 
 LOCK = ".isotrain.lock"
 MARKER = ".isotrain"
@@ -36,7 +42,8 @@ RUN_FILES = {"config.yaml", "metrics.jsonl", "checkpoints", "model", "tokenizer"
 # Only these prove that an isotrain run wrote a directory (a config.yaml alone may be the user's own).
 RUN_EVIDENCE = ("metrics.jsonl", "checkpoints", "model")
 # Leftovers of a write cut short: atomic_write_text's and save's temporaries, this module's own.
-_LEFTOVER = re.compile(r"^\.config\.yaml\.tmp-\d+$|^model\.(tmp|old)-[0-9a-z-]+$|^\.isotrain\.lock\.[a-z]+-\d+$")
+_LEFTOVER = re.compile(r"^\.config\.yaml\.tmp-\d+$|^model\.(tmp|old)-[0-9a-z-]+$|^\.isotrain\.lock\.[a-z]+-\d+$"
+                       r"|^\.isotrain-shared-[0-9a-f]{32}$")
 
 
 @contextmanager
@@ -44,7 +51,8 @@ def own_output_dir(output_dir: Path, info: DistInfo, log) -> Iterator[Path]:
     """Hold `output_dir` for the run inside the `with`: rank 0 checks and locks it before any file is written.
 
     Every rank learns rank 0's verdict (a refusal is raised on all of them, so none waits in a collective for
-    a rank that has left); the lock is removed when the block ends, however it ends."""
+    a rank that has left), then checks that it sees the same directory; the lock is removed when the block ends,
+    however it ends."""
     held, refusal = None, None
     if info.is_main:
         try:
@@ -61,6 +69,7 @@ def own_output_dir(output_dir: Path, info: DistInfo, log) -> Iterator[Path]:
     if refusal is not None:
         raise ConfigError(refusal)
     try:
+        check_shared(output_dir, info)
         yield output_dir
     finally:
         if held is not None:
@@ -106,6 +115,73 @@ def _mark(output_dir: Path, record: str) -> None:
         f.write(record)
         f.flush()
         os.fsync(f.fileno())
+
+
+# ----- one directory for every node ----------------------------------------------------------------
+SHARED_PROBE = ".isotrain-shared-"  # + a random hex name: the file of `check_shared`
+
+
+def check_shared(output_dir: Path, info: DistInfo) -> None:
+    """Refuse an output_dir that is not one directory for every rank (node-local disks, no shared file system).
+
+    Rank 0 writes a file of a new random name holding a random token, then sends the name (a broadcast, so no
+    rank looks before the file is there); every rank reads it back, and one all-gather tells every rank who
+    could not. The name is new, so no machine answers from what it cached of an earlier look-up. Rank 0 removes
+    the file at once (and the file of a check that a SIGKILL cut short: it holds the run's lock)."""
+    if not info.is_distributed:
+        return
+    token, problem = None, None
+    if info.is_main:
+        token = uuid.uuid4().hex
+        try:
+            for stale in output_dir.glob(f"{SHARED_PROBE}*"):
+                stale.unlink(missing_ok=True)
+            (output_dir / f"{SHARED_PROBE}{token}").write_text(token)
+        except OSError as err:
+            problem = (f"cannot write into output_dir {output_dir} ({err.strerror or err}); choose a directory this "
+                       "user can write")
+    token, problem = broadcast_from_main((token, problem))
+    if problem is not None:
+        raise ConfigError(problem)
+    probe = output_dir / f"{SHARED_PROBE}{token}"
+    views = gather_from_all((_reads(probe) == token, socket.gethostname()))
+    if info.is_main:
+        probe.unlink(missing_ok=True)
+    blind = [(rank, host) for rank, (seen, host) in enumerate(views) if not seen]
+    if blind:
+        who = _ranks_on_hosts(blind)  # e.g. "ranks 8-15 on host b"
+        raise ConfigError(f"output_dir {output_dir} is not one directory that every node sees: the file rank 0 "
+                          f"wrote into it is not there for {who}; all nodes must see the same output_dir, so put it "
+                          "on a file system that every node mounts at the same path")
+
+
+def _reads(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:  # missing here, or the directory itself is
+        return None
+
+
+def _ranks_on_hosts(ranks_hosts: list[tuple[int, str]]) -> str:
+    """`ranks 2-3 on host b` / `ranks 8-15 on host b, 16-23 on host c` (the first four hosts)."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in ranks_hosts:
+        by_host.setdefault(host, []).append(rank)
+    parts = [f"{_spans(ranks)} on host {host}" for host, ranks in by_host.items()]
+    if len(parts) > 4:
+        parts = [*parts[:4], f"more on {len(parts) - 4} other hosts"]
+    return f"{'rank' if len(ranks_hosts) == 1 else 'ranks'} {', '.join(parts)}"
+
+
+def _spans(ranks: list[int]) -> str:
+    """[1, 3, 4, 5] -> `1, 3-5`."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 # ----- the lock -----------------------------------------------------------------------------------

@@ -1,17 +1,14 @@
-"""End to end through the real CLI and real processes: files, counters, saved model, multi-node."""
+"""End to end through the real CLI and real processes: files, counters, saved model (multi-node: test_multinode.py)."""
 
 from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import HANG_S, REPO, free_port, isotrain_cli, run_concurrently, subprocess_env, torchrun
-from zygote import PORT_TAKEN
+from helpers import isotrain_cli, run_concurrently, torchrun
 
 SMALL = [
     "model.config.hidden_size=32",
@@ -97,39 +94,6 @@ def test_saved_model_loads_in_transformers_with_the_same_logits(tmp_path):
     ids = torch.tensor([[1, 5, 9, 7, 12, 3]])
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, result.model(ids).logits)
-
-
-@pytest.mark.slow
-def test_two_nodes_with_c10d_rendezvous_match_one_process(tmp_path):
-    _, data_args = small_data(tmp_path)
-    common = [*SMALL, *data_args, "train.max_steps=3", "eval.path=null"]
-    def launch(port: int) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=isotrain-test",
-                "-m", "isotrain", "train", *common, f"output_dir={tmp_path / 'multi'}"]
-
-    def two_nodes():
-        # Another program may take the port between free_port() and the rendezvous: that start failed
-        # before any training, so it is started again on another port.
-        for _ in range(3):
-            command = launch(free_port())
-            nodes = [subprocess.Popen(command, env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for _ in range(2)]
-            outputs = [node.communicate(timeout=HANG_S) for node in nodes]
-            if all(node.returncode == 0 for node in nodes) or PORT_TAKEN not in outputs[0][1] + outputs[1][1]:
-                break
-        assert all(node.returncode == 0 for node in nodes), outputs[0][1][-2000:] + outputs[1][1][-2000:]
-
-    # The one-process run is independent of the two nodes: it runs beside them.
-    runs = run_concurrently({"nodes": two_nodes,
-                             "single": lambda: isotrain_cli(["train", *common, f"output_dir={tmp_path / 'single'}"])})
-    single = runs["single"]
-    assert single.returncode == 0, single.stderr[-3000:]
-    multi_rows, single_rows = metrics(tmp_path / "multi"), metrics(tmp_path / "single")
-    for m, s in zip(multi_rows, single_rows, strict=True):
-        assert m["tokens_seen"] == s["tokens_seen"] and m["trained_tokens"] == s["trained_tokens"]
-        assert m["loss"] == pytest.approx(s["loss"], rel=1e-6)
-        assert m["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-5)
 
 
 def test_one_torchrun_process_joins_a_group_and_shards_with_fsdp2(tmp_path):

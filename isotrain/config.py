@@ -342,6 +342,13 @@ class ParallelConfig(Section):
         "data-parallel ranks, which exchange tokens with all-to-all; must divide dp_replicate × dp_shard and the "
         "number of experts.",
     )
+    timeout_s: float = Field(
+        600.0, gt=0, allow_inf_nan=False,
+        description="Seconds a rank waits in one collective for the others before the run stops, naming the step "
+        "and the rank(s) that did not arrive (their progress files in `<output_dir>/progress/`); must exceed the "
+        "longest wait of a healthy run: a step's or a checkpoint save's difference between ranks, an evaluation "
+        "(docs/resume.md).",
+    )
 
 
 class MoeConfig(Section):
@@ -822,6 +829,7 @@ _VALID = {
     "rl.rollout_is_cap": "a finite number > 0, e.g. 2.0",
     "rl.rollout_mask_low": "a finite number >= 0 and <= 1, e.g. 0.5",
     "rl.rollout_mask_high": "a finite number >= 1, e.g. 2.0",
+    "parallel.timeout_s": "a finite number of seconds > 0, e.g. 600 (longer than a step or a save takes)",
 }
 
 

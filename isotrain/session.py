@@ -197,7 +197,8 @@ def _run(session: Session, recipe: Recipe) -> RunResult:
     model_dir = None
     try:
         _write_row(writer, state.step, recipe.start(state))
-        settings = LoopSettings(cfg.train.max_steps, cfg.train.log_every, cfg.logging.progress, recipe.eval_every)
+        settings = LoopSettings(cfg.train.max_steps, cfg.train.log_every, cfg.logging.progress, recipe.eval_every,
+                                cfg.checkpoint.preempt_grace_s)
         progress = Progress(session.output_dir, info.rank, info.world_size, checkpoints.run_id, info.timeout_s)
         run_loop(settings, info, state, recipe.step, checkpoints, writer, session.console, recipe.evaluate,
                  after_first_step=lambda: check_replicated(recipe.model, session.parallel.tp_group), progress=progress)

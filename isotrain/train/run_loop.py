@@ -5,7 +5,8 @@
         evaluation every `eval_every` steps (not after the last: the recipe evaluates its final model)
         a metrics row every train.log_every steps and after the last step; the progress bar
         this rank's progress file: the step done (train/progress.py)
-        a stop signal on any rank -> save a checkpoint (even with checkpoint.every_steps=0), end after this step
+        a stop signal on any rank -> save a checkpoint (even with checkpoint.every_steps=0), end after this step;
+            unless the step ended past checkpoint.preempt_grace_s after the signal on any rank: stop unsaved, say so
         an async save that failed on any rank -> every rank raises its error after this same step
         a refused step (TrainingError: a non-finite loss, ...) -> let the last save finish, stop with the step named
         otherwise save when the checkpoint manager says one is due
@@ -21,7 +22,7 @@ import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from isotrain.checkpoint.layout import step_dir_name
+from isotrain.checkpoint.layout import committed, step_dir_name
 from isotrain.errors import IsotrainError, TrainingError
 from isotrain.parallel.dist import any_rank, failed_collective
 from isotrain.train.metrics import ProgressBar
@@ -47,6 +48,7 @@ class LoopSettings:
     log_every: int = 1
     progress: bool = True
     eval_every: int = 0  # 0: no evaluation inside the loop
+    preempt_grace_s: float | None = None  # checkpoint.preempt_grace_s: a stop's step must end this soon to be saved
 
 
 # Runs step number `state.step` (0-based), adds to `state.counters` and returns the step's metrics row
@@ -107,11 +109,16 @@ def run_loop(settings: LoopSettings, info, state: RunState, step_fn: StepFn, che
 
 def _boundary(settings: LoopSettings, info, state: RunState, stop: GracefulStop, checkpoints) -> bool:
     """After step `state.step`: agree on a stop or a failed background save, save if one is due; True to end."""
-    # Every rank learns of a signal, or of a failed background save, on any rank here, so all stop (and save,
-    # or raise the save's error) after the same step.
-    stopping, save_failed = any_rank(info.device, stop.received, checkpoints.failed)
+    # Every rank learns of a signal, of a stop too late to save, or of a failed background save, on any rank
+    # here, so all stop (and save, or raise the save's error) after the same step.
+    stopping, save_failed, too_late = any_rank(info.device, stop.received, checkpoints.failed,
+                                               stop.past_grace(settings.preempt_grace_s))
     if save_failed:
         checkpoints.raise_failure(state.step)
+    if stopping and too_late:
+        checkpoints.wait()
+        raise IsotrainError(late_stop_message(stop.signal_name or "a signal on another rank", state.step,
+                                              settings.preempt_grace_s, checkpoints.root))
     checkpoints.maybe_save(state.step, state.counters, stopping)
     if stopping:
         state.stopped_by = stop.signal_name or "a signal on another rank"
@@ -128,6 +135,16 @@ def _stop_for_silent_ranks(progress: Progress, failure: str, checkpoints) -> Non
     except (IsotrainError, RuntimeError):
         pass
     raise IsotrainError(progress.hang_message(silent, failure)) from None
+
+
+def late_stop_message(signal_name: str, step: int, grace_s: float, checkpoints_root) -> str:
+    """What a stop says when step `step` ended too long after the signal to begin a save."""
+    saved = committed(checkpoints_root)
+    resume = (f"the next run resumes from {saved[-1][1]}" if saved else
+              "there is no checkpoint to resume from, the next run starts at step 0")
+    return (f"{signal_name} received, but step {step} ended more than checkpoint.preempt_grace_s={grace_s:g} s "
+            f"later: stopped without saving (the scheduler's kill could cut a save short); {resume}; raise "
+            "checkpoint.preempt_grace_s or have the scheduler signal earlier (Slurm: --signal=B:TERM@SECONDS)")
 
 
 @contextlib.contextmanager

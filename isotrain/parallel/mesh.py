@@ -72,7 +72,8 @@ def _ep_mesh(dims: ParallelDims, mesh: DeviceMesh, dp: DeviceMesh, device: torch
     return DeviceMesh(device.type, mesh.mesh.reshape(*shape, dims.tp), mesh_dim_names=("ep_replicate", "ep", "tp"))
 
 
-def build_parallel(dims: ParallelDims, device: torch.device, rank: int, timeout_s: float | None = None) -> ParallelState:
+def build_parallel(dims: ParallelDims, device: torch.device, rank: int,
+                   timeout_s: float | None = None) -> ParallelState:
     """The 3-D mesh (every axis present, size 1 or more) and the flattened DP axis; a process outside any process
     group has none (a one-process torchrun launch has one: parallel/dist.py). Every group of the mesh waits
     `timeout_s` (parallel.timeout_s) in a collective, as the default group does."""

@@ -144,7 +144,7 @@ def late_stop_message(signal_name: str, step: int, grace_s: float, checkpoints_r
               "there is no checkpoint to resume from, the next run starts at step 0")
     return (f"{signal_name} received, but step {step} ended more than checkpoint.preempt_grace_s={grace_s:g} s "
             f"later: stopped without saving (the scheduler's kill could cut a save short); {resume}; raise "
-            "checkpoint.preempt_grace_s or have the scheduler signal earlier (Slurm: --signal=B:TERM@SECONDS)")
+            "checkpoint.preempt_grace_s or have the scheduler signal earlier (Slurm: --signal=TERM@SECONDS)")
 
 
 @contextlib.contextmanager

@@ -117,5 +117,5 @@ def test_a_step_that_ends_past_the_grace_stops_without_a_save_in_one_sentence(mo
     assert proc.stderr.strip() == (
         "error: SIGTERM received, but step 2 ended more than checkpoint.preempt_grace_s=1 s later: stopped without "
         f"saving (the scheduler's kill could cut a save short); the next run resumes from {step_1}; raise "
-        "checkpoint.preempt_grace_s or have the scheduler signal earlier (Slurm: --signal=B:TERM@SECONDS)")
+        "checkpoint.preempt_grace_s or have the scheduler signal earlier (Slurm: --signal=TERM@SECONDS)")
     assert [path for _, path in committed(run_dir / "checkpoints")] == [step_1]

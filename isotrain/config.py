@@ -342,6 +342,13 @@ class ParallelConfig(Section):
         "data-parallel ranks, which exchange tokens with all-to-all; must divide dp_replicate × dp_shard and the "
         "number of experts.",
     )
+    timeout_s: float = Field(
+        600.0, gt=0, allow_inf_nan=False,
+        description="Seconds a rank waits in one collective for the others before the run stops, naming the step "
+        "and the rank(s) that did not arrive (their progress files in `<output_dir>/progress/`); must exceed the "
+        "longest wait of a healthy run: a step's or a checkpoint save's difference between ranks, an evaluation "
+        "(docs/resume.md).",
+    )
 
 
 class MoeConfig(Section):
@@ -397,6 +404,13 @@ class CheckpointConfig(Section):
         [],
         description="With `load_only: model`: tensor names (fnmatch patterns, e.g. `lm_head.*`) the checkpoint may "
         "lack, hold extra or hold in another shape; they are not loaded and keep their fresh initialisation.",
+    )
+    preempt_grace_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="After SIGTERM (preemption), the seconds within which the step in progress must end for its "
+        "checkpoint to be saved; a save that starts in time is completed (async too) before the run exits 0; a step "
+        "that ends later stops the run without a save, with exit code 2. Set it to the time the scheduler leaves "
+        "before its kill minus a save's duration; null: always save (docs/resume.md).",
     )
     allow_changes: list[Literal["global_batch_size", "seed", "data", "tokenizer"]] = Field(
         [],
@@ -822,6 +836,8 @@ _VALID = {
     "rl.rollout_is_cap": "a finite number > 0, e.g. 2.0",
     "rl.rollout_mask_low": "a finite number >= 0 and <= 1, e.g. 0.5",
     "rl.rollout_mask_high": "a finite number >= 1, e.g. 2.0",
+    "parallel.timeout_s": "a finite number of seconds > 0, e.g. 600 (longer than a step or a save takes)",
+    "checkpoint.preempt_grace_s": "a finite number of seconds > 0, e.g. 90, or null to always save after a signal",
 }
 
 

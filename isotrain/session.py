@@ -9,7 +9,8 @@
     resume   the checkpoint manager, told what the recipe saves beside its model and what a resume must
              match; leftovers of an interrupted save removed; resume -> RunState
     run      config.yaml written (only now: a refused run leaves the previous one's as it was); the
-             recipe's start; `run_loop` over the recipe's step and evaluation; metrics.jsonl
+             recipe's start; `run_loop` over the recipe's step and evaluation; metrics.jsonl; each rank's
+             progress file (train/progress.py), which names a rank that hangs
     end      stopped by a signal: the stop message, the checkpoint is the result (no final model/);
              otherwise the final model/ and the recipe's finish; the process group goes, then the
              recipe's work that must run without one (`Recipe.after_shutdown`)
@@ -41,6 +42,7 @@ from isotrain.parallel.dist import DistInfo, barrier, init_distributed, shutdown
 from isotrain.parallel.mesh import ParallelState, build_parallel
 from isotrain.parallel.tp import check_replicated
 from isotrain.train.metrics import MetricsWriter, last_logged_step
+from isotrain.train.progress import Progress
 from isotrain.train.run_dir import own_output_dir
 from isotrain.train.run_loop import LoopSettings, RunState, run_loop, stopped_message
 from isotrain.train.schedule import schedule_settings
@@ -141,7 +143,7 @@ class Recipe:
 
 def run_session(cfg: RunConfig, make_recipe, console: Console | None = None) -> RunResult:
     """Run the recipe `make_recipe(cfg, degrees)` from start to its final model (or a stop signal)."""
-    info = init_distributed()
+    info = init_distributed(cfg.parallel.timeout_s)
     console = console or Console(stderr=False)
     recipe = None
     try:
@@ -174,7 +176,7 @@ def _own(session: Session, scope: ExitStack) -> None:
         session.log(placement_line(info, session.degrees))
     barrier()
     seed_everything(cfg.train.seed, cfg.train.deterministic)
-    session.parallel = build_parallel(session.degrees, info.device, info.rank)
+    session.parallel = build_parallel(session.degrees, info.device, info.rank, info.timeout_s)
 
 
 def _run(session: Session, recipe: Recipe) -> RunResult:
@@ -195,9 +197,11 @@ def _run(session: Session, recipe: Recipe) -> RunResult:
     model_dir = None
     try:
         _write_row(writer, state.step, recipe.start(state))
-        settings = LoopSettings(cfg.train.max_steps, cfg.train.log_every, cfg.logging.progress, recipe.eval_every)
+        settings = LoopSettings(cfg.train.max_steps, cfg.train.log_every, cfg.logging.progress, recipe.eval_every,
+                                cfg.checkpoint.preempt_grace_s)
+        progress = Progress(session.output_dir, info.rank, info.world_size, checkpoints.run_id, info.timeout_s)
         run_loop(settings, info, state, recipe.step, checkpoints, writer, session.console, recipe.evaluate,
-                 after_first_step=lambda: check_replicated(recipe.model, session.parallel.tp_group))
+                 after_first_step=lambda: check_replicated(recipe.model, session.parallel.tp_group), progress=progress)
         if state.stopped_by is None:
             model_dir = checkpoints.save_model(session.output_dir / MODEL_DIR)
             _write_row(writer, state.step, recipe.finish(state, model_dir))

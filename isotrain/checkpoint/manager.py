@@ -17,6 +17,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -156,7 +157,8 @@ class CheckpointManager:
         self.root = checkpoints_root(cfg.output_dir)
         self.save_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         # Saves talk over their own group so a background save never interleaves with training collectives.
-        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.parallel.timeout_s))
+                      if world_size > 1 else None)
         self.run_id = broadcast_in_group(uuid.uuid4().hex[:12], rank, self.group)
         self.static = static_files(model, tokenizer, self.save_dtype) if rank == 0 else {}
         self.last_saved_step: int | None = None

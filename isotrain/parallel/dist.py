@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
 import uuid
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from isotrain.errors import IsotrainError
 from isotrain.parallel.dims import launched_by_torchrun, restart_count
@@ -22,6 +25,7 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    timeout_s: float | None = None  # parallel.timeout_s: how long a rank waits in one collective (None: torch's)
 
     @property
     def is_main(self) -> bool:
@@ -32,11 +36,13 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed() -> DistInfo:
+def init_distributed(timeout_s: float | None = None) -> DistInfo:
     """Join the process group torchrun describes in the environment; a plain process is rank 0 of 1.
 
     A one-process torchrun launch joins a group of one too, so it runs the code of a many-rank job (its mesh,
-    NCCL on a GPU, FSDP2 with parallel.dp_shard=-1)."""
+    NCCL on a GPU, FSDP2 with parallel.dp_shard=-1). `timeout_s` (parallel.timeout_s) bounds every collective of
+    the group: a rank that waits longer for a peer gets an error (gloo) that the run loop turns into one sentence
+    naming the silent rank (train/progress.py); NCCL's watchdog ends the process instead."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -49,11 +55,57 @@ def init_distributed() -> DistInfo:
         options = {}
         if device.type == "cuda":  # bound to this rank's GPU: NCCL's communicators start at once, on the right device
             options["device_id"] = device
+        if timeout_s is not None:
+            options["timeout"] = timedelta(seconds=timeout_s)
+            global _collective_timeout
+            _collective_timeout = options["timeout"]
         store = _attempt_store()
         if store is not None:
             options.update(store=store, rank=rank, world_size=world_size)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", **options)
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, timeout_s=timeout_s)
+
+
+_collective_timeout = default_pg_timeout  # the default group's, as init_distributed set it
+
+
+@contextlib.contextmanager
+def _patient():
+    """The default group waits at least torch's 30 minutes inside the block: for a first rank's download or data
+    cache (local_main_first), work that parallel.timeout_s, sized for steps, does not bound."""
+    if _collective_timeout >= default_pg_timeout:
+        yield
+        return
+    dist.set_timeout(default_pg_timeout)
+    try:
+        yield
+    finally:
+        dist.set_timeout(_collective_timeout)
+
+
+def set_timeouts(groups, timeout_s: float | None) -> None:
+    """Give `groups` (a mesh's sub-groups, made by torch with its default timeout) the run's collective timeout."""
+    if timeout_s is None or not dist.is_initialized():
+        return
+    for group in groups:
+        dist.set_timeout(timedelta(seconds=timeout_s), group)
+
+
+# How a gloo collective fails when a peer does not take part: it times out, or the peer that timed out first
+# closes its connections. Raised as RuntimeError (DistBackendError and its kin are RuntimeErrors too).
+_PEER_FAILURES = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer")
+
+
+def failed_collective(err: BaseException) -> str | None:
+    """"timed out" or "failed" when `err` is a collective that a peer did not complete; None for any other error."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err)
+    if "imed out" in text:
+        return "timed out"
+    if isinstance(err, dist.DistError) or any(words in text for words in _PEER_FAILURES):
+        return "failed"
+    return None
 
 
 def _attempt_store():
@@ -67,8 +119,6 @@ def _attempt_store():
     The restart count is the agent's; every worker of a node shares it (see docs/resume.md for several nodes)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    from torch.distributed.constants import default_pg_timeout
-
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=default_pg_timeout)
     return dist.PrefixStore(f"isotrain/attempt-{restart_count()}", store)
@@ -151,7 +201,8 @@ def local_main_first(local_rank: int, work, shared_dir: Path | None = None):
         except IsotrainError as err:
             error = err
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)  # also the wait: no rank passes before every first run is done
+    with _patient():
+        dist.all_gather_object(errors, error)  # also the wait: no rank passes before every first run is done
     if probe is not None and rank == 0:
         probe.unlink(missing_ok=True)
     first_error = next((err for err in errors if err is not None), None)

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from isotrain.parallel.dims import DEGREE_NAMES, ParallelDims
+from isotrain.parallel.dist import set_timeouts
 
 
 @dataclass(frozen=True)
@@ -71,14 +72,17 @@ def _ep_mesh(dims: ParallelDims, mesh: DeviceMesh, dp: DeviceMesh, device: torch
     return DeviceMesh(device.type, mesh.mesh.reshape(*shape, dims.tp), mesh_dim_names=("ep_replicate", "ep", "tp"))
 
 
-def build_parallel(dims: ParallelDims, device: torch.device, rank: int) -> ParallelState:
+def build_parallel(dims: ParallelDims, device: torch.device, rank: int,
+                   timeout_s: float | None = None) -> ParallelState:
     """The 3-D mesh (every axis present, size 1 or more) and the flattened DP axis; a process outside any process
-    group has none (a one-process torchrun launch has one: parallel/dist.py)."""
+    group has none (a one-process torchrun launch has one: parallel/dist.py). Every group of the mesh waits
+    `timeout_s` (parallel.timeout_s) in a collective, as the default group does."""
     if dims.world_size == 1 and not torch.distributed.is_initialized():
         return single_process(dims)
     mesh = init_device_mesh(device.type, tuple(getattr(dims, n) for n in DEGREE_NAMES), mesh_dim_names=DEGREE_NAMES)
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     ep_mesh = _ep_mesh(dims, mesh, dp, device) if dims.ep > 1 else None
+    set_timeouts([*mesh.get_all_groups(), dp.get_group(), *(ep_mesh.get_all_groups() if ep_mesh else [])], timeout_s)
     return ParallelState(
         dims=dims,
         mesh=mesh,

@@ -36,9 +36,9 @@ from isotrain.parallel.dist import DistInfo, broadcast_from_main, gather_from_al
 
 LOCK = ".isotrain.lock"
 MARKER = ".isotrain"
-# What a run writes into its output_dir (session.py, recipes/, train/setup.py, train/metrics.py).
+# What a run writes into its output_dir (session.py, recipes/, train/setup.py, train/metrics.py, train/progress.py).
 RUN_FILES = {"config.yaml", "metrics.jsonl", "checkpoints", "model", "tokenizer", "engine_tokenizer", "tensorboard",
-             LOCK, MARKER}
+             "progress", LOCK, MARKER}
 # Only these prove that an isotrain run wrote a directory (a config.yaml alone may be the user's own).
 RUN_EVIDENCE = ("metrics.jsonl", "checkpoints", "model")
 # Leftovers of a write cut short: atomic_write_text's and save's temporaries, this module's own.

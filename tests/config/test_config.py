@@ -88,6 +88,20 @@ def test_non_finite_optimizer_settings_are_refused(override, expected):
         load_config(None, [override], recipe="rl" if override.startswith("rl.") else "train")
 
 
+@pytest.mark.parametrize("override, expected", [
+    ("parallel.timeout_s=0", "config value parallel.timeout_s=0 is invalid: Input should be greater than 0; use a "
+     "finite number of seconds > 0, e.g. 600 (longer than a step or a save takes)"),
+    ("parallel.timeout_s=.inf", "config value parallel.timeout_s=inf is invalid: Input should be a finite number"),
+    ("checkpoint.preempt_grace_s=-5", "config value checkpoint.preempt_grace_s=-5 is invalid: Input should be greater "
+     "than 0; use a finite number of seconds > 0, e.g. 90, or null to always save after a signal"),
+])
+def test_timeouts_must_be_positive_and_finite(override, expected):
+    with pytest.raises(ConfigError, match="^" + re.escape(expected)):
+        load_config(None, [override])
+    cfg = load_config(None, [])
+    assert (cfg.parallel.timeout_s, cfg.checkpoint.preempt_grace_s) == (600.0, None)
+
+
 def test_a_key_written_twice_is_refused_with_its_lines(tmp_path):
     path = tmp_path / "twice.yaml"
     path.write_text("model:\n  config:\n    model_type: llama\ntrain:\n  lr: 1.0e-3\n  seed: 1\n  lr: 2.0e-3\n")

@@ -11,7 +11,7 @@ GradCache runs a step in phases, and each term below is what one phase holds (do
   4. one forward with gradient at a time, of at most embed.chunk_tokens padded tokens (0: a micro-batch's texts in
      one forward), whose activations live until its backward; beside it, all step long, the vectors of every local
      text twice (as embedded, then split into queries / positives / negatives), their fp32 gradient cache, one
-     micro-batch's concatenated rows of it, and the local text ids.
+     micro-batch's concatenated rows of it, the running forward's own vectors, and the local text ids.
 
 Texts are assumed data.max_seq_len tokens long, the longest a text is cut to (data are not read), so a forward of
 chunk_tokens padded tokens holds chunk_tokens // max_seq_len texts; hard negatives are embed.hard_negatives per

@@ -19,7 +19,8 @@ import sys
 import torch
 
 from isotrain.memory.embed_step import count_loss, watch_backward
-from isotrain.memory.measure import fsdp_groups, fsdp_buffers, gradient_bytes, optimizer_bytes, parameter_bytes, storage_bytes
+from isotrain.memory.measure import (fsdp_buffers, fsdp_groups, gradient_bytes, optimizer_bytes, parameter_bytes,
+                                     storage_bytes)
 from isotrain.memory.saved import count_saved
 from isotrain.parallel.apply import decoder_layers
 

@@ -139,7 +139,7 @@ def cmd_config_show(args) -> int:
 
 
 def _print_estimate(cfg, world_size: int, dtype: str | None, as_json: bool, device: str | None = None) -> None:
-    from isotrain.config import RLRunConfig
+    from isotrain.config import EmbedRunConfig, RLRunConfig
     from isotrain.errors import ConfigError
     from isotrain.memory.estimate import estimate_memory, memory_table
     from isotrain.sizes import plan_batches, plan_rl_batches
@@ -149,7 +149,12 @@ def _print_estimate(cfg, world_size: int, dtype: str | None, as_json: bool, devi
         raise ConfigError(f"--world-size {world_size} is invalid; pass the number of processes, 1 or more")
     plan = plan_rl_batches if isinstance(cfg, RLRunConfig) else plan_batches
     plan(cfg, resolve_dims(cfg.parallel, world_size))  # the sizes the run would refuse, refused here too
-    estimate = estimate_memory(cfg, world_size, dtype, device=device)
+    if isinstance(cfg, EmbedRunConfig):  # GradCache's step (docs/memory.md)
+        from isotrain.memory.estimate_embed import estimate_embed_memory
+
+        estimate = estimate_embed_memory(cfg, world_size, dtype, device=device)
+    else:
+        estimate = estimate_memory(cfg, world_size, dtype, device=device)
     if as_json:
         print(estimate.as_json())
     else:
@@ -158,16 +163,13 @@ def _print_estimate(cfg, world_size: int, dtype: str | None, as_json: bool, devi
 
 def cmd_estimate_memory(args) -> int:
     from isotrain.config import build_config, infer_recipe, load_tree
-    from isotrain.errors import ConfigError
 
     path, overrides = _split_config_and_overrides(args)
+    if args.recipe == "embed":  # no config: the bundled embedding example, as `isotrain embed` runs it
+        overrides = _embed_overrides(path, overrides)
     tree = load_tree(path, overrides, recipe=args.recipe or "train")
     recipe = args.recipe or infer_recipe(tree)  # as config show: told by the sections only one recipe reads
-    if recipe == "embed":
-        raise ConfigError("isotrain estimate-memory estimates the steps of isotrain train and isotrain rl, not yet an "
-                          "embedding step (docs/memory.md); size an embedding run by its parameters (16 bytes each for "
-                          "weights, gradients and AdamW moments) plus one forward of embed.chunk_tokens tokens")
-    cfg = build_config(tree, recipe)  # an SFT step, or RL's policy update step (docs/memory.md)
+    cfg = build_config(tree, recipe)  # an SFT step, RL's policy update step or the embedding step (docs/memory.md)
     _print_estimate(cfg, int(os.environ.get("WORLD_SIZE", args.world_size)), args.dtype, args.json, args.device)
     return 0
 
@@ -212,9 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="storage/compute dtype to estimate (default: model.dtype); float8: 1-byte weights with "
                         "per-tensor scales, fp32 masters, bf16 compute")
     memory.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    memory.add_argument("--recipe", choices=("train", "rl"), default=None,
+    memory.add_argument("--recipe", choices=("train", "rl", "embed"), default=None,
                         help="the command whose config tree to read (default: told by the config's own sections: rl "
-                             "or rollout -> rl, else train); rl estimates the policy's update step")
+                             "or rollout -> rl, embed -> embed, else train); rl estimates the policy's update step, "
+                             "embed the GradCache step (always fp32: isotrain embed applies no compute dtype)")
     memory.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="where the run computes, which decides the attention kernel (default: a GPU if one is "
                              "visible here, else cpu)")

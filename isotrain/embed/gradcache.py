@@ -124,6 +124,12 @@ def global_loss_and_grads(local_q, local_p, local_n, ids, settings: LossSettings
     return float(loss.detach()), [grad.to(t.dtype) for grad, t in zip(local, (local_q, local_p, local_n))]
 
 
+def cached_surrogate(vectors: torch.Tensor, cached: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """Σ_e ⟨e, g_e⟩ over one forward's vectors [n, H] (texts `positions` of the micro-batch) and their rows of the
+    gradient cache `cached` [texts, H]: its backward gives the parameters (∂e/∂θ)ᵀ g_e (step 4)."""
+    return (vectors * cached[torch.tensor(positions, device=cached.device)]).sum()
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether FSDP2 wraps `model` (its collectives then run inside every forward and backward)."""
     from torch.distributed.fsdp import FSDPModule
@@ -181,7 +187,7 @@ def embed_forward_backward(model: nn.Module, micro_batches: list[EmbedMicroBatch
         cached = torch.cat([grad_q[q_at:q_at + m], grad_p[p_at:p_at + m], grad_n[n_at:n_at + k]])
         q_at, p_at, n_at = q_at + m, p_at + m, n_at + k
         for positions, v in _encode(model, mb, f, s, options, device):
-            (v * cached[torch.tensor(positions, device=cached.device)]).sum().backward()
+            cached_surrogate(v, cached, positions).backward()
     for _ in range(num_dummy):
         _dummy_pass(model, micro_batches[0], options, device, backward=True)
     sum_gradients(model, group)  # 5.

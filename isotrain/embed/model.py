@@ -82,8 +82,12 @@ def build_embedder(cfg, tokenizer, device: torch.device, parallel: ParallelState
     if parallel is None or not parallel.dims.fsdp:
         parallel = single_process(ParallelDims(1, 1, 1))
     model = build(cfg.model, tokenizer, cfg.train.seed, parallel, device, model_class=AutoModel)
-    # An encoder's pooler head (BERT's tanh layer on [CLS]) is not part of any pooling here: it gets no
-    # gradient, so it is frozen (kept as loaded, saved as is) rather than left without optimizer state.
+    freeze_pooler(model)
+    return model
+
+
+def freeze_pooler(model: torch.nn.Module) -> None:
+    """An encoder's pooler head (BERT's tanh layer on [CLS]) is not part of any pooling here: it gets no
+    gradient, so it is frozen (kept as loaded, saved as is) rather than left without optimizer state."""
     if getattr(model, "pooler", None) is not None:
         model.pooler.requires_grad_(False)
-    return model

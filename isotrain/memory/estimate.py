@@ -74,30 +74,38 @@ class MemoryEstimate:
 
 def model_state_terms(model, config, degrees: ParallelDims, dtype: str, tp_rank: int = 0,
                       shard_rank: int = 0) -> list[Term]:
-    """Parameters, masters, gradients and AdamW moments of the rank at (tp_rank, shard_rank)."""
+    """Parameters, masters, gradients and AdamW moments of the rank at (tp_rank, shard_rank). A frozen parameter
+    (requires_grad False: an encoder's unused pooler) has no gradient and no optimizer state."""
     storage, _ = DTYPES[dtype]
     split = tp_split_dims(model, config) if degrees.tp > 1 else {}
     # Measured: under TP the vocabulary-parallel embedding's gradient arrives whole on every TP rank (all
     # vocabulary rows, as a partial sum) and is split only by the update's redistribution.
     embedding = model.get_input_embeddings().weight
     experts = expert_parameter_names(model)
-    padded = unpadded = tensors = grads = 0
+    padded = unpadded = tensors = trained_tensors = grads = trained = 0
     for name, param in model.named_parameters():
         shape, expert = tuple(param.shape), name in experts
-        padded += local_numel(shape, split.get(name), degrees, tp_rank, shard_rank, padded=True, expert=expert)
+        local = local_numel(shape, split.get(name), degrees, tp_rank, shard_rank, padded=True, expert=expert)
+        padded += local
+        tensors += 1
+        if not param.requires_grad:
+            continue
+        trained += local
         unpadded += local_numel(shape, split.get(name), degrees, tp_rank, shard_rank, padded=False, expert=expert)
         grad_split = None if param is embedding and not degrees.fsdp else split.get(name)
         grads += local_numel(shape, grad_split, degrees, tp_rank, shard_rank, padded=True, expert=expert)
-        tensors += 1
+        trained_tensors += 1
     low = storage.itemsize < FP32_BYTES
+    frozen = f"; {padded - trained:,} frozen elements have none" if trained != padded else ""
     terms = [Term("parameters", padded * storage.itemsize + (tensors * FP32_BYTES if low else 0),
                   f"{padded:,} elements × {storage.itemsize} B" + (" + one fp32 scale per tensor" if low else "")),
              Term("fp32 master weights", padded * FP32_BYTES if low else 0,
                   "separate fp32 copy" if low else "the fp32 parameters are the masters"),
              Term("gradients", grads * FP32_BYTES,
-                  "fp32" + ("; TP: the embedding's gradient is whole until the update" if grads != padded else "")),
-             Term("optimizer moments", unpadded * 2 * FP32_BYTES + tensors * FP32_BYTES,
-                  "AdamW exp_avg + exp_avg_sq fp32, step")]
+                  "fp32" + ("; TP: the embedding's gradient is whole until the update" if grads != trained else "")
+                  + frozen),
+             Term("optimizer moments", unpadded * 2 * FP32_BYTES + trained_tensors * FP32_BYTES,
+                  "AdamW exp_avg + exp_avg_sq fp32, step" + frozen)]
     return terms
 
 
@@ -109,9 +117,9 @@ class _Unsharded:
     padded: int = 0
 
 
-def _unsharded_groups(model, config, degrees: ParallelDims) -> tuple[_Unsharded, _Unsharded, _Unsharded]:
-    """(root, the root's parameters used after the decoder layers, largest decoder layer) of this TP rank; under
-    expert parallelism without the experts, which FSDP2 leaves alone."""
+def _unsharded_groups(model, config, degrees: ParallelDims) -> tuple[_Unsharded, _Unsharded, _Unsharded, _Unsharded]:
+    """(root, its trainable parameters, its trainable parameters used after the decoder layers, largest decoder
+    layer) of this TP rank; under expert parallelism without the experts, which FSDP2 leaves alone."""
     from isotrain.parallel.apply import decoder_layers
 
     split = tp_split_dims(model, config) if degrees.tp > 1 else {}
@@ -128,14 +136,25 @@ def _unsharded_groups(model, config, degrees: ParallelDims) -> tuple[_Unsharded,
     layers = decoder_layers(model)
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_layers]
-    # The input embedding's gradient comes last in backward; the final norm and the head's (the embedding's too
-    # when tied to the head) come first.
-    embedding = model.get_input_embeddings().weight
+    trained = [p for p in root if p.requires_grad]
+    # The input embeddings' gradients come last in backward (BERT's position and token-type embeddings and their
+    # norm with them); the final norm's and the head's (the embedding's too when tied to the head) come first.
+    embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
-    tied = output is not None and output.weight is embedding
-    after = [p for p in root if p is not embedding or tied]
-    return group(root), group(after), max((group(layer.parameters()) for layer in layers),
-                                          key=lambda g: g.padded, default=_Unsharded())
+    tied = output is not None and output.weight is embedding.weight
+    before = {id(p) for p in _embedding_block(model, embedding).parameters()}
+    after = [p for p in trained if id(p) not in before or (tied and p is embedding.weight)]
+    return group(root), group(trained), group(after), max((group(layer.parameters()) for layer in layers),
+                                                           key=lambda g: g.padded, default=_Unsharded())
+
+
+def _embedding_block(model, embedding):
+    """The module that embeds the input: BERT's `embeddings` (word, position and token-type embeddings and their
+    norm), or the input embedding itself where it sits directly in the base model beside the final norm."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    modules = dict(model.named_modules())
+    parent = modules[next(name for name, module in modules.items() if module is embedding).rpartition(".")[0]]
+    return embedding if parent is base or parent is model else parent
 
 
 def fsdp_terms(model, config, degrees: ParallelDims, dtype: str) -> list[Term]:
@@ -155,13 +174,13 @@ def fsdp_terms(model, config, degrees: ParallelDims, dtype: str) -> list[Term]:
     if not degrees.fsdp:
         return []
     storage, compute = DTYPES[dtype]
-    root, after, layer = _unsharded_groups(model, config, degrees)
+    root, trained_root, after, layer = _unsharded_groups(model, config, degrees)
     gathered_numel = root.padded + layer.padded + max(root.padded, layer.padded)
     gathered = gathered_numel * compute.itemsize
     if storage.itemsize < FP32_BYTES:
         gathered += gathered_numel * storage.itemsize
     during_layers = (layer.numel + after.numel) * compute.itemsize + layer.padded * FP32_BYTES
-    at_root = root.numel * compute.itemsize + max(layer.padded, root.padded) * FP32_BYTES
+    at_root = trained_root.numel * compute.itemsize + max(layer.padded, trained_root.padded) * FP32_BYTES
     experts = " (experts excluded: expert parallel)" if degrees.ep > 1 else ""
     return [Term("FSDP2 all-gather buffers", gathered,
                  "root + layer + max(root, layer) unsharded, padded, compute dtype" + experts),
@@ -311,7 +330,7 @@ def memory_table(estimate: MemoryEstimate):
     ep = f", ep {s['ep']}" if "ep" in s else ""
     title = (f"per-rank memory (rank 0 of {s['world_size']}: dp_replicate {s['dp_replicate']}, dp_shard "
              f"{s['dp_shard']}, tp {s['tp']}{ep}; {s['dtype']} on {s['device']}; "
-             f"micro-batch {s['micro_batch_size']} × {s['max_seq_len']})")
+             f"micro-batch {s['micro_batch_size']} × {s['max_seq_len']}; step: {s['step']})")
     table = Table(title=title)
     table.add_column("term")
     table.add_column("MiB", justify="right")

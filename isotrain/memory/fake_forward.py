@@ -158,3 +158,62 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
             forward_loss(model, input_ids, position_ids, labels, weights, autocast_dtype, router=router, saved=saved,
                          chunk_tokens=chunk_tokens)
     return saved
+
+
+@contextlib.contextmanager
+def _rows_without_padding():
+    """Rows holding real tokens only. Transformers reads a real padding mask of all ones and drops it (no mask: the
+    fused or causal kernel), but cannot read a fake one, so it would build a [B, 1, L, L] mask the real forward does
+    not have; its skip checks are asked as for no padding mask, which is what an all-ones mask means."""
+    import transformers.masking_utils as masking
+
+    causal, bidirectional = masking._ignore_causal_mask_sdpa, masking._ignore_bidirectional_mask_sdpa
+    masking._ignore_causal_mask_sdpa = lambda padding_mask, *args, **kwargs: causal(None, *args, **kwargs)
+    masking._ignore_bidirectional_mask_sdpa = lambda padding_mask, *args, **kwargs: bidirectional(None, *args,
+                                                                                                   **kwargs)
+    try:
+        yield
+    finally:
+        masking._ignore_causal_mask_sdpa, masking._ignore_bidirectional_mask_sdpa = causal, bidirectional
+
+
+@contextlib.contextmanager
+def _keyed_dropout_on_full_rows():
+    """embed/dropout.py reads each row's real span off the attention mask (a data-dependent read that fake tensors
+    cannot do); every row is all real tokens here, so its span is the whole row. The masks it then draws, and the
+    float multipliers it keeps for backward, are the real forward's."""
+    import isotrain.embed.dropout as dropout
+
+    original = dropout.row_spans
+    dropout.row_spans = lambda attention_mask: [(0, attention_mask.shape[1])] * attention_mask.shape[0]
+    try:
+        yield
+    finally:
+        dropout.row_spans = original
+
+
+def fake_encode(config, attn_implementation: str, *, num_texts: int, seq_len: int, pooling: str,
+                padding_side: str = "right", device: str = "cpu") -> SavedBytes:
+    """What one forward with gradient of GradCache's second pass (embed/gradcache.py, step 4) keeps for its
+    backward: `num_texts` texts of `seq_len` real tokens each through the recipe's own `encode_chunk` (the base
+    model in fp32, as isotrain embed builds it, in train mode: dropout keyed per text, eager attention while the
+    model has attention dropout), then the product with their rows of the gradient cache (`cached_surrogate`).
+    `device` ("cpu" or "cuda") decides the attention kernel, as in `fake_forward`."""
+    from transformers import AutoModel
+
+    from isotrain.embed.encode import EncodeOptions, encode_chunk
+    from isotrain.embed.gradcache import cached_surrogate
+    from isotrain.embed.model import freeze_pooler
+
+    with (FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _rows_without_padding(),
+          _keyed_dropout_on_full_rows()):
+        model = AutoModel.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model.config.use_cache = False
+        freeze_pooler(model)
+        model.train()
+        options = EncodeOptions(pooling=pooling, padding_side=padding_side)
+        texts = list(range(num_texts))
+        with count_saved(model, decoder_layers(model)) as saved:
+            vectors = encode_chunk(model, [[0] * seq_len for _ in texts], texts, options, torch.device("cpu"))
+            cached_surrogate(vectors, torch.zeros(num_texts, vectors.shape[-1]), texts)
+    return saved

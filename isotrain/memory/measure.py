@@ -69,7 +69,7 @@ def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_p
     return result
 
 
-def _fsdp_groups(model: nn.Module) -> list:
+def fsdp_groups(model: nn.Module) -> list:
     """FSDP2's parameter groups of every fully_shard-ed module of `model` (private FSDP2 state, read only)."""
     return [group for module in model.modules() if hasattr(module, "_get_fsdp_state")
             for group in module._get_fsdp_state()._fsdp_param_groups]
@@ -109,7 +109,7 @@ def fsdp_buffers(model: nn.Module) -> Iterator[dict]:
     all-gather output still exists; a post-backward copies the gradients into a new reduce-scatter input, after
     freeing the previous one, before it drops them. So those moments hold what is alive on return plus the flat
     output / the gradients seen on entry."""
-    groups = _fsdp_groups(model)
+    groups = fsdp_groups(model)
     peak = {"gathered": 0, "reduce": 0}
     if not groups:
         yield peak
@@ -170,7 +170,7 @@ def measure_terms(model: nn.Module, optimizer: torch.optim.Optimizer, options, b
     with fsdp_buffers(model) as buffers:
         saved = activation_bytes(model, on_device, options.autocast_dtype, options.loss_parallel, options.router,
                                  options.loss_chunk_tokens)
-    if _fsdp_groups(model):
+    if fsdp_groups(model):
         measured["FSDP2 all-gather buffers"] = buffers["gathered"]
         measured["FSDP2 reduce-scatter buffers"] = buffers["reduce"]
     measured["activations"] = saved["activations"]

@@ -102,10 +102,11 @@ def _tensors(args, kwargs) -> list[torch.Tensor]:
 @contextlib.contextmanager
 def count_saved(model: nn.Module, layers: list[nn.Module]):
     """Count, while the block runs a forward (only: a backward would add the recomputed layers), what `model`
-    keeps for backward. `layers`: its decoder layers (their inputs are kept under activation checkpointing)."""
+    keeps for backward. `layers`: its decoder layers (their inputs are kept under activation checkpointing).
+    A model without an output head (AutoModel) has no `logits_loss` part: all it saves is `activations`."""
     saved = SavedBytes()
-    head = model.get_output_embeddings()
-    handles = [
+    head = model.get_output_embeddings()  # None for a base model without a head (an embedding encoder)
+    handles = [] if head is None else [
         head.register_forward_pre_hook(lambda mod, args: setattr(saved, "in_head", True)),
         head.register_forward_hook(lambda mod, args, out: _note_logits(saved, out)),
     ]

@@ -3,7 +3,8 @@
 Launched by test_equivalence.py with torchrun (real processes, gloo) or in-process for 1 rank:
     equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive|ac] [chunk=N]
 LAYOUTS: e.g. 2x1x1,1x2x1,1x1x2 = DDP, FSDP2, TP (dp_replicate x dp_shard x tp), with an optional 4th degree
-for expert parallelism (1x2x1x2 = FSDP2 2 with EP 2, for the MoE families); `ac` checkpoints every
+for expert parallelism (1x2x1x2 = FSDP2 2 with EP 2, for the MoE families) and an optional 5th for context
+parallelism (1x1x1x1x2 = CP 2 alone, 1x2x1x1x2 = FSDP2 2 × CP 2: ParallelDims' field order); `ac` checkpoints every
 decoder layer's activations. One launch covers every given layout (a mesh and a model each), both loss
 reductions, in fp32 and in fp64: results[(dp_replicate, dp_shard, tp)][(reduction, dtype)]; run() is one
 layout in this process. `chunk=N` also runs every layout without TP with the chunked cross-entropy
@@ -64,6 +65,8 @@ def make_samples(num: int = 16, seed: int = 0) -> list[Sample]:
 FAMILIES = {
     "llama": {},
     "llama_tied": {"model_type": "llama", "tie_word_embeddings": True},
+    # One KV head: fewer than any context-parallel degree, so Ulysses repeats it (multi-query attention).
+    "llama_mqa": {"num_key_value_heads": 1},
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 8},
     "mistral": {"model_type": "mistral", "sliding_window": None},
@@ -80,9 +83,9 @@ def tiny_model(dtype: torch.dtype, family: str = "llama"):
     torch.manual_seed(0)
     extra = dict(FAMILIES[family])
     model_type = extra.pop("model_type", "llama")
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=64, **extra)
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    config = AutoConfig.for_model(model_type, **{**sizes, **extra})
     config.use_cache = False
     # MoE: transformers' per-expert loop, the reference math (its default grouped_mm kernel has no fp64 on CPU).
     kwargs = {"experts_implementation": "eager"} if model_type in ("qwen3_moe", "mixtral") else {}

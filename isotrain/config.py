@@ -342,6 +342,18 @@ class ParallelConfig(Section):
         "data-parallel ranks, which exchange tokens with all-to-all; must divide dp_replicate × dp_shard and the "
         "number of experts.",
     )
+    cp: int = Field(
+        1,
+        gt=0,
+        description="Context-parallel degree: each sequence split into this many contiguous pieces, one per rank; "
+        "attention heads are exchanged with all-to-all (Ulysses), so it must divide the attention heads "
+        "(docs/parallelism.md). Takes ranks of its own: world size = dp_replicate × dp_shard × cp × tp.",
+    )
+    cp_style: Literal["ulysses", "ring"] = Field(
+        "ulysses",
+        description="How context-parallel ranks attend across pieces: `ulysses` (all-to-all over heads); `ring` "
+        "(KV blocks passed around the ranks, for degrees beyond the head count) is not built yet.",
+    )
     timeout_s: float = Field(
         600.0, gt=0, allow_inf_nan=False,
         description="Seconds a rank waits in one collective for the others before the run stops, naming the step "
@@ -705,6 +717,9 @@ class RLRunConfig(RunConfig):
 
     @model_validator(mode="after")
     def _sft_only_fields(self) -> RLRunConfig:
+        if self.parallel.cp > 1:
+            raise ValueError(f"parallel.cp={self.parallel.cp} is built for isotrain train only; the RL trainer's "
+                             "forwards do not split sequences yet: set parallel.cp=1")
         if self.data.packing:
             raise ValueError("data.packing=true does not apply to RL, whose rows are one prompt and its sampled "
                              "response each; remove data.packing from the RL config")
@@ -721,6 +736,9 @@ class EmbedRunConfig(RunConfig):
 
     @model_validator(mode="after")
     def _sft_only_fields(self) -> EmbedRunConfig:
+        if self.parallel.cp > 1:
+            raise ValueError(f"parallel.cp={self.parallel.cp} is built for isotrain train only; isotrain embed "
+                             "pools whole sequences on one rank: set parallel.cp=1")
         if self.train.loss_chunk_tokens:
             raise ValueError(f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} applies to the SFT cross-entropy "
                              "only, and isotrain embed has no vocabulary logits; remove train.loss_chunk_tokens")

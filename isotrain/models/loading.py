@@ -143,11 +143,15 @@ def check_layout_fits(cfg: ModelConfig, dims) -> None:
     """Before any work: the model's heads, KV heads and MLP width split over `parallel.tp`, and the family has
     a tensor-parallel plan; under expert parallelism, the model has experts and `parallel.ep` divides their number.
     (The vocabulary, known once the tokenizer exists, is checked when building.)"""
-    if dims.tp == 1 and dims.ep == 1:
+    if dims.tp == 1 and dims.ep == 1 and dims.cp == 1:
         return
     from isotrain.parallel.dims import check_model_fits
     from isotrain.parallel.tp import layer_plan
 
+    if dims.cp > 1 and cfg.attn_implementation not in (None, "sdpa"):
+        raise ConfigError(f"parallel.cp={dims.cp} runs its own attention over SDPA, not "
+                          f"model.attn_implementation={cfg.attn_implementation}; leave model.attn_implementation "
+                          "unset or set it to sdpa")
     config = declared_config(cfg)
     # A fresh model's vocabulary is not known before the tokenizer exists; the builder checks it.
     check_model_fits(dims, config, check_vocab=cfg.name_or_path is not None)

@@ -1,6 +1,7 @@
 """Apply parallelism to a built model, in one fixed order:
 
-    tensor parallel | expert parallel -> activation checkpointing -> torch.compile -> FSDP2 (or HSDP) | DDP
+    tensor parallel | expert parallel | context parallel -> activation checkpointing -> torch.compile
+        -> FSDP2 (or HSDP) | DDP
 
 TP first, because it changes what a parameter is (a DTensor shard on the "tp" axis); checkpointing and
 compile then wrap the already-split computation; FSDP2 last, sharding over the data-parallel axes what
@@ -10,6 +11,9 @@ parallelised before its weights exist and each rank materialises only its own sh
 Data-parallel gradients are SUMMED, never averaged: every micro-batch already divides by the *global*
 number of trained tokens (or sequences), so the sum over DP ranks is exactly the gradient of the
 global-batch mean (invariant 1).
+
+Context parallelism (parallel/cp.py) only swaps the attention function; its ranks join the gradient sum as DP
+ranks do (FSDP2 over dp_shard × cp, DDP over dp_replicate × cp: parallel/mesh.py).
 
 Expert parallelism (parallel/ep.py) makes the experts DTensors on the "ep" axis; FSDP2 and DDP leave them
 out (FSDP2's ignored parameters, DDP's ignore list) and `sync_expert_grads` sums their gradients over the
@@ -25,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from isotrain.parallel.cp import apply_cp
 from isotrain.parallel.dist import all_reduce_flat
 from isotrain.parallel.ep import apply_ep, expert_parameters, sync_expert_grads
 from isotrain.parallel.mesh import ParallelState
@@ -82,7 +87,7 @@ def apply_fsdp(model: nn.Module, parallel: ParallelState, compute_dtype: torch.d
 
 
 def apply_ddp(model: nn.Module, parallel: ParallelState) -> nn.Module:
-    group = parallel.mesh["dp_replicate"].get_group()
+    group = parallel.replica_group()  # dp_replicate, × cp under context parallelism (parallel/mesh.py)
     experts = {id(p) for p in expert_parameters(model)}
     if experts:  # EP DTensors: not DDP's to broadcast or reduce (sync_expert_grads sums them)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
@@ -121,6 +126,8 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
         apply_tp(model, parallel.tp_mesh, loss_parallel)
     if parallel.ep_mesh is not None:
         apply_ep(model, parallel.ep_mesh)
+    if parallel.dims.cp > 1:
+        apply_cp(model)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile:
@@ -131,12 +138,12 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
 
 
 def wrap_replicas(model: nn.Module, parallel: ParallelState, trainable: bool = True) -> nn.Module:
-    """DDP over dp_replicate when nothing is sharded over DP. It broadcasts nothing that matters (every
+    """DDP over dp_replicate (× cp) when nothing is sharded over DP. It broadcasts nothing that matters (every
     rank loaded the same weights) but needs them to exist, so it comes after loading. Under TP the
     replicas' gradients are summed by `sync_replica_grads` instead (DDP does not take DTensors)."""
     if not trainable or parallel.mesh is None or parallel.dims.fsdp or parallel.dims.tp > 1:
         return model
-    if parallel.dims.dp_replicate > 1:
+    if parallel.dims.dp_replicate * parallel.dims.cp > 1:
         return apply_ddp(model, parallel)
     return model
 

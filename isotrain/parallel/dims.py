@@ -1,11 +1,14 @@
 """The parallel degrees of a run, resolved from the config and checked in plain Python before any work.
 
-    world size = dp_replicate × dp_shard × tp          DP size = dp_replicate × dp_shard
+    world size = dp_replicate × dp_shard × cp × tp          DP size = dp_replicate × dp_shard
 
 `ep` (expert parallel) takes no ranks of its own: its groups are carved out of the DP ranks, so it must
 divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every MoE layer's experts
 (parallel/ep.py); with tensor parallelism there is one such group per TP coordinate (ep × tp composes).
-`cp` has its place here but only 1 is accepted until context parallelism lands.
+`cp` (context parallel) takes ranks of its own, like `tp`: the `cp` ranks of a DP rank hold the same micro-batches
+and each runs one contiguous piece of every sequence (parallel/cp.py); Ulysses exchanges attention heads, so `cp`
+must divide the heads, and the key/value heads or be a multiple of them (KV heads are then repeated). CP is not
+combined with TP or EP yet (`check_cp`), and `cp_style=ring` is refused until it is built.
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
@@ -19,7 +22,8 @@ from dataclasses import dataclass
 
 from isotrain.errors import ConfigError
 
-DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp")
+DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp")  # the degrees that may be -1 ("the rest")
+WORLD_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")  # every degree that takes ranks, in the mesh's order
 
 
 def launched_by_torchrun() -> bool:
@@ -56,7 +60,8 @@ class ParallelDims:
 
     def as_rows(self) -> list[tuple[str, int]]:
         rows = [(name, getattr(self, name)) for name in DEGREE_NAMES]
-        return rows + [("ep", self.ep)] if self.ep > 1 else rows
+        rows += [("ep", self.ep)] if self.ep > 1 else []
+        return rows + [("cp", self.cp)] if self.cp > 1 else rows
 
 
 def resolve_dims(cfg, world_size: int) -> ParallelDims:
@@ -70,12 +75,15 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
         raise ConfigError(
             f"parallel.{auto[0]} and parallel.{auto[1]} are both -1; at most one degree can take the remaining ranks"
         )
-    fixed = 1
+    cp = getattr(cfg, "cp", 1)
+    check_cp(cp, getattr(cfg, "cp_style", "ulysses"), degrees["tp"], getattr(cfg, "ep", 1))
+    fixed = cp
     for value in degrees.values():
         fixed *= value if value != -1 else 1
     if auto:
         if world_size % fixed:
-            named = [f"parallel.{name}={value}" for name, value in degrees.items() if value not in (-1, 1)]
+            named = [f"parallel.{name}={value}" for name, value in [*degrees.items(), ("cp", cp)]
+                     if value not in (-1, 1)]
             needs = " × ".join(named) + (f" = {fixed}" if len(named) > 1 else "")
             launched = f"{world_size} process was" if world_size == 1 else f"{world_size} processes were"
             raise ConfigError(
@@ -85,17 +93,34 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
         degrees[auto[0]] = world_size // fixed
     # One torchrun process joins a process group of one (parallel/dist.py), so dp_shard=-1 can shard over it.
     one_rank = cfg.dp_shard == -1 and degrees["dp_shard"] == 1 and launched_by_torchrun()
-    dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1), shard_one_rank=one_rank)
+    dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1), cp=cp, shard_one_rank=one_rank)
     if dims.world_size != world_size:
-        product = " × ".join(str(getattr(dims, n)) for n in DEGREE_NAMES)
+        names = [n for n in WORLD_NAMES if n != "cp" or cp > 1]
+        product = " × ".join(str(getattr(dims, n)) for n in names)
         launch = (f"launch {dims.world_size} processes (torchrun --nproc-per-node {dims.world_size})"
                   if world_size < dims.world_size else "make the product equal the number of processes")
         launched = f"{world_size} process was" if world_size == 1 else f"{world_size} processes were"
         raise ConfigError(
-            f"parallel.dp_replicate × dp_shard × tp = {product} = {dims.world_size} but {launched} launched; {launch}"
+            f"parallel.{' × '.join(names)} = {product} = {dims.world_size} but {launched} launched; {launch}"
         )
     check_ep(dims)
     return dims
+
+
+def check_cp(cp: int, style: str, tp: int, ep: int) -> None:
+    """What context parallelism is built for: Ulysses, without TP (both would split the heads) and without EP
+    (its token all-to-all and global router terms are not written for split sequences)."""
+    if cp == 1:
+        return
+    if style == "ring":
+        raise ConfigError(f"parallel.cp_style=ring is not built yet; set parallel.cp_style=ulysses with a "
+                          f"parallel.cp (now {cp}) that divides the model's attention heads")
+    if tp > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.tp={tp} is not supported yet (both split the attention "
+                          "heads); set parallel.tp=1 and use parallel.dp_shard for the other ranks, or parallel.cp=1")
+    if ep > 1:
+        raise ConfigError(f"parallel.cp={cp} with parallel.ep={ep} is not supported yet; set parallel.ep=1 or "
+                          "parallel.cp=1")
 
 
 def check_ep(dims: ParallelDims) -> None:
@@ -169,6 +194,7 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
     experts into `ep` parts; refuse a model whose numbers do not divide, naming them (config: a transformers
     PretrainedConfig)."""
     _check_experts_fit(dims.ep, config)
+    check_cp_fits(dims.cp, config)
     if dims.tp == 1:
         return
     tp = dims.tp
@@ -193,3 +219,28 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
             f"over {tp} ranks; set model.config.vocab_size to a multiple of {tp} (e.g. {_multiple_hint(vocab, tp)}) "
             "for a fresh model, or use a parallel.tp that divides it"
         )
+
+
+def check_cp_fits(cp: int, config) -> None:
+    """Ulysses gives each of the `cp` ranks heads / cp whole query heads over the whole sequence: `cp` divides the
+    heads; the KV heads are split the same way, or repeated up to `cp` when there are fewer (then `cp` must be a
+    multiple of them, so that each rank's query heads share one KV head). Attention over whole sequences knows no
+    sliding window, and MoE router terms are not split over pieces: both refused."""
+    if cp == 1:
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads is not None and heads % cp:
+        raise ConfigError(f"parallel.cp={cp} does not divide the model's attention heads (num_attention_heads="
+                          f"{heads}), which Ulysses splits over the context-parallel ranks; use a parallel.cp that "
+                          f"divides {heads}")
+    if kv_heads is not None and kv_heads % cp and cp % kv_heads:
+        raise ConfigError(f"parallel.cp={cp} neither divides nor is a multiple of the model's key/value heads "
+                          f"(num_key_value_heads={kv_heads}); use a parallel.cp that divides {kv_heads} or is a "
+                          f"multiple of it")
+    if getattr(config, "sliding_window", None):
+        raise ConfigError(f"parallel.cp={cp} attends over whole sequences, and this {config.model_type} model has a "
+                          f"sliding window of {config.sliding_window} tokens; set parallel.cp=1")
+    if is_moe(config):
+        raise ConfigError(f"parallel.cp={cp} is not supported for mixture-of-experts models yet (their router terms "
+                          "are formed from whole sequences); set parallel.cp=1")

@@ -1,6 +1,8 @@
 """One DeviceMesh for the run, with named axes, and the groups every reduction uses.
 
-    mesh axes: ("dp_replicate", "dp_shard", "tp")       flattened: "dp" = dp_replicate × dp_shard
+    mesh axes: ("dp_replicate", "dp_shard", "cp", "tp")  flattened: "dp" = dp_replicate × dp_shard
+    context parallel (cp > 1), flattened as torchtitan does: "dp_shard_cp" = dp_shard × cp (what FSDP2 shards
+                     over), "dp_replicate_cp" = dp_replicate × cp (what DDP sums over when nothing is sharded)
     expert parallel: "dp" unflattened into ("ep_replicate", "ep") = (DP size / ep, ep); with TP the mesh
                      ("ep_replicate", "ep", "tp"), experts on its ("ep", "tp") part as (Shard(0), Replicate())
 
@@ -10,7 +12,15 @@ ranks with the same "ep" coordinate hold the same experts and sum their gradient
 
 Ranks that differ only in their "tp" coordinate hold the same data. So the sampler, the token and loss
 counts, the RL rollout split and every data metric use the DP rank and the DP group, never the world:
-summing over the world would count each sample `tp` times.
+summing over the world would count each sample `tp` times. The same holds for "cp": the CP ranks of a DP rank
+hold the same micro-batches (each runs its piece of every sequence), so counts are summed over DP, and only the
+loss values, which each CP rank computes for its own tokens, are summed over CP too (train/step.py).
+
+Gradients under CP: every CP rank backpropagates the loss of its own tokens, and the all-to-all's backward carries
+into its activations the gradient of the other ranks' losses, so a replicated weight's whole gradient is the SUM
+over the CP ranks of their parts, exactly as over DP ranks. That is why CP joins the data-parallel axes of the
+gradient reduction: FSDP2 shards over dp_shard × cp (its reduce-scatter sums over both, and each rank keeps
+1/(dp_shard·cp) of the weights and AdamW state), DDP sums over dp_replicate × cp.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from isotrain.parallel.dims import DEGREE_NAMES, ParallelDims
+from isotrain.parallel.dims import WORLD_NAMES, ParallelDims
 from isotrain.parallel.dist import set_timeouts
 
 
@@ -38,6 +48,8 @@ class ParallelState:
     dp_group: object = None
     tp_group: object = None
     ep_mesh: DeviceMesh | None = None  # ("ep_replicate", "ep"[, "tp"]), only when dims.ep > 1
+    cp_rank: int = 0
+    cp_group: object = None  # the ranks that split one micro-batch's sequences; None when cp == 1
 
     @property
     def world_size(self) -> int:
@@ -52,10 +64,16 @@ class ParallelState:
         return self.mesh["tp"] if self.mesh is not None and self.dims.tp > 1 else None
 
     def dp_mesh(self) -> DeviceMesh:
-        """The data-parallel axes FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard."""
+        """The axes FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard; with context parallelism
+        dp_shard × cp takes dp_shard's place (the CP ranks' gradients are summed like the shards')."""
+        shard = "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
         if self.dims.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
+            return self.mesh["dp_replicate", shard]
+        return self.mesh[shard]
+
+    def replica_group(self):
+        """The group DDP sums gradients over when nothing is sharded: dp_replicate, times cp under CP."""
+        return self.mesh["dp_replicate_cp" if self.dims.cp > 1 else "dp_replicate"].get_group()
 
 
 def single_process(dims: ParallelDims) -> ParallelState:
@@ -79,10 +97,14 @@ def build_parallel(dims: ParallelDims, device: torch.device, rank: int,
     `timeout_s` (parallel.timeout_s) in a collective, as the default group does."""
     if dims.world_size == 1 and not torch.distributed.is_initialized():
         return single_process(dims)
-    mesh = init_device_mesh(device.type, tuple(getattr(dims, n) for n in DEGREE_NAMES), mesh_dim_names=DEGREE_NAMES)
+    mesh = init_device_mesh(device.type, tuple(getattr(dims, n) for n in WORLD_NAMES), mesh_dim_names=WORLD_NAMES)
     dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     ep_mesh = _ep_mesh(dims, mesh, dp, device) if dims.ep > 1 else None
-    set_timeouts([*mesh.get_all_groups(), dp.get_group(), *(ep_mesh.get_all_groups() if ep_mesh else [])], timeout_s)
+    cp_meshes = []
+    if dims.cp > 1:
+        cp_meshes = [mesh["dp_shard", "cp"]._flatten("dp_shard_cp"), mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp")]
+    set_timeouts([*mesh.get_all_groups(), dp.get_group(), *(ep_mesh.get_all_groups() if ep_mesh else []),
+                  *(m.get_group() for m in cp_meshes)], timeout_s)
     return ParallelState(
         dims=dims,
         mesh=mesh,
@@ -92,4 +114,6 @@ def build_parallel(dims: ParallelDims, device: torch.device, rank: int,
         dp_group=dp.get_group(),
         tp_group=mesh["tp"].get_group(),
         ep_mesh=ep_mesh,
+        cp_rank=mesh["cp"].get_local_rank(),
+        cp_group=mesh["cp"].get_group() if dims.cp > 1 else None,
     )

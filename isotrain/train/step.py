@@ -8,6 +8,9 @@ Order of a step (the invariant each stage keeps is in brackets):
      terms, each micro-batch its exact share of the global aux / z-loss (isotrain/moe/; with `global` scope and
      several micro-batches a no-grad routing pre-pass first gives the global expert counts);
   3. all-reduce the summed loss values (and router values) over DP [the logged loss is the global objective];
+     under context parallelism each CP rank ran one piece of every sequence (parallel/cp.py), so its loss sum
+     is summed over CP as well, while the counts of step 1, taken from the whole micro-batches that every CP rank
+     of a DP rank holds alike, are summed over DP only (summed over CP they would count each token cp times);
   4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
      global grad norm (every element counted once, one fp64 all-reduce), clip, set the lr, optimizer step;
      a NaN or infinite loss or norm stops the run before the update [weights and checkpoints stay finite].
@@ -36,6 +39,7 @@ from isotrain.moe.prepass import begin_router_step
 from isotrain.moe.settings import RouterSettings
 from isotrain.parallel.dist import all_reduce_sum
 from isotrain.parallel.apply import sync_replica_grads
+from isotrain.parallel.cp import context_parallel_attention, local_piece, pad_rows, padded_length
 from isotrain.train.chunked_loss import no_positions, sft_chunked_forward
 from isotrain.train.loss import loss_weights, token_losses
 
@@ -145,8 +149,10 @@ def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator,
     come back summed over DP, from the same all-reduce as the loss (else None)."""
     local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
-        # Vocabulary-parallel cross-entropy: forward and backward both run inside loss_parallel.
-        with _sync_context(model, i == len(micro_batches) - 1), _loss_parallel(options):
+        # Vocabulary-parallel cross-entropy: forward and backward both run inside loss_parallel; so does context
+        # parallel attention (activation checkpointing recomputes the forward inside the backward).
+        with _sync_context(model, i == len(micro_batches) - 1), _loss_parallel(options), \
+                _context_parallel(options, mb, device):
             if router is None:
                 weighted_sum = loss_sum(mb, _autocast(options, device))
                 (weighted_sum / denominator).backward()
@@ -156,10 +162,33 @@ def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator,
         local_loss_sum += weighted_sum.detach().double()
     if options.parallel is not None:
         sync_replica_grads(model, options.parallel)
+    cp_group = options.parallel.cp_group if options.parallel is not None else None
+    if cp_group is not None:  # (a group of None would be the world) the pieces' sums: Σ_t over whole sequences
+        local_loss_sum = all_reduce_sum(local_loss_sum, cp_group)
     if router is None:
         return all_reduce_sum(local_loss_sum, options.dp_group), None
     values = all_reduce_sum(torch.cat([local_loss_sum.reshape(1), router.local_values()]), options.dp_group)
     return values[0], values[1:]
+
+
+def _context_parallel(options: StepOptions, mb: dict, device: torch.device):
+    """Context parallel attention over the whole rows of `mb` (their position ids padded to a multiple of cp), or
+    nothing without CP."""
+    parallel = options.parallel
+    if parallel is None or parallel.dims.cp == 1:
+        return contextlib.nullcontext()
+    positions = mb["position_ids"]
+    positions = pad_rows(positions, padded_length(positions.shape[1], parallel.dims.cp), None)
+    return context_parallel_attention(parallel.cp_group, positions.to(device))
+
+
+def _cp_piece(mb: dict, weights: torch.Tensor, options: StepOptions) -> tuple[dict, torch.Tensor]:
+    """This CP rank's piece of the micro-batch and of its loss weights (computed on the whole rows); the whole
+    micro-batch without CP."""
+    parallel = options.parallel
+    if parallel is None or parallel.dims.cp == 1:
+        return mb, weights
+    return local_piece(mb, parallel.cp_rank, parallel.dims.cp, weights)
 
 
 def _sft_forward(model: nn.Module, mb: dict, options: StepOptions, device: torch.device):
@@ -175,9 +204,10 @@ def _sft_loss_sum(model: nn.Module, options: StepOptions, device: torch.device, 
     With `router` (MoE): loss_sum(mb, autocast, index) -> (that sum, the micro-batch's router term)."""
 
     def loss_sum(mb: dict, autocast, index: int | None = None):
+        weights, _ = loss_weights(mb["labels"].to(device), mb["segment_ids"].to(device), options.loss_reduction)
+        mb, weights = _cp_piece(mb, weights, options)
         labels = mb["labels"].to(device)
         segments = mb["segment_ids"].to(device)
-        weights, _ = loss_weights(labels, segments, options.loss_reduction)
         if options.loss_chunk_tokens:  # the forward computes Σ_t weight_t · ℓ_t itself, chunk by chunk
             with autocast:
                 output = sft_chunked_forward(model, mb, weights, options.loss_chunk_tokens, options.document_mask,

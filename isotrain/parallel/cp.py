@@ -1,0 +1,187 @@
+"""Context parallelism, Ulysses style: each of the `cp` ranks of a DP rank runs one contiguous piece of every
+sequence of a micro-batch, and attention exchanges heads for sequence with two all-to-alls.
+
+    piece r of a row of L tokens (padded to a multiple of cp): tokens [r·L/cp, (r+1)·L/cp)
+    attention on rank r:  q, k, v [B, H, L/cp, D]  --all-to-all-->  [B, H/cp, L, D]  (heads r·H/cp ...)
+                          causal SDPA over the whole sequence for those heads (per document when packed)
+                          out [B, H/cp, L, D]  --all-to-all-->  [B, H, L/cp, D]
+
+Everything outside attention is per token (embeddings, norms, MLP, RoPE with the piece's own position ids, the
+head and the cross-entropy of pre-shifted labels), so a contiguous split changes no token's computation: every
+rank sees the whole sequence for its heads, which is what makes the math that of one process. (A causal load
+balance of the pieces matters for ring attention, not for Ulysses, whose SDPA covers the whole sequence.)
+Key/value heads fewer than `cp` are repeated first (`cp` a multiple of them, checked in parallel/dims.py), so
+each rank receives the KV head its query heads use; autograd sums the copies' gradients back.
+
+The backward of an all-to-all is the reverse all-to-all (`_AllToAll`); it also carries the gradient of the
+other ranks' losses into this rank's q/k/v, so a replicated weight's gradient is the sum over the CP ranks of
+their parts (parallel/mesh.py: CP joins the data-parallel gradient reduction).
+
+The exchange happens only inside `context_parallel_attention(...)`, which the step enters around each micro-batch's
+forward and backward (the recompute of activation checkpointing runs in the backward). Outside it, the registered
+attention is plain SDPA over whatever the rank holds: the packing probe and evaluation run whole sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+NAME = "isotrain_ulysses"  # the transformers attention implementation a CP model runs
+
+IGNORE_INDEX = -100
+_SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+
+
+class _Active(threading.local):
+    group = None  # the CP group while a CP micro-batch runs
+    mask = None  # [B, 1, L, L] per-document causal mask of the whole rows, or None: plain causal
+
+
+_active = _Active()
+
+
+def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Cut `x` into `cp` chunks along `scatter_dim`, send chunk j to rank j, and concatenate what every rank sent
+    this one along `gather_dim`, in rank order."""
+    cp = dist.get_world_size(group)
+    send = torch.stack(x.chunk(cp, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`_all_to_all` with autograd: the gradient goes back by the reverse exchange (gather and scatter swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad.contiguous(), ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, H, L/cp, D] (this rank's piece, every head) -> [B, H/cp, L, D] (this rank's heads, the whole rows)."""
+    return _AllToAll.apply(x, group, 1, 2)
+
+
+def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """The inverse: [B, H/cp, L, D] -> [B, H, L/cp, D]."""
+    return _AllToAll.apply(x, group, 2, 1)
+
+
+def ulysses_attention(query, key, value, group, mask: torch.Tensor | None = None, dropout: float = 0.0,
+                      scaling: float | None = None) -> torch.Tensor:
+    """Causal attention of the rows that the CP ranks of `group` hold in pieces: query [B, H, L/cp, D], key/value
+    [B, Hkv, L/cp, D] -> [B, H, L/cp, D]. `mask`: [B, 1, L, L] boolean (True attends) over the whole rows, or None
+    for plain causal attention."""
+    cp = dist.get_world_size(group)
+    if key.shape[1] % cp:  # fewer KV heads than ranks: rank r's query heads all read KV head r // (cp / Hkv)
+        repeats = cp // key.shape[1]
+        key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))
+    q, k, v = (sequence_to_heads(t.contiguous(), group) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                         scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+    return heads_to_sequence(out, group)
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs):
+    """transformers' attention interface: query [B, H, L/cp, D], key/value [B, Hkv, L/cp, D] ->
+    ([B, L/cp, H, D], None). The mask transformers built for the piece alone is not used: causality and document
+    bounds come from the whole rows (`context_parallel_attention`)."""
+    if _active.group is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = ulysses_attention(query, key, value, _active.group, _active.mask, dropout, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Make NAME a transformers attention implementation (idempotent); its masks are sdpa's."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME
+
+
+def apply_cp(model: torch.nn.Module) -> None:
+    """Run the model's attention through NAME (the SDPA the model was built with, sequence-parallel inside
+    `context_parallel_attention`). The config object is shared by every module of a transformers model."""
+    model.config._attn_implementation = register()
+
+
+def padded_length(length: int, cp: int) -> int:
+    return -(-length // cp) * cp
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """[B, 1, L, L] causal mask within documents of whole rows (a document starts wherever a position id does not
+    go up by 1, transformers' rule), or None when no row holds more than one document (plain causal)."""
+    starts = torch.diff(position_ids, dim=-1) != 1
+    if not bool(starts.any()):
+        return None
+    segments = torch.cat([torch.zeros_like(position_ids[:, :1]), starts.cumsum(-1)], dim=-1)
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
+
+
+def pad_rows(tensor: torch.Tensor, length: int, fill) -> torch.Tensor:
+    """`tensor` [B, L, ...] extended to `length` along dim 1 with `fill`; position ids (fill=None) continue each
+    row's count, so the padding belongs to the last document, as collate's does."""
+    extra = length - tensor.shape[1]
+    if extra == 0:
+        return tensor
+    if fill is None:
+        tail = tensor[:, -1:] + torch.arange(1, extra + 1, device=tensor.device, dtype=tensor.dtype)
+    else:
+        tail = torch.full((tensor.shape[0], extra, *tensor.shape[2:]), fill, dtype=tensor.dtype,
+                          device=tensor.device)
+    return torch.cat([tensor, tail], dim=1)
+
+
+_FILL = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": None, "segment_ids": -1}
+
+
+def local_piece(mb: dict, cp_rank: int, cp: int, weights: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
+    """This rank's piece of micro-batch `mb` (its sequence tensors padded to a multiple of `cp`, then cut) and of
+    its per-token loss `weights`, which the caller computed on the whole rows (a sequence-mean weight 1/n_s counts
+    the document's tokens in every piece). Padding trains nothing (label -100, weight 0) and, at the end of a
+    row, is attended by no real token. Other entries of `mb` are kept as they are (counts of the whole rows)."""
+    length = padded_length(mb["input_ids"].shape[1], cp)
+    size = length // cp
+    piece = dict(mb)
+    for key in _SEQUENCE_KEYS:
+        piece[key] = pad_rows(mb[key], length, _FILL[key])[:, cp_rank * size:(cp_rank + 1) * size]
+    if weights is not None:
+        weights = pad_rows(weights, length, 0)[:, cp_rank * size:(cp_rank + 1) * size]
+    return piece, weights
+
+
+@contextlib.contextmanager
+def context_parallel_attention(group, position_ids: torch.Tensor | None):
+    """Inside: NAME attention exchanges heads over `group`, attending causally within the documents of the whole
+    rows whose position ids are `position_ids` [B, L] (already padded to a multiple of cp). group None: nothing."""
+    if group is None:
+        yield
+        return
+    previous = (_active.group, _active.mask)
+    _active.group, _active.mask = group, document_mask(position_ids)
+    try:
+        yield
+    finally:
+        _active.group, _active.mask = previous

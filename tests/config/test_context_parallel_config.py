@@ -1,0 +1,106 @@
+"""parallel.cp and parallel.cp_style: where CP takes its ranks, what it leaves to DP, and every refusal as the one
+sentence a user sees (`isotrain config show`, which checks what a run checks before any work)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig
+
+from helpers import assert_error_sentence
+from test_early_checks import cli
+
+from isotrain.config import ParallelConfig, build_config, load_config
+from isotrain.errors import ConfigError
+from isotrain.parallel.dims import check_cp_fits, resolve_dims
+from isotrain.sizes import plan_batches
+
+TINY = ["model.config.hidden_size=32", "model.config.num_hidden_layers=1", "model.config.intermediate_size=64"]
+
+
+def test_cp_takes_ranks_of_its_own_and_dp_stays_pure():
+    dims = resolve_dims(ParallelConfig(cp=2), 4)  # dp_replicate=-1 takes the rest
+    assert (dims.dp_replicate, dims.dp_shard, dims.cp, dims.world_size, dims.dp_size) == (2, 1, 2, 4, 2)
+    cfg = load_config(None, ["parallel.cp=2", "train.global_batch_size=8", "train.micro_batch_size=2"])
+    plan = plan_batches(cfg, resolve_dims(cfg.parallel, 4))
+    assert (plan.dp_size, plan.grad_accum_steps, plan.samples_per_rank_per_step) == (2, 2, 4)
+    with pytest.raises(ConfigError, match=r"^parallel.dp_replicate × dp_shard × cp × tp = 1 × 2 × 2 × 1 = 4 but 2 "
+                                          r"processes were launched"):
+        resolve_dims(ParallelConfig(dp_replicate=1, dp_shard=2, cp=2), 2)
+    with pytest.raises(ConfigError, match=r"^parallel.cp=2 needs a multiple of 2 processes, but 3 processes were"):
+        resolve_dims(ParallelConfig(cp=2), 3)
+
+
+@pytest.mark.parametrize("settings, sentence", [
+    (dict(cp=2, cp_style="ring"), "parallel.cp_style=ring is not built yet; set parallel.cp_style=ulysses with a "
+     "parallel.cp (now 2) that divides the model's attention heads"),
+    (dict(cp=2, tp=2), "parallel.cp=2 with parallel.tp=2 is not supported yet (both split the attention heads); set "
+     "parallel.tp=1 and use parallel.dp_shard for the other ranks, or parallel.cp=1"),
+    (dict(cp=2, ep=2), "parallel.cp=2 with parallel.ep=2 is not supported yet; set parallel.ep=1 or parallel.cp=1"),
+])
+def test_unbuilt_combinations_are_refused(settings, sentence):
+    with pytest.raises(ConfigError) as err:
+        resolve_dims(ParallelConfig(**settings), 4)
+    assert str(err.value) == sentence
+
+
+def test_ring_is_accepted_by_the_schema_and_cp_1_ignores_it():
+    assert resolve_dims(ParallelConfig(cp_style="ring"), 2).cp == 1
+
+
+@pytest.mark.parametrize("sizes, cp, sentence", [
+    (dict(num_attention_heads=4, num_key_value_heads=2), 3, "parallel.cp=3 does not divide the model's attention "
+     "heads (num_attention_heads=4), which Ulysses splits over the context-parallel ranks; use a parallel.cp that "
+     "divides 4"),
+    (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48), 2, "parallel.cp=2 neither divides nor is a "
+     "multiple of the model's key/value heads (num_key_value_heads=3); use a parallel.cp that divides 3 or is a "
+     "multiple of it"),
+    (dict(model_type="mistral", sliding_window=16), 2, "parallel.cp=2 attends over whole sequences, and this mistral "
+     "model has a sliding window of 16 tokens; set parallel.cp=1"),
+    (dict(model_type="qwen3_moe", num_experts=4), 2, "parallel.cp=2 is not supported for mixture-of-experts models "
+     "yet (their router terms are formed from whole sequences); set parallel.cp=1"),
+])
+def test_models_that_do_not_split_are_refused(sizes, cp, sentence):
+    sizes = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, **sizes}
+    config = AutoConfig.for_model(sizes.pop("model_type", "llama"), **sizes)
+    with pytest.raises(ConfigError) as err:
+        check_cp_fits(cp, config)
+    assert str(err.value) == sentence
+
+
+def test_fewer_kv_heads_than_the_degree_are_accepted():
+    check_cp_fits(4, AutoConfig.for_model("llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=2))
+    check_cp_fits(4, AutoConfig.for_model("llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=1))
+
+
+def test_config_show_prints_the_cp_degree(capsys):
+    proc = cli(capsys, ["config", "show", *TINY, "parallel.cp=2", "parallel.dp_shard=2", "parallel.dp_replicate=1",
+                        "train.micro_batch_size=4", "--world-size", "4"])
+    assert proc.returncode == 0, proc.stderr
+    assert "  cp: 2\n  cp_style: ulysses\n" in proc.stdout
+    assert "# dp_shard: 2\n# tp: 1\n# cp: 2\n# world_size: 4\n# dp_size: 2\n" in proc.stdout
+
+
+def test_config_show_refuses_heads_that_do_not_split(capsys):
+    proc = cli(capsys, ["config", "show", *TINY, "model.config.num_attention_heads=4", "parallel.cp=3",
+                        "--world-size", "3"])
+    assert_error_sentence(proc, "parallel.cp=3 does not divide the model's attention heads (num_attention_heads=4), "
+                          "which Ulysses splits over the context-parallel ranks; use a parallel.cp that divides 4")
+
+
+def test_config_show_refuses_another_attention_kernel(capsys):
+    proc = cli(capsys, ["config", "show", *TINY, "model.config.num_attention_heads=4", "parallel.cp=2",
+                        "model.attn_implementation=eager", "--world-size", "2"])
+    assert_error_sentence(proc, "parallel.cp=2 runs its own attention over SDPA, not model.attn_implementation=eager; "
+                          "leave model.attn_implementation unset or set it to sdpa")
+
+
+@pytest.mark.parametrize("recipe, sentence", [
+    ("rl", "parallel.cp=2 is built for isotrain train only; the RL trainer's forwards do not split sequences yet: "
+     "set parallel.cp=1"),
+    ("embed", "parallel.cp=2 is built for isotrain train only; isotrain embed pools whole sequences on one rank: set "
+     "parallel.cp=1"),
+])
+def test_rl_and_embed_refuse_cp(recipe, sentence):
+    tree = {"model": {"config": {"model_type": "llama"}}, "data": {"path": "x.jsonl"}, "parallel": {"cp": 2}}
+    with pytest.raises(ConfigError, match=sentence.replace("(", r"\(").replace(")", r"\)")):
+        build_config(tree, recipe)

@@ -270,7 +270,7 @@ def placement_line(info: DistInfo, degrees: ParallelDims) -> str:
         group = f"process group: {dist.get_backend()}, {count}"
     else:
         group = "one process, no process group"
-    sharded = f"; FSDP2 over {degrees.dp_shard} rank(s)" if degrees.fsdp else ""
+    sharded = f"; FSDP2 over {degrees.dp_shard * degrees.cp} rank(s)" if degrees.fsdp else ""  # dp_shard × cp
     return f"device: {device}; {group}{sharded}"
 
 

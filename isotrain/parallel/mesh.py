@@ -102,7 +102,8 @@ def build_parallel(dims: ParallelDims, device: torch.device, rank: int,
     ep_mesh = _ep_mesh(dims, mesh, dp, device) if dims.ep > 1 else None
     cp_meshes = []
     if dims.cp > 1:
-        cp_meshes = [mesh["dp_shard", "cp"]._flatten("dp_shard_cp"), mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp")]
+        cp_meshes = [mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+                     mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp")]
     set_timeouts([*mesh.get_all_groups(), dp.get_group(), *(ep_mesh.get_all_groups() if ep_mesh else []),
                   *(m.get_group() for m in cp_meshes)], timeout_s)
     return ParallelState(

@@ -23,8 +23,8 @@ def test_cp_takes_ranks_of_its_own_and_dp_stays_pure():
     cfg = load_config(None, ["parallel.cp=2", "train.global_batch_size=8", "train.micro_batch_size=2"])
     plan = plan_batches(cfg, resolve_dims(cfg.parallel, 4))
     assert (plan.dp_size, plan.grad_accum_steps, plan.samples_per_rank_per_step) == (2, 2, 4)
-    with pytest.raises(ConfigError, match=r"^parallel.dp_replicate × dp_shard × cp × tp = 1 × 2 × 2 × 1 = 4 but 2 "
-                                          r"processes were launched"):
+    with pytest.raises(ConfigError,
+                       match=r"^parallel.dp_replicate × dp_shard × cp × tp = 1 × 2 × 2 × 1 = 4 but 2 processes were"):
         resolve_dims(ParallelConfig(dp_replicate=1, dp_shard=2, cp=2), 2)
     with pytest.raises(ConfigError, match=r"^parallel.cp=2 needs a multiple of 2 processes, but 3 processes were"):
         resolve_dims(ParallelConfig(cp=2), 3)

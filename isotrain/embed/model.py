@@ -91,13 +91,13 @@ def build_embedder(cfg, tokenizer, device: torch.device, parallel: ParallelState
     With FSDP2 (`parallel.dims.fsdp`) each rank holds its shard, and FSDP2's reduce-scatter sums the gradients
     (divide factor 1). Otherwise every rank holds the whole model and no DDP wrapper is applied: the GradCache
     step sums the gradients itself (gradcache.py), since its backwards are not one per micro-batch."""
+    from isotrain.train.setup import compute_dtype
+
+    check_embed_settings(cfg)
     config = model_config(cfg.model, tokenizer)
     check_embedder(config, cfg.embed.pooling, cfg.embed.matryoshka_dims)
     if parallel is None or not parallel.dims.fsdp:
         parallel = single_process(ParallelDims(1, 1, 1))
-    from isotrain.train.setup import compute_dtype
-
-    check_embed_settings(cfg)
     model = build(cfg.model, tokenizer, cfg.train.seed, parallel, device, model_class=AutoModel,
                   compute_dtype=compute_dtype(cfg), activation_checkpointing=cfg.train.activation_checkpointing == "full",
                   checkpoint_context_fn=checkpoint_contexts)

@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_argument("--recipe", choices=("train", "rl", "embed"), default=None,
                         help="the command whose config tree to read (default: told by the config's own sections: rl "
                              "or rollout -> rl, embed -> embed, else train); rl estimates the policy's update step, "
-                             "embed the GradCache step (always fp32: isotrain embed applies no compute dtype)")
+                             "embed the GradCache step (float32 or bfloat16)")
     memory.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="where the run computes, which decides the attention kernel (default: a GPU if one is "
                              "visible here, else cpu)")

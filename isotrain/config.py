@@ -296,7 +296,8 @@ class TrainConfig(Section):
     deterministic: bool = Field(False, description="Use deterministic algorithms so CPU runs are bit-reproducible.")
     compile: bool = Field(
         False, description="torch.compile each decoder layer (never the root, so attention stays causal without a mask); the loss is unchanged to fp tolerance. "
-        "With data.packing, every row is padded to data.max_seq_len so that the model compiles for one shape."
+        "With data.packing, every row is padded to data.max_seq_len so that the model compiles for one shape. "
+        "`isotrain embed` refuses it (its per-text dropout masks cannot be compiled yet)."
     )
     loss_chunk_tokens: int = Field(
         0, ge=0, description="SFT (`isotrain train`): compute the cross-entropy over chunks of this many trained "

@@ -20,6 +20,12 @@ call of `torch.nn.functional.dropout` (how transformers' eager attention drops a
 functional call is its own site, numbered in call order, which the model's code fixes, not the batch).
 Attention dropout inside torch's fused kernel (sdpa `dropout_p`) cannot be keyed per row, so the model runs
 eager attention while its attention dropout is on; a fused call with dropout left over is refused.
+
+Activation checkpointing (train.activation_checkpointing=full) recomputes each encoder layer in backward, after the
+forward's context has closed. `checkpoint_contexts` (torch.utils.checkpoint's `context_fn`) notes, as a layer's
+forward starts, the keyed forward that runs it and how many times each site had run; the layer's recompute then runs
+inside that forward's masks again, from those counts, so it draws exactly the masks of its first forward (a site's
+mask depends on its call count, and backward recomputes the layers in reverse order).
 """
 
 from __future__ import annotations
@@ -84,6 +90,12 @@ class KeyedDropout:
         self.calls: dict[str, int] = {}
         self.num_functional = 0
         self.generator = torch.Generator()
+
+    def replay(self) -> KeyedDropout:
+        """The same masks from this point of the forward on (the sites' call counts as they are now)."""
+        again = KeyedDropout(self.seeds, self.spans, self.padded_len)
+        again.calls, again.num_functional = dict(self.calls), self.num_functional
+        return again
 
     def _is_attention(self, x: torch.Tensor, where: str) -> bool:
         """True for attention probabilities [B, heads, T, T], False for an activation [B, T, ...]; else refused."""
@@ -154,11 +166,35 @@ def _refuse_fused_dropout(fused):
     return guarded
 
 
+_running: list[tuple[nn.Module, KeyedDropout]] = []  # the keyed forward open now (model, masks), if any
+
+
+def checkpoint_contexts():
+    """torch.utils.checkpoint's `context_fn` (parallel/apply.py): called as a checkpointed layer's forward starts, it
+    returns (the forward's context, the recompute's); inside a keyed forward the recompute's draws the masks this
+    forward draws from here on (module docstring)."""
+    if not _running:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    model, keyed = _running[-1]
+    return contextlib.nullcontext(), _keyed_sites(model, keyed.replay())
+
+
 @contextlib.contextmanager
 def keyed_dropout(model: nn.Module, seeds: list[int], attention_mask: torch.Tensor):
     """Inside: `model`'s forward on a padded batch (`attention_mask` [B, T]) draws every dropout mask per row,
     keyed by `seeds` (one per row). Everything swapped is restored on exit."""
     keyed = KeyedDropout(seeds, row_spans(attention_mask), attention_mask.shape[1])
+    _running.append((model, keyed))
+    try:
+        with _keyed_sites(model, keyed):
+            yield keyed
+    finally:
+        _running.pop()
+
+
+@contextlib.contextmanager
+def _keyed_sites(model: nn.Module, keyed: KeyedDropout):
+    """Every dropout site of `model` draws `keyed`'s masks inside; eager attention while attention dropout is on."""
     config = getattr(model, "config", None)
     saved_kernel = None
     if model.training and config is not None and attention_dropout(config) > 0 \

@@ -5,10 +5,16 @@ no random number depends on the layout: each text has a seed from (seed, step, g
 and every dropout mask of its row is drawn from that seed over its real positions only (dropout.py), so its
 masks are the same whichever rank, micro-batch, chunk or neighbours hold it, and the same in the no-gradient
 and the gradient pass of a step.
+
+Mixed precision (model.dtype=bfloat16): the model computes in bf16, cast by FSDP2 when it shards the model, else by
+autocast over the fp32 weights (`EncodeOptions.autocast_dtype`), the same in both passes of a step, so the
+gradients cached by the first pass are those of the vectors the second pass recomputes. The pooled vectors are
+fp32 either way (pooled after an upcast): the contrastive loss and similarities keep their precision (fp64).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 
@@ -28,6 +34,7 @@ class EncodeOptions:
     padding_side: str = "right"
     chunk_tokens: int = 0  # most padded tokens per forward; 0: no bound
     seed: int = 0
+    autocast_dtype: torch.dtype | None = None  # bf16 without FSDP2 (which casts the parameters itself)
 
 
 def text_seed(seed: int, step: int, sample_index: int, role: int) -> int:
@@ -88,12 +95,21 @@ def pad(token_lists: list[list[int]], pad_id: int, side: str, device) -> tuple[t
     return ids.to(device), mask.to(device)
 
 
-def _forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+def _autocast(options: EncodeOptions, device):
+    if options.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=options.autocast_dtype)
+
+
+def _forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, options: EncodeOptions, device) -> torch.Tensor:
     # Positions count real tokens only, so a left-padded text sees the positions it has unpadded.
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions)
+    with _autocast(options, device):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions)
     hidden = out.last_hidden_state if getattr(out, "last_hidden_state", None) is not None else out[0]
-    return pool(hidden, mask, pooling)
+    if hidden.dtype.itemsize < 4:  # bf16 hidden states: a mean over hundreds of tokens is summed in fp32
+        hidden = hidden.float()
+    return pool(hidden, mask, options.pooling)
 
 
 def encode_chunk(model: nn.Module, token_lists: list[list[int]], seeds: list[int], options: EncodeOptions,
@@ -102,6 +118,6 @@ def encode_chunk(model: nn.Module, token_lists: list[list[int]], seeds: list[int
     in train mode, text i's dropout masks are keyed by `seeds[i]`."""
     ids, mask = pad(token_lists, options.pad_id, options.padding_side, device)
     if not model.training:
-        return _forward(model, ids, mask, options.pooling)
+        return _forward(model, ids, mask, options, device)
     with keyed_dropout(model, seeds, mask):
-        return _forward(model, ids, mask, options.pooling)
+        return _forward(model, ids, mask, options, device)

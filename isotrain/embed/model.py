@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModel
 
+from isotrain.embed.dropout import checkpoint_contexts
+from isotrain.embed.encode import EncodeOptions
 from isotrain.errors import ConfigError
 from isotrain.models.build import build
 from isotrain.models.loading import model_config
@@ -70,18 +72,35 @@ def check_embed_layout(dims: ParallelDims) -> None:
                           "or parallel.dp_replicate")
 
 
+def check_embed_settings(cfg) -> None:
+    """Settings of the shared train section that isotrain embed cannot honour are refused, never ignored."""
+    if cfg.train.compile:
+        raise ConfigError("train.compile=true is not supported by isotrain embed yet (its per-text dropout masks "
+                          "cannot be traced by torch.compile); set train.compile=false")
+
+
 def build_embedder(cfg, tokenizer, device: torch.device, parallel: ParallelState | None = None) -> torch.nn.Module:
     """The base model for this rank's layout, identical everywhere (same seed or same files); training mode so
     that dropout follows the model's config.
 
+    model.dtype=bfloat16: fp32 master weights, which FSDP2 casts to bf16 for compute (its mixed-precision policy,
+    gradients reduced in fp32); without FSDP2 the forwards autocast instead (`encode_options`).
+    train.activation_checkpointing=full: every encoder layer is recomputed in backward, with the keyed dropout
+    masks of its forward (embed/dropout.py `checkpoint_contexts`).
+
     With FSDP2 (`parallel.dims.fsdp`) each rank holds its shard, and FSDP2's reduce-scatter sums the gradients
     (divide factor 1). Otherwise every rank holds the whole model and no DDP wrapper is applied: the GradCache
     step sums the gradients itself (gradcache.py), since its backwards are not one per micro-batch."""
+    from isotrain.train.setup import compute_dtype
+
+    check_embed_settings(cfg)
     config = model_config(cfg.model, tokenizer)
     check_embedder(config, cfg.embed.pooling, cfg.embed.matryoshka_dims)
     if parallel is None or not parallel.dims.fsdp:
         parallel = single_process(ParallelDims(1, 1, 1))
-    model = build(cfg.model, tokenizer, cfg.train.seed, parallel, device, model_class=AutoModel)
+    model = build(cfg.model, tokenizer, cfg.train.seed, parallel, device, model_class=AutoModel,
+                  compute_dtype=compute_dtype(cfg), activation_checkpointing=cfg.train.activation_checkpointing == "full",
+                  checkpoint_context_fn=checkpoint_contexts)
     freeze_pooler(model)
     return model
 
@@ -91,3 +110,12 @@ def freeze_pooler(model: torch.nn.Module) -> None:
     gradient, so it is frozen (kept as loaded, saved as is) rather than left without optimizer state."""
     if getattr(model, "pooler", None) is not None:
         model.pooler.requires_grad_(False)
+
+
+def encode_options(cfg, tokenizer, fsdp: bool) -> EncodeOptions:
+    """How the run turns texts into vectors (embed/encode.py), from its config and tokenizer; `fsdp`: whether FSDP2
+    shards the model."""
+    # bf16: FSDP2 casts the parameters it gathers (parallel/apply.py); otherwise autocast casts them per op.
+    autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and not fsdp else None
+    return EncodeOptions(cfg.embed.pooling, tokenizer.pad_token_id, tokenizer.padding_side, cfg.embed.chunk_tokens,
+                         cfg.train.seed, autocast_dtype=autocast)

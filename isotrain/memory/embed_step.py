@@ -2,8 +2,8 @@
 
 GradCache runs a step in phases, and each term below is what one phase holds (docs/memory.md):
 
-  1. no-gradient forwards of every local micro-batch: nothing is kept but the pooled vectors (fp32: isotrain
-     embed builds the model in fp32 and applies no compute dtype);
+  1. no-gradient forwards of every local micro-batch: nothing is kept but the pooled vectors (fp32 in fp32 and in
+     bf16 runs: bf16 hidden states are pooled after an upcast, embed/encode.py);
   2-3. the global loss, on every rank, of the WHOLE global batch in fp64: the gathered queries [G, H] and documents
      [G(1+N), H] and their text ids, what the loss saves (the similarity matrix's [G, G(1+N)] log-softmax and
      false-negative mask, the normalised vectors), the similarity's [G, G(1+N)] gradient during its backward, and

@@ -193,25 +193,31 @@ def _keyed_dropout_on_full_rows():
 
 
 def fake_encode(config, attn_implementation: str, *, num_texts: int, seq_len: int, pooling: str,
-                padding_side: str = "right", device: str = "cpu") -> SavedBytes:
+                padding_side: str = "right", device: str = "cpu", param_dtype: torch.dtype = torch.float32,
+                autocast_dtype: torch.dtype | None = None, activation_checkpointing: bool = False) -> SavedBytes:
     """What one forward with gradient of GradCache's second pass (embed/gradcache.py, step 4) keeps for its
     backward: `num_texts` texts of `seq_len` real tokens each through the recipe's own `encode_chunk` (the base
-    model in fp32, as isotrain embed builds it, in train mode: dropout keyed per text, eager attention while the
-    model has attention dropout), then the product with their rows of the gradient cache (`cached_surrogate`).
+    model in train mode: dropout keyed per text, eager attention while the model has attention dropout), then the
+    product with their rows of the gradient cache (`cached_surrogate`). Mixed precision as in `fake_forward`: bf16
+    parameters under FSDP2 (`param_dtype`), else autocast (`autocast_dtype`) over fp32 ones; with
+    `activation_checkpointing`, each encoder layer as the recipe checkpoints it (embed/model.py).
     `device` ("cpu" or "cuda") decides the attention kernel, as in `fake_forward`."""
     from transformers import AutoModel
 
+    from isotrain.embed.dropout import checkpoint_contexts
     from isotrain.embed.encode import EncodeOptions, encode_chunk
     from isotrain.embed.gradcache import cached_surrogate
     from isotrain.embed.model import freeze_pooler
 
     with (FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _rows_without_padding(),
           _keyed_dropout_on_full_rows()):
-        model = AutoModel.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = AutoModel.from_config(config, dtype=param_dtype, attn_implementation=attn_implementation)
         model.config.use_cache = False
         freeze_pooler(model)
+        if activation_checkpointing:
+            apply_activation_checkpointing(model, checkpoint_contexts)
         model.train()
-        options = EncodeOptions(pooling=pooling, padding_side=padding_side)
+        options = EncodeOptions(pooling=pooling, padding_side=padding_side, autocast_dtype=autocast_dtype)
         texts = list(range(num_texts))
         with count_saved(model, decoder_layers(model)) as saved:
             vectors = encode_chunk(model, [[0] * seq_len for _ in texts], texts, options, torch.device("cpu"))

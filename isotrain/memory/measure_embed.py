@@ -3,7 +3,8 @@
 
 - model states: the bytes of the real parameters, gradients (after a first step's backward) and AdamW state;
 - activations: what each forward with gradient keeps for its backward, from `encode_chunk` through
-  `cached_surrogate` (memory/saved.py's counter), the largest of the step's forwards;
+  `cached_surrogate` (memory/saved.py's counter), the largest of the step's forwards; likewise autocast's weight
+  copies (bf16 without FSDP2) kept by a forward;
 - embeddings and gradient cache: every tensor the step function itself holds while a forward with gradient runs
   (read off its frame: the vectors, their split copies, the gradient cache, ids, the forward's vectors);
 - contrastive loss: `contrastive_loss`'s inputs and what it saves, then, in its backward, the similarity's
@@ -40,7 +41,7 @@ def _instrumented_step(model):
     """Wrap what embed_forward_backward calls; yield the peaks found while the block runs it once."""
     import isotrain.embed.gradcache as gradcache
 
-    peaks = {"activations": 0, "embeddings": 0, "loss": 0}
+    peaks = {"activations": 0, "compute_copies": 0, "embeddings": 0, "loss": 0}
     originals = {name: getattr(gradcache, name) for name in ("encode_chunk", "cached_surrogate", "contrastive_loss")}
     open_count = contextlib.ExitStack()
     counting = []
@@ -56,7 +57,8 @@ def _instrumented_step(model):
         peaks["embeddings"] = max(peaks["embeddings"], storage_bytes(held))
         result = originals["cached_surrogate"](vectors, cached, positions)
         open_count.close()
-        peaks["activations"] = max(peaks["activations"], counting[0].by_kind["activations"])
+        for kind in ("activations", "compute_copies"):
+            peaks[kind] = max(peaks[kind], counting[0].by_kind[kind])
         return result
 
     def contrastive_loss(queries, documents, query_ids, document_ids, settings):
@@ -99,6 +101,7 @@ def measure_embed_terms(model, optimizer, steps: tuple[list, list], settings, op
         measured["FSDP2 all-gather buffers"] = buffers["gathered"]
         measured["FSDP2 reduce-scatter buffers"] = buffers["reduce"]
     measured["activations"] = peaks["activations"]
+    measured["compute copies"] = peaks["compute_copies"]
     measured["embeddings and gradient cache"] = peaks["embeddings"]
     measured["contrastive loss"] = peaks["loss"]
     return measured

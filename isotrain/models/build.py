@@ -135,13 +135,14 @@ def empty_model(config, model_class=AutoModelForCausalLM) -> nn.Module:
 def build(cfg: ModelConfig, tokenizer, seed: int, parallel: ParallelState, device: torch.device, *,
           model_class=AutoModelForCausalLM, compute_dtype: torch.dtype | None = None, compile: bool = False,
           activation_checkpointing: bool = False, loss_parallel: bool = False, trainable: bool = True,
-          config_updates: dict | None = None, adapt=None) -> nn.Module:
+          config_updates: dict | None = None, adapt=None, checkpoint_context_fn=None) -> nn.Module:
     """A model of `model_class` for this rank's layout, loaded from `cfg.name_or_path` (a local directory or a Hub
     id's cached snapshot) or freshly initialised.
 
     Parameters are fp32 (master weights); `compute_dtype` is applied by FSDP2 or by autocast in the step.
     `config_updates` set config fields before building (e.g. num_labels=1 for PPO's critic). `adapt(model)`
     runs on the loaded model before any data-parallel wrapper and returns the model to train (LoRA).
+    `checkpoint_context_fn`: the contexts of a checkpointed layer's forward and recompute (parallel/apply.py).
     """
     config = model_config(cfg, tokenizer)
     for key, value in (config_updates or {}).items():
@@ -154,7 +155,8 @@ def build(cfg: ModelConfig, tokenizer, seed: int, parallel: ParallelState, devic
     model.config.use_cache = False
     skeleton = copy.deepcopy(model)  # meta: a few KB of module objects
     model = parallelize(model, parallel, compute_dtype=compute_dtype, compile=compile,
-                        activation_checkpointing=activation_checkpointing, loss_parallel=loss_parallel)
+                        activation_checkpointing=activation_checkpointing, loss_parallel=loss_parallel,
+                        checkpoint_context_fn=checkpoint_context_fn)
     _materialise(model, device)
     if cfg.name_or_path is None:
         init_fresh(model, skeleton, seed, parallel.rank)

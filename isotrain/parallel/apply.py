@@ -52,13 +52,17 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers) if layers is not None else []
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(model: nn.Module, context_fn=None) -> None:
     """Recompute each decoder layer's activations in backward (transformers' own per-layer checkpointing:
     parameter names stay those of the Hugging Face model). The RNG state is restored for the recompute,
-    so dropout masks, and with them the math, do not change."""
+    so dropout masks, and with them the math, do not change. `context_fn`: torch.utils.checkpoint's (the
+    contexts of a layer's forward and of its recompute), for dropout that does not draw from the RNG state
+    (isotrain embed's keyed masks)."""
     if not decoder_layers(model):
         raise ValueError("activation checkpointing needs a model with decoder layers")
     kwargs = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
     if hasattr(model, "activation_checkpointing_enable"):  # newer transformers; the old name warns from 5.24
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -112,13 +116,14 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: torch.dtype | None = None,
-                compile: bool = False, activation_checkpointing: bool = False, loss_parallel: bool = False
-                ) -> nn.Module:
+                compile: bool = False, activation_checkpointing: bool = False, loss_parallel: bool = False,
+                checkpoint_context_fn=None) -> nn.Module:
     """Everything up to the data-parallel wrapper that must come after the weights exist (`wrap_replicas`).
 
     `compute_dtype` (e.g. bf16) is used by FSDP2 only; DDP and single-process runs use autocast.
     `loss_parallel`: under TP, keep the LM head's logits sharded over the vocabulary (SFT's loss);
-    otherwise they are gathered (RL needs every token's log-probability).
+    otherwise they are gathered (RL needs every token's log-probability). `checkpoint_context_fn`: see
+    `apply_activation_checkpointing`.
     """
     if parallel.dims.tp > 1:
         from isotrain.parallel.tp import apply_tp
@@ -129,7 +134,7 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
     if parallel.dims.cp > 1:
         apply_cp(model)
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, checkpoint_context_fn)
     if compile:
         apply_compile(model)
     if parallel.dims.fsdp:

@@ -22,12 +22,12 @@ from isotrain.config import EmbedRunConfig
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.embed.batch import EmbedMicroBatch
 from isotrain.embed.data import read_pairs, read_training_pairs, skipped_report, text_id, tokenize_rows
-from isotrain.embed.encode import EncodeOptions
 from isotrain.embed.evaluate import evaluate_retrieval
 from isotrain.embed.export import sentence_transformers_files
 from isotrain.embed.gradcache import embed_forward_backward
 from isotrain.embed.loss import LossSettings
-from isotrain.embed.model import build_embedder, check_embed_layout, embed_tokenizer
+from isotrain.embed.model import (build_embedder, check_embed_layout, check_embed_settings, embed_tokenizer,
+                                   encode_options)
 from isotrain.errors import ConfigError
 from isotrain.parallel.dims import num_experts
 from isotrain.parallel.dist import DistInfo
@@ -48,6 +48,7 @@ class Embed(Recipe):
     def __init__(self, cfg: EmbedRunConfig, degrees):
         self.cfg = cfg
         check_embed_layout(degrees)
+        check_embed_settings(cfg)
         self.plan = plan_batches(cfg, degrees)
         self.eval_every = cfg.embed.eval_every
         self.rows, self.num_negatives, self.negatives_note = read_training_pairs(cfg.data.path,
@@ -80,8 +81,7 @@ class Embed(Recipe):
                     f"{plan.global_batch_size * (1 + negatives)} documents of its global batch")
         self.settings = LossSettings(cfg.embed.temperature, cfg.embed.symmetric, tuple(cfg.embed.matryoshka_dims),
                                      cfg.embed.mask_duplicates)
-        self.options = EncodeOptions(cfg.embed.pooling, self.tokenizer.pad_token_id, self.tokenizer.padding_side,
-                                     cfg.embed.chunk_tokens, cfg.train.seed)
+        self.options = encode_options(cfg, self.tokenizer, session.parallel.dims.fsdp)
 
     def extra_state(self) -> dict:
         # The count of hard negatives changes every query's candidates: a resume with another one is refused
@@ -155,8 +155,7 @@ def embed_evaluate(cfg: EmbedRunConfig, console: Console | None = None) -> dict:
     held_out = read_pairs(cfg.eval.path, 0, "eval.path").rows[: cfg.eval.max_samples]
     tokenizer = embed_tokenizer(cfg, [], DistInfo(0, 1, 0, torch.device("cpu")), Path(cfg.output_dir), console.print)
     model = build_embedder(cfg, tokenizer, torch.device("cpu"))
-    options = EncodeOptions(cfg.embed.pooling, tokenizer.pad_token_id, tokenizer.padding_side, cfg.embed.chunk_tokens,
-                            cfg.train.seed)
+    options = encode_options(cfg, tokenizer, fsdp=False)
     metrics = evaluate_retrieval(model, tokenizer, held_out, options, cfg.data.max_seq_len, torch.device("cpu"),
                                  cfg.embed.query_prefix)
     shown = ", ".join(f"{name} {value:.3f}" for name, value in metrics.items())

@@ -31,6 +31,9 @@ CASES = {
     "eval_no_dup_mask_fp64": (1, LossSettings(temperature=0.1, mask_duplicates=False), False, 30, torch.float64),
 }
 
+# model.dtype=bfloat16 on every layout: hard negatives, chunked forwards, dropout on (tests/embed/test_layout_equivalence.py).
+BF16_CASE = "hard_negatives"
+
 
 def tiny_encoder() -> torch.nn.Module:
     from transformers import BertConfig, BertModel
@@ -75,19 +78,22 @@ def grads_of(model) -> dict[str, torch.Tensor]:
 
 
 def run_case(case: str, dp_rank: int, dp_size: int, ga: int, group=None, per_micro_batch: bool = False,
-             parallel=None, dtype: torch.dtype | None = None):
+             parallel=None, dtype: torch.dtype | None = None, bf16: bool = False):
     """(loss, gradients) of one step of `case` on this layout. `per_micro_batch`: the control that takes
     negatives from each micro-batch only (the loss of today's tools), averaged over all micro-batches.
     `parallel`: a ParallelState whose FSDP2 shards the encoder (as `isotrain embed` builds it), whose DP group
-    the step then uses. `dtype`: instead of the case's own."""
+    the step then uses. `dtype`: instead of the case's own. `bf16`: model.dtype=bfloat16 as isotrain embed applies
+    it to fp32 weights: FSDP2's bf16 parameters under `parallel`, else autocast."""
     num_negatives, settings, train, chunk_tokens, case_dtype = CASES[case]
-    dtype = dtype or case_dtype
+    dtype = torch.float32 if bf16 else dtype or case_dtype
     model = tiny_encoder().to(dtype).train(train)
+    compute = torch.bfloat16 if bf16 else None
     if parallel is not None:
         from isotrain.parallel.apply import parallelize
 
-        model, group = parallelize(model, parallel), parallel.dp_group
-    options = EncodeOptions(pooling="mean", chunk_tokens=chunk_tokens, seed=11)
+        model, group = parallelize(model, parallel, compute_dtype=compute), parallel.dp_group
+    autocast = compute if parallel is None or not parallel.dims.fsdp else None
+    options = EncodeOptions(pooling="mean", chunk_tokens=chunk_tokens, seed=11, autocast_dtype=autocast)
     mbs = micro_batches(dataset(num_negatives), dp_rank, dp_size, ga)
     if not per_micro_batch:
         result = embed_forward_backward(model, mbs, settings, options, STEP, torch.device("cpu"), group)

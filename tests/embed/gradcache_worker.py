@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: `embed.embed_cases`
 
-from embed.embed_cases import CASES, run_case, tiny_encoder  # noqa: E402
+from embed.embed_cases import BF16_CASE, CASES, run_case, tiny_encoder  # noqa: E402
 from isotrain.embed.encode import EncodeOptions, encode_chunk  # noqa: E402
 from isotrain.embed.gradcache import gather_global  # noqa: E402
 from isotrain.parallel.dims import ParallelDims  # noqa: E402
@@ -71,9 +71,12 @@ def main(out: str, layouts: str) -> None:
                 results[(layout, case)] = run_case(case, sharded.dp_rank, size, ga, parallel=sharded)
                 results[(layout, case, "fp32")] = run_case(case, sharded.dp_rank, size, ga, parallel=sharded,
                                                            dtype=torch.float32)
+            results[(layout, BF16_CASE, "bf16")] = run_case(BF16_CASE, sharded.dp_rank, size, ga, parallel=sharded,
+                                                            bf16=True)
             continue
         for case in CASES:
             results[(layout, case)] = run_case(case, rank, size, ga, dist.group.WORLD)
+        results[(layout, BF16_CASE, "bf16")] = run_case(BF16_CASE, rank, size, ga, dist.group.WORLD, bf16=True)
         results[(layout, "control")] = run_case("hard_negatives", rank, size, ga, dist.group.WORLD, per_micro_batch=True)
     if rank == 0:
         torch.save(results, out)

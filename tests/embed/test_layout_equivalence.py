@@ -2,8 +2,8 @@
 and every gradient are the same (≤ 1e-6 relative) on 1 × GA 1 (one autograd graph, no caching), 1 × GA 4,
 2 × GA 1, 2 × GA 2 and 4 × GA 1, with the encoder sharded by FSDP2 (one unit per encoder layer, plus the root) on
 2 × GA 1 and 2 × GA 2, and by HSDP on 2 replicas × 2 shards — in-batch and hard negatives, the symmetric term,
-Matryoshka dims, duplicate texts, dropout on; the sharded layouts also in fp32, against one process with the same
-micro-batches. Under FSDP2 the ranks of some cases run different numbers of padded forwards, which the step pads to
+Matryoshka dims, duplicate texts, dropout on; the sharded layouts also in fp32, and every layout in bf16
+(model.dtype=bfloat16), against one process with the same micro-batches. Under FSDP2 the ranks of some cases run different numbers of padded forwards, which the step pads to
 the same count, agreed before the first forward (gradcache.py). The per-micro-batch loss of today's tools fails the
 same check (so it can fail), and the gathered hard negatives sit in the columns the loss's labels assume."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from embed.embed_cases import CASES, full_graph_reference, relative_error, run_case
+from embed.embed_cases import BF16_CASE, CASES, full_graph_reference, relative_error, run_case
 from helpers import run_concurrently
 from zygote import run_forked_ranks
 from isotrain.embed.encode import forward_groups
@@ -44,6 +44,8 @@ def results(tmp_path_factory):
         merged[("1x4", case)] = run_case(case, 0, 1, 4)
         for ga in (2, 4):  # fp32 references of the FSDP2 layouts: the same micro-batches on one process
             merged[(f"1x{ga}", case, "fp32")] = run_case(case, 0, 1, ga, dtype=torch.float32)
+    for ga in (2, 4):  # bf16 references: autocast over fp32 weights, the same micro-batches on one process
+        merged[(f"1x{ga}", BF16_CASE, "bf16")] = run_case(BF16_CASE, 0, 1, ga, bf16=True)
     torch.set_num_threads(threads)
     merged[("1x4", "control")] = run_case("hard_negatives", 0, 1, 4, per_micro_batch=True)
     return merged
@@ -66,6 +68,28 @@ def test_fsdp_in_fp32_equals_one_process(results, layout, one_process, case):
     """fp32: FSDP2 on 2 ranks (HSDP on 4) against one process with the same micro-batches (so the same padded
     forwards: a different grouping alone moves fp32 gradients by ~3e-6, embed_cases.py). Measured ≤ 4.4e-7."""
     assert error(results[(layout, case, "fp32")], results[(one_process, case, "fp32")]) <= RTOL
+
+
+@pytest.mark.parametrize("layout, one_process", [("2x1", "1x2"), ("2x2", "1x4"), ("4x1", "1x4")])
+def test_bf16_replicas_equal_one_process(results, layout, one_process):
+    """model.dtype=bfloat16 with replicated ranks: autocast over fp32 weights on every rank, in both GradCache passes,
+    as on one process with the same micro-batches (so the same padded forwards: another grouping changes bf16
+    rounding, 1e-2 of a gradient measured), to fp32 rounding of the sums over ranks; fp32 gradients."""
+    got = results[(layout, BF16_CASE, "bf16")]
+    assert all(g.dtype == torch.float32 for g in got[1].values())
+    assert error(got, results[(one_process, BF16_CASE, "bf16")]) <= RTOL
+
+
+@pytest.mark.parametrize("layout, one_process", [("fsdp2x1", "1x2"), ("fsdp2x2", "1x4"), ("hsdp2x2x1", "1x4")])
+def test_bf16_under_fsdp2_is_close_to_autocast(results, layout, one_process):
+    """model.dtype=bfloat16 under FSDP2: its mixed-precision policy computes with bf16 copies of every parameter
+    (norms and embeddings too) and reduces fp32 gradients, where autocast casts only the matmuls' inputs: the same
+    math with other bf16 roundings. Loss within 1e-3 (as the SFT recipe's bf16 FSDP2 check), gradients within 0.1
+    (measured 3e-4 and 0.04-0.05; a missing or doubled term is of order 1)."""
+    (loss, grads), (want_loss, want_grads) = results[(layout, BF16_CASE, "bf16")], results[(one_process, BF16_CASE, "bf16")]
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    assert abs(loss - want_loss) <= 1e-3 * abs(want_loss)
+    assert relative_error(grads, want_grads) <= 0.1
 
 
 @pytest.mark.parametrize("layout", ["fsdp2x1", "fsdp2x2", "hsdp2x2x1"])

@@ -3,9 +3,10 @@
     embed_memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: RxS (dp_replicate x dp_shard)
 
 For each layout and each variant (VARIANTS: the model, pooling, hard negatives, embed.chunk_tokens and loss
-options): build the tiny encoder with the recipe's builder (build_embedder: fp32, the pooler frozen, FSDP2 under
-dp_shard), run one real step of the recipe's `embed_forward_backward` and its optimizer step, then the instrumented
-step (memory/measure_embed.py). Every text is data.max_seq_len tokens, the length the estimate assumes. Rank 0
+options, model.dtype, checkpointing): build the tiny encoder with the recipe's builder (build_embedder: fp32
+weights, the pooler frozen, FSDP2 under dp_shard, bf16 by FSDP2 or by the encode options' autocast), run one real
+step of the recipe's `embed_forward_backward` and its optimizer step, then the instrumented step
+(memory/measure_embed.py). Every text is data.max_seq_len tokens, the length the estimate assumes. Rank 0
 writes [{variant, rank, measured, estimated}].
 """
 
@@ -20,9 +21,8 @@ import torch
 
 from isotrain.config import build_config
 from isotrain.embed.batch import EmbedMicroBatch, EmbedSample
-from isotrain.embed.encode import EncodeOptions
 from isotrain.embed.loss import LossSettings
-from isotrain.embed.model import build_embedder
+from isotrain.embed.model import build_embedder, encode_options
 from isotrain.memory.estimate_embed import estimate_embed_memory
 from isotrain.memory.measure_embed import measure_embed_terms
 from isotrain.models.tokenizer import train_tokenizer
@@ -40,21 +40,28 @@ QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_
          "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "max_position_embeddings": 64,
          "vocab_size": 64}
 GLOBAL, MICRO, SEQ = 8, 2, 16
-# name -> (model config, embed section): no chunk bound (a micro-batch's texts in one forward), 3 texts per forward
-# with the symmetric, Matryoshka loss on CLS vectors and no attention dropout (sdpa), and a decoder's last token.
+# name -> (model config, embed section, model.dtype and train settings): no chunk bound (a micro-batch's texts in
+# one forward), 3 texts per forward with the symmetric, Matryoshka loss on CLS vectors and no attention dropout (sdpa),
+# and a decoder's last token; the first in bf16 too (autocast's weight copies, or FSDP2's bf16 buffers), and the
+# decoder in bf16 with every layer checkpointed.
+BF16, BF16_AC = {"dtype": "bfloat16"}, {"dtype": "bfloat16", "activation_checkpointing": "full"}
 VARIANTS = {
-    "bert-mean-n1": (BERT, {"pooling": "mean", "hard_negatives": 1, "chunk_tokens": 0}),
+    "bert-mean-n1": (BERT, {"pooling": "mean", "hard_negatives": 1, "chunk_tokens": 0}, {}),
     "bert-cls-n2-c48-sym": ({**BERT, "attention_probs_dropout_prob": 0.0},
                             {"pooling": "cls", "hard_negatives": 2, "chunk_tokens": 3 * SEQ, "symmetric": True,
-                             "matryoshka_dims": [64, 32]}),
-    "qwen3-last-n0-c32": (QWEN3, {"pooling": "last", "hard_negatives": 0, "chunk_tokens": 2 * SEQ}),
+                             "matryoshka_dims": [64, 32]}, {}),
+    "qwen3-last-n0-c32": (QWEN3, {"pooling": "last", "hard_negatives": 0, "chunk_tokens": 2 * SEQ}, {}),
+    "bert-mean-n1-bf16": (BERT, {"pooling": "mean", "hard_negatives": 1, "chunk_tokens": 0}, BF16),
+    "qwen3-last-n0-c32-bf16-ac": (QWEN3, {"pooling": "last", "hard_negatives": 0, "chunk_tokens": 2 * SEQ}, BF16_AC),
 }
 
 
 def run_config(variant: str, replicate: int, shard: int):
-    model, embed = VARIANTS[variant]
-    return build_config({"model": {"config": model}, "data": {"max_seq_len": SEQ}, "embed": embed,
-                         "train": {"micro_batch_size": MICRO, "global_batch_size": GLOBAL},
+    model, embed, extra = VARIANTS[variant]
+    train = {key: value for key, value in extra.items() if key != "dtype"}
+    return build_config({"model": {"config": model, "dtype": extra.get("dtype", "float32")},
+                         "data": {"max_seq_len": SEQ}, "embed": embed,
+                         "train": {"micro_batch_size": MICRO, "global_batch_size": GLOBAL, **train},
                          "parallel": {"dp_replicate": replicate, "dp_shard": shard}}, "embed")
 
 
@@ -78,8 +85,7 @@ def measure(cfg, info, tokenizer) -> dict:
     optimizer = build_optimizer(model, cfg.train)
     settings = LossSettings(cfg.embed.temperature, cfg.embed.symmetric, tuple(cfg.embed.matryoshka_dims),
                             cfg.embed.mask_duplicates)
-    options = EncodeOptions(cfg.embed.pooling, tokenizer.pad_token_id, tokenizer.padding_side, cfg.embed.chunk_tokens,
-                            cfg.train.seed)
+    options = encode_options(cfg, tokenizer, degrees.fsdp)
     steps = tuple(local_steps(cfg, parallel.dp_rank, degrees.dp_size, seed) for seed in (0, 1))
     return measure_embed_terms(model, optimizer, steps, settings, options, info.device, parallel.dp_group)
 

@@ -727,8 +727,15 @@ class TrainRunConfig(RunConfig):
 
     @model_validator(mode="after")
     def _pipeline_fields(self) -> TrainRunConfig:
-        """What pipeline parallelism is not built with yet: the chunked loss (it runs the head itself) and LoRA."""
+        """What pipeline parallelism is not built with yet: the chunked loss (it runs the head itself), LoRA, the
+        packing probe and torch.compile (both untested on stages)."""
         pp = self.parallel.pp
+        if pp > 1 and self.data.packing:
+            raise ValueError(f"data.packing=true is not supported with parallel.pp={pp} yet (the packing probe runs "
+                             "the whole model on one rank); set data.packing=false or parallel.pp=1")
+        if pp > 1 and self.train.compile:
+            raise ValueError(f"train.compile=true is not supported with parallel.pp={pp} yet; set "
+                             "train.compile=false or parallel.pp=1")
         if pp > 1 and self.train.loss_chunk_tokens:
             raise ValueError(f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} is not supported with "
                              f"parallel.pp={pp} yet (the last stage computes the whole cross-entropy); set "

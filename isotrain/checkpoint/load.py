@@ -374,8 +374,9 @@ def load_model(reader: CheckpointReader, model: nn.Module, rank: int, what: str 
     """Weights from the fp32 master copies when the model files are in a lower precision; each rank
     reads its own part of each tensor. `skip`: tensors the caller fills itself. With `strict`, names and
     shapes must match both ways (`elsewhere`: tensors of the model that other pipeline stages hold); tensors
-    matching `ignored` are neither required nor loaded (they keep the model's own values). A MoE model's experts come from their per-expert keys (or, in older
-    checkpoints, the fused tensors), every expert present exactly once (`check_experts`)."""
+    matching `ignored` are neither required nor loaded (they keep the model's own values). A MoE model's
+    experts come from their per-expert keys (or, in older checkpoints, the fused tensors), every expert present
+    exactly once (`check_experts`)."""
     skip = skip | {name for name in model_tensors(model) if matches(name, ignored)}
     tensors = {name: t for name, t in model_tensors(model).items() if name not in skip}
     check_experts(reader, model, what)

@@ -88,8 +88,9 @@ def pipeline_backward(model: nn.Module, stage: int, pp: int, group, schedule: st
     """Run the forward and backward passes of every micro-batch through the pipeline, accumulating this stage's
     gradients. `inputs`: the micro-batches' token ids, all of one shape (used by the first stage); `kwargs`: each
     micro-batch's forward arguments; `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose
-    `targets` entry is `target`, already divided by the global denominator (also called once on meta tensors). The schedule never rescales (SCALE_GRADS, read at each call so that a test can
-    show what rescaling would do)."""
+    `targets` entry is `target`, already divided by the global denominator (torch also calls it once, while building
+    the stage, on a copy of the first target and uninitialised logits). The schedule never rescales (SCALE_GRADS,
+    read at each call so that a test can show what rescaling would do)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}

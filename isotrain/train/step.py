@@ -252,9 +252,9 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
                             device: torch.device) -> torch.Tensor:
     """The SFT backward passes under pipeline parallelism (parallel/pp.py): the global loss sum, an fp64 tensor.
 
-    The last stage's loss of micro-batch m is Σ_{t∈m} w_t·ℓ_t / D (D global, known before the first backward) and the
-    schedule does not rescale it, so the stages' gradients are those of the global mean, as `_backpropagate`'s. The
-    micro-batches are padded to one length (a stage's receive buffers have one shape); padding weighs 0."""
+    The last stage's loss of micro-batch m is Σ_{t∈m} w_t·ℓ_t / D (D global, known before the first backward) and
+    the schedule does not rescale it, so the stages' gradients are those of the global mean, as `_backpropagate`'s.
+    The micro-batches are padded to one length (a stage's receive buffers have one shape); padding weighs 0."""
     parallel = options.parallel
     length = max(mb["input_ids"].shape[1] for mb in micro_batches)
     padded = [pad_micro_batch(mb, length) for mb in micro_batches]

@@ -56,8 +56,9 @@ def test_pp2_run_logs_the_metrics_and_saves_the_weights_of_one_process(runs):
         verified = run_forked_ranks(1, ["ckpt", "verify", str(pp2 / "checkpoints" / step)])
         assert verified.returncode == 0 and verified.stdout.startswith("valid: "), verified.stderr
     model = AutoModelForCausalLM.from_pretrained(pp2 / "checkpoints" / "step-00000008")
-    assert {n for n, _ in model.named_parameters()} >= {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
-                                                         "model.layers.1.mlp.up_proj.weight", "lm_head.weight"}
+    names = {n for n, _ in model.named_parameters()}
+    assert names >= {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                     "model.layers.1.mlp.up_proj.weight", "lm_head.weight"}
 
 
 @pytest.mark.slow

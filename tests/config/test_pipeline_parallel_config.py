@@ -28,8 +28,8 @@ def test_pp_takes_ranks_of_its_own_and_the_batch_plan_is_that_of_one_process():
     assert (plan.dp_size, plan.grad_accum_steps, plan.samples_per_rank_per_step) == (1, 4, 8)
     with pytest.raises(ConfigError) as err:
         resolve_dims(ParallelConfig(pp=2), 4)
-    assert str(err.value) == ("parallel.pp × dp_replicate × dp_shard × tp = 2 × 1 × 1 × 1 = 2 but 4 processes were "
-                              "launched; make the product equal the number of processes")
+    assert str(err.value) == ("parallel.pp × dp_replicate × dp_shard × tp = 2 × 1 × 1 × 1 = 2 but 4 processes "
+                              "were launched; make the product equal the number of processes")
 
 
 def test_layers_split_evenly_in_order():
@@ -107,8 +107,9 @@ def test_config_show_refuses_more_stages_than_layers(capsys):
      "model on one rank: set parallel.pp=1"),
     ("embed", {}, "parallel.pp=2 is built for isotrain train only; isotrain embed pools the last hidden states on one "
      "rank: set parallel.pp=1"),
-    ("train", {"train": {"loss_chunk_tokens": 64}}, "train.loss_chunk_tokens=64 is not supported with parallel.pp=2 yet "
-     "(the last stage computes the whole cross-entropy); set train.loss_chunk_tokens=0 or parallel.pp=1"),
+    ("train", {"train": {"loss_chunk_tokens": 64}}, "train.loss_chunk_tokens=64 is not supported with "
+     "parallel.pp=2 yet (the last stage computes the whole cross-entropy); set train.loss_chunk_tokens=0 or "
+     "parallel.pp=1"),
     ("train", {"lora": {"r": 4}}, "lora.r=4 is not supported with parallel.pp=2 yet; set lora.r=0 or parallel.pp=1"),
     ("train", {"data": {"path": "x.jsonl", "packing": True}}, "data.packing=true is not supported with parallel.pp=2 "
      "yet (the packing probe runs the whole model on one rank); set data.packing=false or parallel.pp=1"),

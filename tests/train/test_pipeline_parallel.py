@@ -3,9 +3,9 @@ first-step gradient and the weights after 3 AdamW steps, both loss reductions, f
 machinery of test_equivalence.py unchanged (same data: variable lengths, padding, masked prompts, one packed sample;
 the same tolerances), on a 4-layer Llama (2 decoder layers per stage).
 
-Layouts: PP 2 with GPipe and with 1F1B, each running the batch plan's 4 gradient-accumulation micro-batches (global
-batch 8, micro-batch 2, DP 1) through 2 stages on 2 gloo processes. Each rank holds its stage's tensors only; the
-worker gathers them by name to compare with one process's.
+Layouts: PP 2 with GPipe and with 1F1B (and 1F1B with activation checkpointing), each running the batch plan's 4
+gradient-accumulation micro-batches (global batch 8, micro-batch 2, DP 1) through 2 stages on 2 gloo processes. Each
+rank holds its stage's tensors only; the worker gathers them by name to compare with one process's.
 
 The control: torch's schedules divide every gradient by the number of micro-batches unless built with
 `scale_grads=False`. With that scaling on, the losses stay those of one process but every gradient is a quarter of
@@ -56,3 +56,9 @@ def test_schedule_gradient_scaling_fails_the_equivalence(tmp_path, reference):
     assert scaled["losses"][0] == pytest.approx(single["losses"][0], rel=1e-12)
     for name, grad in single["grads"].items():
         torch.testing.assert_close(scaled["grads"][name] * GRAD_ACCUM, grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.slow
+def test_pp2_with_activation_checkpointing_matches_single_process(tmp_path, reference):
+    """Recomputing each stage's decoder layers in backward changes nothing (the reference keeps its activations)."""
+    assert_equivalent(_pipeline(tmp_path, ["1x1x1:pp2-1f1b"], "ac")[ONE_F_ONE_B], reference)

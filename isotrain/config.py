@@ -355,6 +355,26 @@ class ParallelConfig(Section):
         description="How context-parallel ranks attend across pieces: `ulysses` (all-to-all over heads); `ring` "
         "(KV blocks passed around the ranks, for degrees beyond the head count) is not built yet.",
     )
+    pp: int = Field(
+        1,
+        gt=0,
+        description="Pipeline-parallel degree: the decoder layers split evenly into this many stages, one per rank "
+        "(embeddings on the first, final norm, head and loss on the last); takes ranks of its own "
+        "(docs/parallelism.md).",
+    )
+    pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
+        "1f1b",
+        description="Order in which the stages run the micro-batches' forward and backward passes: `1f1b` (one "
+        "forward, one backward; activations of at most `pp` micro-batches in flight) or `gpipe` (all forwards, then "
+        "all backwards); `interleaved_1f1b` (several stages per rank) is not built yet.",
+    )
+    pp_microbatches: int | None = Field(
+        None,
+        gt=0,
+        description="Micro-batches the pipeline runs per optimizer step; they are the batch plan's gradient "
+        "accumulation micro-batches, so it must equal train.global_batch_size / (train.micro_batch_size × DP size); "
+        "null takes that number.",
+    )
     timeout_s: float = Field(
         600.0, gt=0, allow_inf_nan=False,
         description="Seconds a rank waits in one collective for the others before the run stops, naming the step "
@@ -706,6 +726,26 @@ class TrainRunConfig(RunConfig):
     moe: MoeConfig = MoeConfig()
     lora: LoraConfig = LoraConfig()
 
+    @model_validator(mode="after")
+    def _pipeline_fields(self) -> TrainRunConfig:
+        """What pipeline parallelism is not built with yet: the chunked loss (it runs the head itself), LoRA, the
+        packing probe and torch.compile (both untested on stages)."""
+        pp = self.parallel.pp
+        if pp > 1 and self.data.packing:
+            raise ValueError(f"data.packing=true is not supported with parallel.pp={pp} yet (the packing probe runs "
+                             "the whole model on one rank); set data.packing=false or parallel.pp=1")
+        if pp > 1 and self.train.compile:
+            raise ValueError(f"train.compile=true is not supported with parallel.pp={pp} yet; set "
+                             "train.compile=false or parallel.pp=1")
+        if pp > 1 and self.train.loss_chunk_tokens:
+            raise ValueError(f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} is not supported with "
+                             f"parallel.pp={pp} yet (the last stage computes the whole cross-entropy); set "
+                             "train.loss_chunk_tokens=0 or parallel.pp=1")
+        if pp > 1 and self.lora.r:
+            raise ValueError(f"lora.r={self.lora.r} is not supported with parallel.pp={pp} yet; set lora.r=0 or "
+                             "parallel.pp=1")
+        return self
+
 
 class RLRunConfig(RunConfig):
     """`isotrain rl`: the policy trains like SFT (MoE, LoRA) from rollouts; the global batch is derived."""
@@ -718,6 +758,9 @@ class RLRunConfig(RunConfig):
 
     @model_validator(mode="after")
     def _sft_only_fields(self) -> RLRunConfig:
+        if self.parallel.pp > 1:
+            raise ValueError(f"parallel.pp={self.parallel.pp} is built for isotrain train only; the RL trainer's "
+                             "rollouts and losses run the whole model on one rank: set parallel.pp=1")
         if self.parallel.cp > 1:
             raise ValueError(f"parallel.cp={self.parallel.cp} is built for isotrain train only; the RL trainer's "
                              "forwards do not split sequences yet: set parallel.cp=1")
@@ -737,6 +780,9 @@ class EmbedRunConfig(RunConfig):
 
     @model_validator(mode="after")
     def _sft_only_fields(self) -> EmbedRunConfig:
+        if self.parallel.pp > 1:
+            raise ValueError(f"parallel.pp={self.parallel.pp} is built for isotrain train only; isotrain embed "
+                             "pools the last hidden states on one rank: set parallel.pp=1")
         if self.parallel.cp > 1:
             raise ValueError(f"parallel.cp={self.parallel.cp} is built for isotrain train only; isotrain embed "
                              "pools whole sequences on one rank: set parallel.cp=1")

@@ -2,6 +2,7 @@
 
     DP size   = parallel.dp_replicate × parallel.dp_shard   (parallel/dims.py; TP ranks share their data)
     GA steps  = train.global_batch_size / (train.micro_batch_size × DP size)
+    pipeline micro-batches = GA steps         (parallel.pp > 1: the pipeline runs the batch plan's micro-batches)
 
 A remainder is a configuration error whose message suggests valid values.
 """
@@ -51,6 +52,8 @@ def plan_batches(cfg: TrainRunConfig | EmbedRunConfig, degrees: ParallelDims) ->
             f"train.global_batch_size={global_bs} is not divisible by train.micro_batch_size ({micro_bs}) "
             f"× DP size ({dp}) = {per_pass}; {hint}"
         )
+    if degrees.pp > 1:
+        check_pipeline_microbatches(cfg.parallel.pp_microbatches, global_bs // per_pass, global_bs // dp, degrees)
     return BatchPlan(
         world_size=degrees.world_size,
         dp_size=dp,
@@ -59,6 +62,28 @@ def plan_batches(cfg: TrainRunConfig | EmbedRunConfig, degrees: ParallelDims) ->
         grad_accum_steps=global_bs // per_pass,
         samples_per_rank_per_step=global_bs // dp,
     )
+
+
+def check_pipeline_microbatches(requested: int | None, grad_accum: int, per_rank: int, degrees: ParallelDims) -> None:
+    """The pipeline's micro-batches are the batch plan's GA micro-batches, so parallel.pp_microbatches (when set)
+    must equal the GA steps; 1F1B also needs at least one micro-batch per stage (torch's Schedule1F1B)."""
+    if requested is not None and per_rank % requested:
+        raise ConfigError(
+            f"parallel.pp_microbatches={requested} does not divide the {per_rank} samples each data-parallel rank "
+            f"trains per step (train.global_batch_size / DP size); use one of {divisors(per_rank)}"
+        )
+    if requested is not None and requested != grad_accum:
+        raise ConfigError(
+            f"parallel.pp_microbatches={requested} differs from the batch plan's {grad_accum} gradient-accumulation "
+            f"micro-batches, which the pipeline runs; set train.micro_batch_size={per_rank // requested} or leave "
+            "parallel.pp_microbatches unset"
+        )
+    if degrees.pp_schedule == "1f1b" and grad_accum < degrees.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule=1f1b needs at least one micro-batch per stage, but the batch plan has "
+            f"{grad_accum} for parallel.pp={degrees.pp}; lower train.micro_batch_size to at most "
+            f"{per_rank // degrees.pp} or use parallel.pp_schedule=gpipe"
+        )
 
 
 @dataclass(frozen=True)

@@ -310,8 +310,10 @@ def check_experts(reader: CheckpointReader, model: nn.Module, what: str = "check
 
 def check_model_shapes(reader: CheckpointReader, model: nn.Module, prefix: str = "", what: str = "checkpoint",
                        hint: str = _RESUME_HINT, skip: frozenset[str] = frozenset(), strict: bool = False,
-                       ignored: tuple[str, ...] = (), found: dict[str, list[Part]] | None = None) -> None:
+                       ignored: tuple[str, ...] = (), found: dict[str, list[Part]] | None = None,
+                       elsewhere: frozenset[str] = frozenset()) -> None:
     """Refuse a checkpoint whose tensors do not match the model's names and shapes (`skip`: not loaded here).
+    `elsewhere`: the model's tensors that other pipeline stages hold (known to the model, loaded there).
 
     `found`: where each tensor is stored (`model_sources`; by default whole under its name).
     `strict`: the model files may hold no tensor the model lacks either (a Qwen2 checkpoint's attention biases
@@ -324,7 +326,7 @@ def check_model_shapes(reader: CheckpointReader, model: nn.Module, prefix: str =
         raise CheckpointError(f"{what} {reader.directory} has no tensor {prefix}{missing[0]!r} ({len(missing)} "
                               f"missing); it was saved from a different model: {hint}")
     if strict:
-        known = {part.key for parts in found.values() for part in parts}
+        known = {part.key for parts in found.values() for part in parts} | elsewhere
         extra = sorted(key for key in reader.model_keys if key not in known and not matches(key, ignored))
         if extra:
             raise CheckpointError(f"{what} {reader.directory} holds {len(extra)} tensor(s) the model does not have, "
@@ -368,19 +370,21 @@ def _read_parts(reader: CheckpointReader, prefix: str, parts: list[Part], target
 
 def load_model(reader: CheckpointReader, model: nn.Module, rank: int, what: str = "checkpoint",
                hint: str = _RESUME_HINT, skip: frozenset[str] = frozenset(), strict: bool = False,
-               ignored: tuple[str, ...] = ()) -> None:
+               ignored: tuple[str, ...] = (), elsewhere: frozenset[str] = frozenset()) -> None:
     """Weights from the fp32 master copies when the model files are in a lower precision; each rank
     reads its own part of each tensor. `skip`: tensors the caller fills itself. With `strict`, names and
-    shapes must match both ways; tensors matching `ignored` are neither required nor loaded (they keep
-    the model's own values). A MoE model's experts come from their per-expert keys (or, in older
-    checkpoints, the fused tensors), every expert present exactly once (`check_experts`)."""
+    shapes must match both ways (`elsewhere`: tensors of the model that other pipeline stages hold); tensors
+    matching `ignored` are neither required nor loaded (they keep the model's own values). A MoE model's
+    experts come from their per-expert keys (or, in older checkpoints, the fused tensors), every expert present
+    exactly once (`check_experts`)."""
     skip = skip | {name for name in model_tensors(model) if matches(name, ignored)}
     tensors = {name: t for name, t in model_tensors(model).items() if name not in skip}
     check_experts(reader, model, what)
     found = model_sources(reader, model, model_parts(model))
     floating = [name for name in tensors if tensors[name].is_floating_point()]
     use_master = bool(floating) and all(f"master.{part.key}" in reader for name in floating for part in found[name])
-    check_model_shapes(reader, model, what=what, hint=hint, skip=skip, strict=strict, ignored=ignored, found=found)
+    check_model_shapes(reader, model, what=what, hint=hint, skip=skip, strict=strict, ignored=ignored, found=found,
+                       elsewhere=elsewhere)
     for name, tensor in tensors.items():
         _read_parts(reader, "master." if use_master and tensor.is_floating_point() else "", found[name], tensor, rank)
 

@@ -34,6 +34,7 @@ from isotrain.checkpoint.state import (
     balance,
     collect_items,
     component_items,
+    pipeline_items,
     rng_state,
     set_rng_state,
 )
@@ -269,7 +270,7 @@ class CheckpointManager:
                 load_adapter(reader, self.model, self.rank)  # the frozen base comes from model.name_or_path
             else:
                 load_model(reader, self.model, self.rank, strict=True,
-                           ignored=tuple(self.cfg.checkpoint.ignore_keys))
+                           ignored=tuple(self.cfg.checkpoint.ignore_keys), elsewhere=self._other_stages_tensors())
             if not weights_only:
                 load_optimizer(reader, self.model, self.optimizer, self.rank)
                 for prefix, model, optimizer in self.contract.components:
@@ -278,6 +279,14 @@ class CheckpointManager:
         finally:
             reader.close()
         return state, weights_only, problem
+
+    def _other_stages_tensors(self) -> frozenset[str]:
+        """Under pipeline parallelism, the names of the tensors the other stages hold (PP runs alone: the world)."""
+        if self.cfg.parallel.pp == 1:
+            return frozenset()
+        names = [None] * self.world_size
+        dist.all_gather_object(names, sorted(model_tensors(self.model)), group=self.group)
+        return frozenset(name for stage in names for name in stage) - set(model_tensors(self.model))
 
     def _resumed(self, path: Path, state: dict, weights_only: bool) -> Resumed:
         """Everything after a load whose bytes all checked out: RNG, newer checkpoints set aside, counters."""
@@ -336,6 +345,8 @@ class CheckpointManager:
     def _items(self, kind: str) -> list[Item]:
         """The tensors a save of this kind writes, each with its owner rank."""
         items = collect_items(self.model, self.optimizer, self.save_dtype)
+        if self.cfg.parallel.pp > 1:  # every stage's tensors, each written by its stage (PP runs alone: the world)
+            items = pipeline_items(items, self.group)
         if kind == "model":
             items = [item for item in items if item.kind == "model"]
         else:

@@ -50,6 +50,7 @@ class Item:
     local: torch.Tensor  # this rank's whole tensor, or its box of it (`shard`)
     shard: ShardSpec | None = None
     owner: int = 0  # the rank that writes it
+    holder: int | None = None  # the one rank that holds it, whole (a pipeline stage's tensor); None: any rank
 
     @property
     def num_bytes(self) -> int:
@@ -216,9 +217,36 @@ def component_items(prefix: str, model: nn.Module, optimizer: torch.optim.Optimi
     return items + _optimizer_items(optimizer, params, f"{prefix}.", master=False)
 
 
+def pipeline_items(items: list[Item], group) -> list[Item]:
+    """Under pipeline parallelism each rank holds its stage's tensors only, under the full model's names: every
+    rank's items, stage after stage (one order all ranks share), each held, and so written, by its own rank alone;
+    another stage's item is a name, a shape and a dtype here (`local` is never read on a rank that does not own
+    it). The files and their index are then those of one process. `group`: the ranks of the pipeline."""
+    mine = [(item.key, item.kind, item.shape, item.dtype) for item in items]
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (dist.get_rank(), mine), group=group)
+    own = {item.key: item for item in items}
+    merged = []
+    for rank, described in gathered:
+        for key, kind, shape, dtype in described:
+            if key in own and rank == dist.get_rank():
+                item = own[key]
+            else:
+                item = Item(key, kind, shape, dtype, torch.empty(0, dtype=dtype))
+            item.holder = rank
+            merged.append(item)
+    keys = [item.key for item in merged]
+    if len(set(keys)) != len(keys):
+        raise CheckpointError(f"two pipeline stages hold {next(k for k in keys if keys.count(k) > 1)!r}; each tensor "
+                              "must belong to one stage (a tied embedding is refused under parallel.pp)")
+    return merged
+
+
 def _holders(item: Item, world_size: int) -> list[int]:
     """The ranks that hold all of `item`: those of its one non-empty box (an expert, a block held by a
     single shard), else every rank (the tensor travels to whichever owns it)."""
+    if item.holder is not None:
+        return [item.holder]
     if item.shard is None:
         return list(range(world_size))
     filled = [i for i, box in enumerate(item.shard.boxes) if not is_empty(box)]

@@ -85,7 +85,9 @@ def init_fresh(model: nn.Module, skeleton: PreTrainedModel, seed: int, rank: int
                                                    requires_grad=param.requires_grad)
         skeleton._init_weights(module)
         for key, meta_param in own:
-            copy_into(live[name]._parameters[key], module._parameters[key], rank)
+            target = live[name]._parameters.get(key) if name in live else None
+            if target is not None:  # else another pipeline stage's: drawn all the same, so every stage draws alike
+                copy_into(target, module._parameters[key], rank)
             module._parameters[key] = meta_param
 
 

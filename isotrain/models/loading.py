@@ -141,9 +141,10 @@ def declared_config(cfg: ModelConfig):
 
 def check_layout_fits(cfg: ModelConfig, dims) -> None:
     """Before any work: the model's heads, KV heads and MLP width split over `parallel.tp`, and the family has
-    a tensor-parallel plan; under expert parallelism, the model has experts and `parallel.ep` divides their number.
+    a tensor-parallel plan; under expert parallelism, the model has experts and `parallel.ep` divides their number;
+    under pipeline parallelism, it has a decoder layer per stage.
     (The vocabulary, known once the tokenizer exists, is checked when building.)"""
-    if dims.tp == 1 and dims.ep == 1 and dims.cp == 1:
+    if dims.tp == 1 and dims.ep == 1 and dims.cp == 1 and dims.pp == 1:
         return
     from isotrain.parallel.dims import check_model_fits
     from isotrain.parallel.tp import layer_plan

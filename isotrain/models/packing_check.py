@@ -72,6 +72,17 @@ def lm_logits(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Ten
     return lm_forward(model, input_ids, position_ids, with_mask).logits
 
 
+def attention_kwargs(model: nn.Module, position_ids: torch.Tensor, with_mask: bool) -> dict:
+    """The forward arguments that keep packed documents apart, as `lm_forward` passes them: the varlen kernel's
+    document bounds, and with `with_mask` isotrain's per-document mask."""
+    kwargs = {}
+    if hf_model(model).config._attn_implementation == varlen.NAME:
+        kwargs.update(varlen.document_bounds(position_ids))
+    if with_mask:
+        kwargs["attention_mask"] = document_mask(position_ids, hf_model(model).config._attn_implementation)
+    return kwargs
+
+
 def lm_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, with_mask: bool,
                router_logits: bool = False, logits_to_keep: torch.Tensor | None = None):
     """`lm_logits`' forward, returning the model output; `router_logits`: an MoE model also returns its
@@ -79,10 +90,7 @@ def lm_forward(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Te
     transformers adds no aux loss of its own (isotrain forms it: isotrain/moe/). `logits_to_keep`: the
     positions whose logits the head computes (transformers' argument; default every position)."""
     kwargs = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
-    if hf_model(model).config._attn_implementation == varlen.NAME:
-        kwargs.update(varlen.document_bounds(position_ids))
-    if with_mask:
-        kwargs["attention_mask"] = document_mask(position_ids, hf_model(model).config._attn_implementation)
+    kwargs.update(attention_kwargs(model, position_ids, with_mask))
     if router_logits:
         kwargs["output_router_logits"] = True
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)

@@ -1,7 +1,10 @@
 """Apply parallelism to a built model, in one fixed order:
 
-    tensor parallel | expert parallel | context parallel -> activation checkpointing -> torch.compile
-        -> FSDP2 (or HSDP) | DDP
+    pipeline stage -> tensor parallel | expert parallel | context parallel -> activation checkpointing
+        -> torch.compile -> FSDP2 (or HSDP) | DDP
+
+The pipeline split comes first (parallel/pp.py): a rank keeps only its stage's layers, embedding and head, and every
+later step works on what is left.
 
 TP first, because it changes what a parameter is (a DTensor shard on the "tp" axis); checkpointing and
 compile then wrap the already-split computation; FSDP2 last, sharding over the data-parallel axes what
@@ -33,6 +36,7 @@ from isotrain.parallel.cp import apply_cp
 from isotrain.parallel.dist import all_reduce_flat
 from isotrain.parallel.ep import apply_ep, expert_parameters, sync_expert_grads
 from isotrain.parallel.mesh import ParallelState
+from isotrain.parallel.pp import apply_pp
 
 
 def _sum_allreduce_hook(process_group, bucket):
@@ -125,6 +129,8 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
     otherwise they are gathered (RL needs every token's log-probability). `checkpoint_context_fn`: see
     `apply_activation_checkpointing`.
     """
+    if parallel.dims.pp > 1:  # first: each rank keeps only its stage, which the other parallelisms then see
+        apply_pp(model, parallel.pp_rank, parallel.dims.pp)
     if parallel.dims.tp > 1:
         from isotrain.parallel.tp import apply_tp
 

@@ -157,6 +157,15 @@ def pad_rows(tensor: torch.Tensor, length: int, fill) -> torch.Tensor:
 _FILL = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": None, "segment_ids": -1}
 
 
+def pad_micro_batch(mb: dict, length: int) -> dict:
+    """`mb` with its sequence tensors right-padded to `length` as collate pads (label -100: trains nothing; at the end
+    of a row no real token attends to it); its counts are those of the real tokens, unchanged."""
+    padded = dict(mb)
+    for key in _SEQUENCE_KEYS:
+        padded[key] = pad_rows(mb[key], length, _FILL[key])
+    return padded
+
+
 def local_piece(mb: dict, cp_rank: int, cp: int, weights: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
     """This rank's piece of micro-batch `mb` (its sequence tensors padded to a multiple of `cp`, then cut) and of
     its per-token loss `weights`, which the caller computed on the whole rows (a sequence-mean weight 1/n_s counts

@@ -1,6 +1,6 @@
 """The parallel degrees of a run, resolved from the config and checked in plain Python before any work.
 
-    world size = dp_replicate × dp_shard × cp × tp          DP size = dp_replicate × dp_shard
+    world size = pp × dp_replicate × dp_shard × cp × tp          DP size = dp_replicate × dp_shard
 
 `ep` (expert parallel) takes no ranks of its own: its groups are carved out of the DP ranks, so it must
 divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every MoE layer's experts
@@ -11,6 +11,10 @@ must divide the heads, and the key/value heads or be a multiple of them (KV head
 combined with TP or EP yet (`check_cp`), and `cp_style=ring` is refused until it is built.
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
+`pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks holds one stage, an even share of
+the decoder layers (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not change with it.
+It is built alone for now (`check_pp`: no DP, TP, CP or EP beside it, no interleaved schedule), for dense models
+without tied embeddings that have at least `pp` decoder layers (`check_pp_fits`).
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -23,7 +27,8 @@ from dataclasses import dataclass
 from isotrain.errors import ConfigError
 
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp")  # the degrees that may be -1 ("the rest")
-WORLD_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")  # every degree that takes ranks, in the mesh's order
+WORLD_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # every degree that takes ranks, in the mesh's order
+PP_SCHEDULES = ("1f1b", "gpipe")  # the pipeline schedules that are built (parallel/pp.py)
 
 
 def launched_by_torchrun() -> bool:
@@ -44,6 +49,8 @@ class ParallelDims:
     ep: int = 1
     cp: int = 1
     shard_one_rank: bool = False  # dp_shard=-1 on a one-process torchrun launch: FSDP2 over that rank
+    pp: int = 1
+    pp_schedule: str = "1f1b"
 
     @property
     def fsdp(self) -> bool:
@@ -56,12 +63,13 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp_size * self.tp * self.cp
+        return self.dp_size * self.tp * self.cp * self.pp
 
     def as_rows(self) -> list[tuple[str, int]]:
         rows = [(name, getattr(self, name)) for name in DEGREE_NAMES]
         rows += [("ep", self.ep)] if self.ep > 1 else []
-        return rows + [("cp", self.cp)] if self.cp > 1 else rows
+        rows += [("cp", self.cp)] if self.cp > 1 else []
+        return rows + [("pp", self.pp)] if self.pp > 1 else rows
 
 
 def resolve_dims(cfg, world_size: int) -> ParallelDims:
@@ -77,12 +85,17 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
         )
     cp = getattr(cfg, "cp", 1)
     check_cp(cp, getattr(cfg, "cp_style", "ulysses"), degrees["tp"], getattr(cfg, "ep", 1))
-    fixed = cp
+    pp, schedule = getattr(cfg, "pp", 1), getattr(cfg, "pp_schedule", "1f1b")
+    check_pp(pp, schedule, {**degrees, "cp": cp, "ep": getattr(cfg, "ep", 1)})
+    if pp > 1:  # pipeline parallelism alone: "the rest" is no ranks at all
+        degrees = {name: 1 if value == -1 else value for name, value in degrees.items()}
+        auto = []
+    fixed = cp * pp
     for value in degrees.values():
         fixed *= value if value != -1 else 1
     if auto:
         if world_size % fixed:
-            named = [f"parallel.{name}={value}" for name, value in [*degrees.items(), ("cp", cp)]
+            named = [f"parallel.{name}={value}" for name, value in [("pp", pp), *degrees.items(), ("cp", cp)]
                      if value not in (-1, 1)]
             needs = " × ".join(named) + (f" = {fixed}" if len(named) > 1 else "")
             launched = f"{world_size} process was" if world_size == 1 else f"{world_size} processes were"
@@ -93,9 +106,10 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
         degrees[auto[0]] = world_size // fixed
     # One torchrun process joins a process group of one (parallel/dist.py), so dp_shard=-1 can shard over it.
     one_rank = cfg.dp_shard == -1 and degrees["dp_shard"] == 1 and launched_by_torchrun()
-    dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1), cp=cp, shard_one_rank=one_rank)
+    dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1), cp=cp, shard_one_rank=one_rank, pp=pp,
+                        pp_schedule=schedule)
     if dims.world_size != world_size:
-        names = [n for n in WORLD_NAMES if n != "cp" or cp > 1]
+        names = [n for n in WORLD_NAMES if n not in ("cp", "pp") or getattr(dims, n) > 1]
         product = " × ".join(str(getattr(dims, n)) for n in names)
         launch = (f"launch {dims.world_size} processes (torchrun --nproc-per-node {dims.world_size})"
                   if world_size < dims.world_size else "make the product equal the number of processes")
@@ -121,6 +135,20 @@ def check_cp(cp: int, style: str, tp: int, ep: int) -> None:
     if ep > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.ep={ep} is not supported yet; set parallel.ep=1 or "
                           "parallel.cp=1")
+
+
+def check_pp(pp: int, schedule: str, others: dict[str, int]) -> None:
+    """What pipeline parallelism is built for: the `1f1b` and `gpipe` schedules, one stage per rank, with no other
+    axis beside it (each of them would need its reductions and its mesh carved per stage)."""
+    if pp == 1:
+        return
+    if schedule not in PP_SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule={schedule} is not built yet (it needs several stages per rank); "
+                          f"set parallel.pp_schedule to one of {', '.join(PP_SCHEDULES)}")
+    for name, value in others.items():
+        if value not in (1, -1):
+            raise ConfigError(f"parallel.pp={pp} with parallel.{name}={value} is not supported yet (pipeline "
+                              f"parallelism runs alone for now); set parallel.{name}=1 or parallel.pp=1")
 
 
 def check_ep(dims: ParallelDims) -> None:
@@ -195,6 +223,7 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
     PretrainedConfig)."""
     _check_experts_fit(dims.ep, config)
     check_cp_fits(dims.cp, config)
+    check_pp_fits(dims.pp, config)
     if dims.tp == 1:
         return
     tp = dims.tp
@@ -244,3 +273,20 @@ def check_cp_fits(cp: int, config) -> None:
     if is_moe(config):
         raise ConfigError(f"parallel.cp={cp} is not supported for mixture-of-experts models yet (their router terms "
                           "are formed from whole sequences); set parallel.cp=1")
+
+
+def check_pp_fits(pp: int, config) -> None:
+    """Each stage needs at least one decoder layer; tied input and output embeddings would live on the first and the
+    last stage at once, and MoE router terms pool every layer's routing: both refused for now."""
+    if pp == 1:
+        return
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and layers < pp:
+        raise ConfigError(f"parallel.pp={pp} needs at least {pp} decoder layers, one per stage, but the model has "
+                          f"{layers} (num_hidden_layers={layers}); use a parallel.pp of at most {layers}")
+    if getattr(config, "tie_word_embeddings", False):
+        raise ConfigError(f"parallel.pp={pp} puts the input embedding on the first stage and the LM head on the last, "
+                          "but this model ties them (tie_word_embeddings=true); set parallel.pp=1 for this model")
+    if is_moe(config):
+        raise ConfigError(f"parallel.pp={pp} is not supported for mixture-of-experts models yet (their router terms "
+                          "pool every layer's routing); set parallel.pp=1")

@@ -1,6 +1,6 @@
 """One DeviceMesh for the run, with named axes, and the groups every reduction uses.
 
-    mesh axes: ("dp_replicate", "dp_shard", "cp", "tp")  flattened: "dp" = dp_replicate × dp_shard
+    mesh axes: ("pp", "dp_replicate", "dp_shard", "cp", "tp")  flattened: "dp" = dp_replicate × dp_shard
     context parallel (cp > 1), flattened as torchtitan does: "dp_shard_cp" = dp_shard × cp (what FSDP2 shards
                      over), "dp_replicate_cp" = dp_replicate × cp (what DDP sums over when nothing is sharded)
     expert parallel: "dp" unflattened into ("ep_replicate", "ep") = (DP size / ep, ep); with TP the mesh
@@ -15,6 +15,11 @@ counts, the RL rollout split and every data metric use the DP rank and the DP gr
 summing over the world would count each sample `tp` times. The same holds for "cp": the CP ranks of a DP rank
 hold the same micro-batches (each runs its piece of every sequence), so counts are summed over DP, and only the
 loss values, which each CP rank computes for its own tokens, are summed over CP too (train/step.py).
+
+Pipeline parallel ("pp", outermost, as torchtitan orders it): the ranks of the "pp" axis hold different stages of
+the model and run the same micro-batches one after the other, so like "tp" and "cp" it does not enter the DP group;
+the loss, computed on the last stage only, is summed over "pp", and the gradient norm sums each stage's squares
+once (train/step.py).
 
 Gradients under CP: every CP rank backpropagates the loss of its own tokens, and the all-to-all's backward carries
 into its activations the gradient of the other ranks' losses, so a replicated weight's whole gradient is the SUM
@@ -50,6 +55,8 @@ class ParallelState:
     ep_mesh: DeviceMesh | None = None  # ("ep_replicate", "ep"[, "tp"]), only when dims.ep > 1
     cp_rank: int = 0
     cp_group: object = None  # the ranks that split one micro-batch's sequences; None when cp == 1
+    pp_rank: int = 0  # this rank's pipeline stage
+    pp_group: object = None  # the ranks that hold the stages of one model; None when pp == 1
 
     @property
     def world_size(self) -> int:
@@ -117,4 +124,6 @@ def build_parallel(dims: ParallelDims, device: torch.device, rank: int,
         ep_mesh=ep_mesh,
         cp_rank=mesh["cp"].get_local_rank(),
         cp_group=mesh["cp"].get_group() if dims.cp > 1 else None,
+        pp_rank=mesh["pp"].get_local_rank(),
+        pp_group=mesh["pp"].get_group() if dims.pp > 1 else None,
     )

@@ -4,7 +4,8 @@ Launched by test_equivalence.py with torchrun (real processes, gloo) or in-proce
     equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive|ac] [chunk=N]
 LAYOUTS: e.g. 2x1x1,1x2x1,1x1x2 = DDP, FSDP2, TP (dp_replicate x dp_shard x tp), with an optional 4th degree
 for expert parallelism (1x2x1x2 = FSDP2 2 with EP 2, for the MoE families) and an optional 5th for context
-parallelism (1x1x1x1x2 = CP 2 alone, 1x2x1x1x2 = FSDP2 2 × CP 2: ParallelDims' field order); `ac` checkpoints every
+parallelism (1x1x1x1x2 = CP 2 alone, 1x2x1x1x2 = FSDP2 2 × CP 2: ParallelDims' field order), and a pipeline-parallel
+degree and schedule after a colon (1x1x1:pp2-gpipe = PP 2 with GPipe, keyed ("pp", 2, "gpipe")); `ac` checkpoints every
 decoder layer's activations. One launch covers every given layout (a mesh and a model each), both loss
 reductions, in fp32 and in fp64: results[(dp_replicate, dp_shard, tp)][(reduction, dtype)]; run() is one
 layout in this process. `chunk=N` also runs every layout without TP with the chunked cross-entropy
@@ -65,6 +66,8 @@ def make_samples(num: int = 16, seed: int = 0) -> list[Sample]:
 FAMILIES = {
     "llama": {},
     "llama_tied": {"model_type": "llama", "tie_word_embeddings": True},
+    # Four decoder layers: two per stage under pipeline parallelism 2.
+    "llama_4layers": {"num_hidden_layers": 4},
     # One KV head: fewer than any context-parallel degree, so Ulysses repeats it (multi-query attention).
     "llama_mqa": {"num_key_value_heads": 1},
     "qwen2": {"model_type": "qwen2"},
@@ -130,17 +133,46 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
         else:
             loss, step_counts = forward_backward(model, micro_batches, options, info.device)
         if step == 0:
-            first_grads = {n: full(p.grad) for n, p in unwrap(model).named_parameters()}
+            first_grads = _all_stages({n: full(p.grad) for n, p in unwrap(model).named_parameters()}, parallel)
         losses.append(loss)
         counts.append(step_counts)
-        norms.append(optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0, loss=loss))
+        norms.append(optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0, loss=loss, stages=parallel.dims.pp))
         if step == 0:
             check_replicated(model, parallel.tp_group)
-    weights = {n: full(p) for n, p in unwrap(model).named_parameters()}
+    weights = _all_stages({n: full(p) for n, p in unwrap(model).named_parameters()}, parallel)
     # Expert parallelism: how many experts this rank holds of each expert tensor (E / ep, not E).
     local_rows = {n: p.to_local().shape[0] for n, p in unwrap(model).named_parameters()
                   if ".experts." in n and isinstance(p, DTensor)}
     return {"local_expert_rows": local_rows, "losses": losses, "grads": first_grads, "weights": weights, "counts": counts, "norms": norms}
+
+
+def _all_stages(tensors: dict, parallel) -> dict:
+    """Under pipeline parallelism each rank holds its stage's tensors: every stage's, by name (one process's set)."""
+    if parallel.dims.pp == 1:
+        return tensors
+    gathered = [None] * parallel.dims.pp
+    torch.distributed.all_gather_object(gathered, tensors, group=parallel.pp_group)
+    merged = {name: t for stage in gathered for name, t in stage.items()}
+    assert len(merged) == sum(len(stage) for stage in gathered), "two stages hold the same tensor"
+    return merged
+
+
+def _parse_layout(text: str):
+    """'1x1x1' -> (1, 1, 1); '1x1x1:pp2-gpipe' -> ((1, 1, 1), 2, 'gpipe')."""
+    layout, _, pipeline = text.partition(":")
+    degrees = tuple(int(x) for x in layout.split("x"))
+    if not pipeline:
+        return degrees
+    pp, schedule = pipeline.removeprefix("pp").split("-")
+    return degrees, int(pp), schedule
+
+
+def _dims(layout) -> tuple[ParallelDims, tuple]:
+    """The ParallelDims of a parsed layout and its key in the results."""
+    if isinstance(layout[0], tuple):
+        degrees, pp, schedule = layout
+        return ParallelDims(*degrees, pp=pp, pp_schedule=schedule), ("pp", pp, schedule)
+    return ParallelDims(*layout), layout
 
 
 def run(out: str, micro_batch: int, naive: bool = False, checkpointing: bool = False, family: str = "llama") -> None:
@@ -159,7 +191,8 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
     results = {}
     for family in families:
         for layout in layouts:
-            parallel = build_parallel(ParallelDims(*layout), info.device, info.rank)
+            dims, layout = _dims(layout)
+            parallel = build_parallel(dims, info.device, info.rank)
             key = layout if list(families) == ["llama"] else (family, layout)
             results[key] = {
                 (reduction, str(dtype)): run_layout(info, parallel, micro_batch, reduction, dtype, naive,
@@ -182,7 +215,7 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
 
 
 if __name__ == "__main__":
-    # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive] [ac] [families=qwen3,...] [unreduced] [chunk=N]
+    # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive] [ac] [families=qwen3,...] [unreduced] [scaled] [chunk=N]
     # LAYOUTS: RxSxT[xE][,...], e.g. 2x1x1,1x1x2,2x1x1x2; `unreduced` removes the TP gradient sum of Qwen3's q/k norms
     # on purpose, to show that the replicated-parameter check catches a missing reduction.
     out, layouts, micro, *rest = sys.argv[1:]
@@ -198,7 +231,11 @@ if __name__ == "__main__":
             return styles(name, where)
 
         tp._style = without_grad_sum
-    results = run_layouts([tuple(int(x) for x in layout.split("x")) for layout in layouts.split(",")], int(micro),
+    if "scaled" in rest:  # the pipeline schedule's own gradient scaling, on purpose: the control that must fail
+        import isotrain.parallel.pp as pp
+
+        pp.SCALE_GRADS = True
+    results = run_layouts([_parse_layout(layout) for layout in layouts.split(",")], int(micro),
                           naive="naive" in rest, checkpointing="ac" in rest, families=families,
                           chunk_tokens=next((int(flag.split("=", 1)[1]) for flag in rest if flag.startswith("chunk=")), 0))
     if results is not None:

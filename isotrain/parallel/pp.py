@@ -1,0 +1,102 @@
+"""Pipeline parallelism (parallel.pp): a Hugging Face causal LM split into stages, one per rank, run by the schedules
+of `torch.distributed.pipelining` (1F1B, GPipe).
+
+Stages. Stage s of `pp` holds the decoder layers `stage_layers(L, pp, s)`, an even split in order (the first
+L mod pp stages take one more); the first stage also holds the input embedding, the last the final norm and the LM
+head, and the loss is computed there. The model stays the Hugging Face model with its own names, as torchtitan keeps
+its model and deletes what a stage does not own: the layers of other stages become `PassThrough` (no parameters), a
+later stage's embedding and an earlier stage's head are removed and an earlier stage's final norm is the identity.
+So `named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one
+process uses, and a model built on meta materialises only them (models/build.py).
+
+Math (invariant 1). The schedule runs the batch plan's gradient-accumulation micro-batches m = 1..M; the loss of
+each is
+
+    loss_m = Σ_{t ∈ m} w_t · ℓ_t / D          D = global denominator, all-reduced before the first backward
+
+and the schedule is built with `scale_grads=False`, so the stages' gradients sum to ∇ Σ_m loss_m, the gradient of
+the global mean, exactly as gradient accumulation on one process. torch's default, `scale_grads=True`, divides every
+gradient once more by M: the gradient of another objective (tests/train/test_pipeline_parallel.py shows that it
+fails the equivalence test).
+
+Shapes. A stage receives activations into buffers whose shape it infers at its first micro-batch, so the micro-batches
+of one step are padded to the same length (right padding, label -100: causal attention lets no real token see it,
+and it trains nothing), and the stage and its schedule are built again for every step (one exchange of shapes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+SCALE_GRADS = False  # never rescale: each micro-batch's loss already carries the global normalisation
+
+
+class PassThrough(nn.Module):
+    """A decoder layer that another stage holds: hidden states go through unchanged, with no parameters."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """The decoder layers of `stage`: L // pp each, the first L mod pp stages one more (checked: L >= pp)."""
+    size, extra = divmod(num_layers, pp)
+    start = stage * size + min(stage, extra)
+    return range(start, start + size + (stage < extra))
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return getattr(model, getattr(model, "base_model_prefix", "model"))
+
+
+def apply_pp(model: nn.Module, stage: int, pp: int) -> None:
+    """Keep only this stage's part of a causal LM (on meta or materialised), under the full model's names."""
+    base = _base(model)
+    own = stage_layers(len(base.layers), pp, stage)
+    for index in range(len(base.layers)):
+        if index not in own:
+            base.layers[index] = PassThrough()
+    if stage > 0:
+        base.embed_tokens = None
+    if stage < pp - 1:
+        base.norm = nn.Identity()
+        model.lm_head = None
+
+
+class StageModule(nn.Module):
+    """One stage's forward: token ids (first stage) or the previous stage's hidden states in, hidden states out, or
+    the logits on the last stage. `kwargs` (position ids, an attention mask) are the micro-batch's own, given to every
+    stage by the schedule; transformers builds the causal mask and the rotary embeddings from them on each stage."""
+
+    def __init__(self, model: nn.Module, stage: int, pp: int):
+        super().__init__()
+        self.model = model
+        self.first, self.last = stage == 0, stage == pp - 1
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        hidden = _base(self.model)(**inputs, use_cache=False, **kwargs).last_hidden_state
+        return self.model.lm_head(hidden) if self.last else hidden
+
+
+def pipeline_backward(model: nn.Module, stage: int, pp: int, group, schedule: str, inputs: list[torch.Tensor],
+                      kwargs: list[dict], targets: list[torch.Tensor],
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device) -> None:
+    """Run the forward and backward passes of every micro-batch through the pipeline, accumulating this stage's
+    gradients. `inputs`: the micro-batches' token ids, all of one shape (used by the first stage); `kwargs`: each
+    micro-batch's forward arguments; `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose
+    `targets` entry is `target`, already divided by the global denominator (torch also calls it once, while building
+    the stage, on a copy of the first target and uninitialised logits). The schedule never rescales (SCALE_GRADS,
+    read at each call so that a test can show what rescaling would do)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+    pipeline_stage = PipelineStage(StageModule(model, stage, pp), stage, pp, device, group=group)
+    runner = schedules[schedule](pipeline_stage, n_microbatches=len(inputs), loss_fn=loss_fn,
+                                   scale_grads=SCALE_GRADS)
+    first = stage == 0
+    runner.step(arg_mbs=[(x.to(device),) if first else () for x in inputs], kwarg_mbs=kwargs,
+                target_mbs=targets, return_outputs=False)

@@ -1,0 +1,73 @@
+"""Pipeline parallelism end to end, through `isotrain train`: a PP 2 run (1F1B, 4 micro-batches through 2 stages)
+logs the metrics of one process (the same exact counts, the loss and gradient norm to fp32 rounding), its
+checkpoints hold one process's tensors under the same Hugging Face names (each stage wrote its own), `ckpt verify`
+passes and plain transformers loads them, and a run resumes across PP 2 <-> 1 process with the same data order.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from test_context_parallel_resume import _from_step_4, assert_same_run, assert_same_weights, metrics
+from zygote import run_forked_ranks
+
+TINY = [
+    "model.config.hidden_size=64",
+    "model.config.intermediate_size=128",
+    "model.config.num_hidden_layers=2",
+    "model.config.num_key_value_heads=2",
+    "model.config.tie_word_embeddings=false",  # the bundled example ties them; PP refuses tied embeddings
+    "train.global_batch_size=16",
+    "train.micro_batch_size=4",
+    "train.max_steps=8",
+    "train.deterministic=true",
+    "checkpoint.every_steps=4",
+    "logging.progress=false",
+]
+PP2 = ["parallel.pp=2"]
+
+
+def train(nproc: int, run_dir, *more: str):
+    proc = run_forked_ranks(nproc, ["train", *TINY, f"output_dir={run_dir}", *more])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """8 uninterrupted steps on one process and on PP 2, checkpoints at 4 and 8."""
+    root = tmp_path_factory.mktemp("pp-runs")
+    train(1, root / "single")
+    proc = train(2, root / "pp2", *PP2)
+    return root / "single", root / "pp2", proc
+
+
+@pytest.mark.slow
+def test_pp2_run_logs_the_metrics_and_saves_the_weights_of_one_process(runs):
+    from transformers import AutoModelForCausalLM
+
+    single, pp2, proc = runs
+    assert re.search(r"│ pp +│ 2 +│", proc.stdout), proc.stdout[:2000]  # the start-up table of degrees and sizes
+    assert_same_run(metrics(pp2), metrics(single))
+    for step in ("step-00000004", "step-00000008"):
+        assert_same_weights(pp2 / "checkpoints" / step, single / "checkpoints" / step)
+        verified = run_forked_ranks(1, ["ckpt", "verify", str(pp2 / "checkpoints" / step)])
+        assert verified.returncode == 0 and verified.stdout.startswith("valid: "), verified.stderr
+    model = AutoModelForCausalLM.from_pretrained(pp2 / "checkpoints" / "step-00000008")
+    names = {n for n, _ in model.named_parameters()}
+    assert names >= {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                     "model.layers.1.mlp.up_proj.weight", "lm_head.weight"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_on, resumed_on", [("pp2", 1), ("single", 2)], ids=["pp2-to-1", "1-to-pp2"])
+def test_resume_across_pp_continues_the_same_run(tmp_path, runs, saved_on, resumed_on):
+    single, pp2, _ = runs
+    run_dir = tmp_path / "resumed"
+    _from_step_4(pp2 if saved_on == "pp2" else single, run_dir)
+    proc = train(resumed_on, run_dir, *(PP2 if resumed_on == 2 else []))
+    assert "resumed from" in proc.stdout
+    assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
+    assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")

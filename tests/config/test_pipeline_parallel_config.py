@@ -1,0 +1,122 @@
+"""parallel.pp, parallel.pp_schedule and parallel.pp_microbatches: where PP takes its ranks, the even split of the
+decoder layers, and every refusal as the one sentence a user sees (`isotrain config show` checks what a run checks
+before any work)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig
+
+from helpers import assert_error_sentence
+from test_early_checks import cli
+
+from isotrain.config import ParallelConfig, build_config, load_config
+from isotrain.errors import ConfigError
+from isotrain.parallel.dims import check_pp_fits, resolve_dims
+from isotrain.parallel.pp import stage_layers
+from isotrain.sizes import plan_batches
+
+TINY = ["model.config.hidden_size=32", "model.config.num_hidden_layers=2", "model.config.intermediate_size=64",
+        "model.config.tie_word_embeddings=false"]
+
+
+def test_pp_takes_ranks_of_its_own_and_the_batch_plan_is_that_of_one_process():
+    dims = resolve_dims(ParallelConfig(pp=2), 2)  # dp_replicate=-1 takes no ranks beside PP
+    assert (dims.pp, dims.dp_replicate, dims.world_size, dims.dp_size, dims.pp_schedule) == (2, 1, 2, 1, "1f1b")
+    cfg = load_config(None, ["parallel.pp=2", "train.global_batch_size=8", "train.micro_batch_size=2"])
+    plan = plan_batches(cfg, resolve_dims(cfg.parallel, 2))
+    assert (plan.dp_size, plan.grad_accum_steps, plan.samples_per_rank_per_step) == (1, 4, 8)
+    with pytest.raises(ConfigError) as err:
+        resolve_dims(ParallelConfig(pp=2), 4)
+    assert str(err.value) == ("parallel.pp × dp_replicate × dp_shard × tp = 2 × 1 × 1 × 1 = 2 but 4 processes "
+                              "were launched; make the product equal the number of processes")
+
+
+def test_layers_split_evenly_in_order():
+    assert [list(stage_layers(4, 2, s)) for s in range(2)] == [[0, 1], [2, 3]]
+    assert [list(stage_layers(5, 3, s)) for s in range(3)] == [[0, 1], [2, 3], [4]]
+    assert [list(stage_layers(2, 2, s)) for s in range(2)] == [[0], [1]]
+
+
+@pytest.mark.parametrize("settings, sentence", [
+    (dict(pp=2, pp_schedule="interleaved_1f1b"), "parallel.pp_schedule=interleaved_1f1b is not built yet (it needs "
+     "several stages per rank); set parallel.pp_schedule to one of 1f1b, gpipe"),
+    (dict(pp=2, tp=2), "parallel.pp=2 with parallel.tp=2 is not supported yet (pipeline parallelism runs alone for "
+     "now); set parallel.tp=1 or parallel.pp=1"),
+    (dict(pp=2, cp=2), "parallel.pp=2 with parallel.cp=2 is not supported yet (pipeline parallelism runs alone for "
+     "now); set parallel.cp=1 or parallel.pp=1"),
+    (dict(pp=2, ep=2), "parallel.pp=2 with parallel.ep=2 is not supported yet (pipeline parallelism runs alone for "
+     "now); set parallel.ep=1 or parallel.pp=1"),
+    (dict(pp=2, dp_shard=2), "parallel.pp=2 with parallel.dp_shard=2 is not supported yet (pipeline parallelism runs "
+     "alone for now); set parallel.dp_shard=1 or parallel.pp=1"),
+])
+def test_unbuilt_combinations_are_refused(settings, sentence):
+    with pytest.raises(ConfigError) as err:
+        resolve_dims(ParallelConfig(**settings), 4)
+    assert str(err.value) == sentence
+
+
+@pytest.mark.parametrize("sizes, pp, sentence", [
+    (dict(num_hidden_layers=2), 3, "parallel.pp=3 needs at least 3 decoder layers, one per stage, but the model has 2 "
+     "(num_hidden_layers=2); use a parallel.pp of at most 2"),
+    (dict(tie_word_embeddings=True), 2, "parallel.pp=2 puts the input embedding on the first stage and the LM head on "
+     "the last, but this model ties them (tie_word_embeddings=true); set parallel.pp=1 for this model"),
+    (dict(model_type="qwen3_moe", num_experts=4), 2, "parallel.pp=2 is not supported for mixture-of-experts models "
+     "yet (their router terms pool every layer's routing); set parallel.pp=1"),
+])
+def test_models_that_do_not_split_are_refused(sizes, pp, sentence):
+    sizes = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 4, **sizes}
+    config = AutoConfig.for_model(sizes.pop("model_type", "llama"), **sizes)
+    with pytest.raises(ConfigError) as err:
+        check_pp_fits(pp, config)
+    assert str(err.value) == sentence
+
+
+@pytest.mark.parametrize("overrides, sentence", [
+    (["parallel.pp_microbatches=3"], "parallel.pp_microbatches=3 does not divide the 8 samples each data-parallel "
+     "rank trains per step (train.global_batch_size / DP size); use one of [1, 2, 4, 8]"),
+    (["parallel.pp_microbatches=2"], "parallel.pp_microbatches=2 differs from the batch plan's 4 gradient-accumulation "
+     "micro-batches, which the pipeline runs; set train.micro_batch_size=4 or leave parallel.pp_microbatches unset"),
+    (["train.micro_batch_size=8"], "parallel.pp_schedule=1f1b needs at least one micro-batch per stage, but the batch "
+     "plan has 1 for parallel.pp=2; lower train.micro_batch_size to at most 4 or use parallel.pp_schedule=gpipe"),
+])
+def test_microbatches_that_do_not_fit_are_refused(capsys, overrides, sentence):
+    proc = cli(capsys, ["config", "show", *TINY, "parallel.pp=2", "train.global_batch_size=8",
+                        "train.micro_batch_size=2", *overrides, "--world-size", "2"])
+    assert_error_sentence(proc, sentence)
+
+
+def test_config_show_prints_the_pp_degree_and_accepts_matching_microbatches(capsys):
+    proc = cli(capsys, ["config", "show", *TINY, "parallel.pp=2", "parallel.pp_schedule=gpipe",
+                        "parallel.pp_microbatches=4", "train.global_batch_size=8", "train.micro_batch_size=2",
+                        "--world-size", "2"])
+    assert proc.returncode == 0, proc.stderr
+    assert "  pp: 2\n  pp_schedule: gpipe\n  pp_microbatches: 4\n" in proc.stdout
+    assert "# pp: 2\n" in proc.stdout and "# grad_accum_steps: 4\n" in proc.stdout
+
+
+def test_config_show_refuses_more_stages_than_layers(capsys):
+    proc = cli(capsys, ["config", "show", *TINY, "parallel.pp=3", "train.global_batch_size=6",
+                        "train.micro_batch_size=2", "--world-size", "3"])
+    assert_error_sentence(proc, "parallel.pp=3 needs at least 3 decoder layers, one per stage, but the model has 2 "
+                          "(num_hidden_layers=2); use a parallel.pp of at most 2")
+
+
+@pytest.mark.parametrize("recipe, section, sentence", [
+    ("rl", {}, "parallel.pp=2 is built for isotrain train only; the RL trainer's rollouts and losses run the whole "
+     "model on one rank: set parallel.pp=1"),
+    ("embed", {}, "parallel.pp=2 is built for isotrain train only; isotrain embed pools the last hidden states on one "
+     "rank: set parallel.pp=1"),
+    ("train", {"train": {"loss_chunk_tokens": 64}}, "train.loss_chunk_tokens=64 is not supported with "
+     "parallel.pp=2 yet (the last stage computes the whole cross-entropy); set train.loss_chunk_tokens=0 or "
+     "parallel.pp=1"),
+    ("train", {"lora": {"r": 4}}, "lora.r=4 is not supported with parallel.pp=2 yet; set lora.r=0 or parallel.pp=1"),
+    ("train", {"data": {"path": "x.jsonl", "packing": True}}, "data.packing=true is not supported with parallel.pp=2 "
+     "yet (the packing probe runs the whole model on one rank); set data.packing=false or parallel.pp=1"),
+    ("train", {"train": {"compile": True}}, "train.compile=true is not supported with parallel.pp=2 yet; set "
+     "train.compile=false or parallel.pp=1"),
+])
+def test_recipes_and_settings_without_pipelines_refuse_pp(recipe, section, sentence):
+    tree = {"model": {"config": {"model_type": "llama"}}, "data": {"path": "x.jsonl"}, "parallel": {"pp": 2}, **section}
+    with pytest.raises(ConfigError, match=sentence.replace("(", r"\(").replace(")", r"\)")):
+        build_config(tree, recipe)

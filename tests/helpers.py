@@ -234,3 +234,23 @@ def assert_error_sentence(proc, sentence: str) -> None:
     assert_clean_error(proc, sentence)
     assert proc.returncode == 2
     assert " ".join(proc.stderr.split()) == f"error: {sentence}"
+
+
+def vllm_python() -> str:
+    """The interpreter of the vLLM engine environment for the vLLM tests.
+
+    CI (.ci/run) builds the environment with scripts/build_vllm_cpu_env.py and exports ISOTRAIN_VLLM_PYTHON, so
+    there the tests always run (a wrong path fails them). A developer run without the variable uses the
+    environment the script would build if it is already there, and otherwise skips, saying how to build it
+    (it is 2.5 GB and minutes of downloads: never built behind a test's back)."""
+    import pytest
+
+    python = os.environ.get("ISOTRAIN_VLLM_PYTHON")
+    if python:
+        return python
+    script = REPO / "scripts" / "build_vllm_cpu_env.py"
+    found = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    if found.returncode != 0:
+        pytest.skip(f"no vLLM engine environment: build it with `python {script.relative_to(REPO)}` (CI does) "
+                    "or set ISOTRAIN_VLLM_PYTHON")
+    return found.stdout.strip()

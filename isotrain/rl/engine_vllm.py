@@ -96,13 +96,13 @@ class VLLMEngine:
                  engine_args: dict | None = None, bucket_bytes: int = 256 * 2**20, timeout_s: float = 600.0,
                  num_threads: int | None = None, log_path: str | Path | None = None):
         python = check_settings(python, temperature, top_p, engine_args)
-        self.python, self._eos_id, self._seed, self._timeout_s = python, eos_id, seed, timeout_s
+        self.python, self._eos_id, self._seed, self.timeout_s = python, eos_id, seed, timeout_s
         self._bucket_bytes, self._num_generate_calls, self._checksums = bucket_bytes, 0, {}
-        self._process, self._buffer, self._log = None, b"", None
+        self._process, self._buffer, self._log, self.failed = None, b"", None, False
         # The directory of the engine's config.json and of the weight buckets; removed by close().
         shm = Path("/dev/shm")
-        self._tmp = Path(tempfile.mkdtemp(prefix="isotrain-vllm-", dir=shm if shm.is_dir() else None))
-        self.log_path = Path(log_path) if log_path else self._tmp / "engine.log"
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="isotrain-vllm-", dir=shm if shm.is_dir() else None))
+        self.log_path = Path(log_path) if log_path else self.tmp_dir / "engine.log"
         try:
             self._start(config, dtype, logprobs_mode_for(temperature, top_p), kv_cache_bytes, engine_args or {},
                         num_threads or torch.get_num_threads())
@@ -113,23 +113,25 @@ class VLLMEngine:
     # ----- start and the channel ----------------------------------------------------------------------------------
 
     def _start(self, config, dtype, logprobs_mode, kv_cache_bytes, engine_args, num_threads) -> None:
-        model_dir = self._tmp / "model"
+        model_dir = self.tmp_dir / "model"
         model_dir.mkdir()
         config.to_json_file(model_dir / "config.json")
         args = {"model_dir": str(model_dir), "dtype": dtype, "seed": self._seed,
                 "max_model_len": config.max_position_embeddings, "logprobs_mode": logprobs_mode,
                 "kv_cache_bytes": kv_cache_bytes, "engine_args": engine_args, "head_dim": head_dim_of(config),
                 "num_threads": num_threads}
+        # TMPDIR: vLLM's own temporary files (its process-group rendezvous file) go where close() removes them.
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
-               "OMP_NUM_THREADS": str(num_threads), "PYTHONUNBUFFERED": "1"}
+               "OMP_NUM_THREADS": str(num_threads), "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp_dir)}
         env.pop("PYTHONPATH", None)  # the engine environment's own packages, never the trainer's
         self._log = open(self.log_path, "ab")
         # A session of its own: close() can end the engine and any helper it started as one group.
         self._process = subprocess.Popen([self.python, str(SERVER), json.dumps(args)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=self._log, env=env, start_new_session=True)
         try:
-            self.info = self._answer("start", timeout_s=self._timeout_s)
+            self.info = self._answer("start", timeout_s=self.timeout_s)
         except _EngineFailed as err:
+            self.failed = err.kind not in ("no_vllm", "head_dim")  # those two sentences say it all
             if err.kind == "no_vllm":
                 raise ConfigError(f"rollout.vllm.python={self.python!r} cannot import vllm ({err}); {BUILD_HINT}, "
                                   "and set rollout.vllm.python to its interpreter") from None
@@ -151,8 +153,9 @@ class VLLMEngine:
         except (BrokenPipeError, OSError):
             self._raise_dead(op)
         try:
-            return self._answer(op, self._timeout_s)
+            return self._answer(op, self.timeout_s)
         except _EngineFailed as err:
+            self.failed = True
             raise TrainingError(f"the vLLM engine failed in {op}: {err}; see {self.log_path}") from None
 
     def _answer(self, op: str, timeout_s: float):
@@ -162,6 +165,7 @@ class VLLMEngine:
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0:
+                self.failed = True
                 self._stop()
                 raise TrainingError(f"the vLLM engine gave no answer to {op} within rollout.vllm.timeout_s="
                                     f"{timeout_s:g} s and was stopped; raise rollout.vllm.timeout_s if it is only "
@@ -178,6 +182,7 @@ class VLLMEngine:
         return message["ok"]
 
     def _raise_dead(self, op: str):
+        self.failed = True
         code = self._process.wait(timeout=5) if self._process else None
         self._stop()
         raise TrainingError(f"the vLLM engine process (pid {self.pid}) exited with code {code} during {op}: "
@@ -238,7 +243,7 @@ class VLLMEngine:
         self._checksums = loaded
 
     def _send_bucket(self, bucket: dict, index: int, save_file) -> dict[str, str]:
-        path = self._tmp / f"bucket-{index:05d}.safetensors"
+        path = self.tmp_dir / f"bucket-{index:05d}.safetensors"
         try:
             save_file(bucket, str(path))
             return self._call("bucket", path=str(path))  # the child deletes the file once it has read it
@@ -268,10 +273,10 @@ class VLLMEngine:
         self._stop()
         if self._log is not None:
             self._log.close()
-        if self.log_path.parent != self._tmp and self._tmp.exists():
-            shutil.rmtree(self._tmp, ignore_errors=True)
-        elif self._tmp.exists():  # the log lives in the temporary directory: keep only the log
-            for path in self._tmp.iterdir():
+        if not (self.failed and self.log_path.parent == self.tmp_dir):
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        elif self.tmp_dir.exists():  # a failure's message names the log: keep it, and nothing else
+            for path in self.tmp_dir.iterdir():
                 if path != self.log_path:
                     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 

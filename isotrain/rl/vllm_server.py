@@ -60,7 +60,7 @@ def main() -> int:
         op = request.pop("op")
         if op == "close":
             _send(channel, {"ok": None})
-            return 0
+            os._exit(0)  # nothing of vLLM's needs a teardown in-process; its atexit hooks can take seconds
         if op in ("bucket", "end"):
             continue  # the rest of a sync that failed (its error was answered): ignored
         try:

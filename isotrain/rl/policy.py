@@ -51,7 +51,8 @@ def make_engine(cfg: RLRunConfig, config, tokenizer, output_dir: Path, rank: int
         return VLLMEngine(config, tokenizer.eos_token_id, python=v.python, seed=cfg.train.seed, dtype=v.dtype,
                           temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, kv_cache_bytes=v.kv_cache_bytes,
                           engine_args=v.engine_args, bucket_bytes=v.bucket_bytes, timeout_s=v.timeout_s,
-                          num_threads=torch.get_num_threads(), log_path=output_dir / f"vllm_engine.rank{rank}.log")
+                          num_threads=torch.get_num_threads(), log_path=output_dir / f"vllm_engine.rank{rank}.log",
+                          max_model_len=cfg.data.max_seq_len)  # prompt + response: the KV cache sized for it
     from isotrain.rl.rollout import HFEngine
 
     return HFEngine.from_config(config, tokenizer, batch_size=cfg.rollout.batch_size)

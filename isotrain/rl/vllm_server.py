@@ -104,9 +104,9 @@ class Server:
             seed=args["seed"],
             max_model_len=args["max_model_len"],
             logprobs_mode=args["logprobs_mode"],
-            enforce_eager=True,
             **({"kv_cache_memory_bytes": args["kv_cache_bytes"]} if args.get("kv_cache_bytes") else {}),
-            **args.get("engine_args", {}),
+            # Eager unless the user asks for graphs (engine_args enforce_eager=false on a GPU): no compile wait.
+            **{"enforce_eager": True, **args.get("engine_args", {})},
         )
         self.info = {"vllm": vllm.__version__, "torch": torch.__version__, "platform": platform,
                      "pid": os.getpid()}

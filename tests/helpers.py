@@ -241,7 +241,7 @@ def vllm_python() -> str:
 
     CI (.ci/run) builds the environment with scripts/build_vllm_cpu_env.py and exports ISOTRAIN_VLLM_PYTHON, so
     there the tests always run (a wrong path fails them). A developer run without the variable uses the
-    environment the script would build if it is already there, and otherwise skips, saying how to build it
+    environment the script builds by default (~/.cache/isotrain) if it is already there, and otherwise skips, saying how to build it
     (it is 2.5 GB and minutes of downloads: never built behind a test's back)."""
     import pytest
 
@@ -249,7 +249,9 @@ def vllm_python() -> str:
     if python:
         return python
     script = REPO / "scripts" / "build_vllm_cpu_env.py"
-    found = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    # The tests point ISOTRAIN_CACHE at temporary folders (conftest.py): look where the script builds by default.
+    env = {k: v for k, v in os.environ.items() if k != "ISOTRAIN_CACHE"}
+    found = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, env=env)
     if found.returncode != 0:
         pytest.skip(f"no vLLM engine environment: build it with `python {script.relative_to(REPO)}` (CI does) "
                     "or set ISOTRAIN_VLLM_PYTHON")

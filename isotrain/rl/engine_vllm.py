@@ -29,6 +29,7 @@ them, and a resumed run that repeats a call's seed redraws the same samples. A c
 from __future__ import annotations
 
 import contextlib
+import getpass
 import hashlib
 import json
 import os
@@ -126,9 +127,13 @@ class VLLMEngine:
                 "max_model_len": max_model_len, "logprobs_mode": logprobs_mode,
                 "kv_cache_bytes": kv_cache_bytes, "engine_args": engine_args, "head_dim": head_dim_of(config),
                 "num_threads": num_threads}
-        # TMPDIR: vLLM's own temporary files (its process-group rendezvous file) go where close() removes them.
+        # TMPDIR: vLLM's own temporary files (its process-group rendezvous file) go where close() removes them;
+        # torch inductor's compile cache stays where torch keeps it by default, so that the next start reuses it.
+        inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+            tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
-               "OMP_NUM_THREADS": str(num_threads), "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp_dir)}
+               "OMP_NUM_THREADS": str(num_threads), "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmp_dir),
+               "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
         env.pop("PYTHONPATH", None)  # the engine environment's own packages, never the trainer's
         self._log = open(self.log_path, "ab")
         # A session of its own: close() can end the engine and any helper it started as one group.

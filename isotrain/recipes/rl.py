@@ -99,10 +99,11 @@ class RL(Recipe):
         self.engine = make_engine(cfg, model_config(cfg.model, self.tokenizer), self.tokenizer, session.output_dir,
                                   info.rank)
         if cfg.rollout.engine == "vllm":
-            session.log(f"rollout engine: vLLM {self.engine.info['vllm']} on {self.engine.info['platform']} "
-                        f"(torch {self.engine.info['torch']}), log in {self.engine.log_path.name}"
+            info = self.engine.info
+            session.log(f"rollout engine: vLLM {info['vllm']} on {info['platform']} (torch {info['torch']}), started "
+                        f"in {info['start_s']:.1f} s, log in {self.engine.log_path.name}"
                         + ("; sleep mode (freeing the engine's memory while training) is unavailable on CPU"
-                           if self.engine.info["platform"] == "cpu" else ""))
+                           if info["platform"] == "cpu" else ""))
 
     def _check_lengths(self) -> None:
         """A rollout sequence is a prompt and up to rl.max_new_tokens (eval.max_new_tokens when scoring held-out

@@ -139,8 +139,10 @@ class VLLMEngine:
         # A session of its own: close() can end the engine and any helper it started as one group.
         self._process = subprocess.Popen([self.python, str(SERVER), json.dumps(args)], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=self._log, env=env, start_new_session=True)
+        started = time.perf_counter()
         try:
             self.info = self._answer("start", timeout_s=self.timeout_s)
+            self.info["start_s"] = time.perf_counter() - started
         except _EngineFailed as err:
             self.failed = err.kind not in ("no_vllm", "head_dim")  # those two sentences say it all
             if err.kind == "no_vllm":

@@ -407,7 +407,8 @@ def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes(sft, tmp_p
         "fsdp2": lambda: run_to_end(sft, tmp_path / "fsdp2", [*TWO_RANKS, "train.max_steps=3", "checkpoint.every_steps=0",
                                                               *LAYOUTS["fsdp2"], *engine], nproc=2)})
     for name, steps in (("one", 3), ("fsdp2", 3)):
-        assert re.search(r"rollout engine: vLLM [\d.]+ on cpu \(torch [\w.+]+\), log in vllm_engine.rank0.log; sleep mode "
+        assert re.search(r"rollout engine: vLLM [\d.]+ on cpu \(torch [\w.+]+\), started in [\d.]+ s, log in "
+                         r"vllm_engine.rank0.log; sleep mode "
                          r"\(freeing the engine's memory while training\) is unavailable on CPU", runs[name].stdout)
         rows = metrics(tmp_path / name)
         assert [r["step"] for r in rows] == list(range(1, steps + 1))

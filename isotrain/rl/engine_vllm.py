@@ -198,6 +198,9 @@ class VLLMEngine:
         self.failed = True
         code = self._process.wait(timeout=5) if self._process else None
         self._stop()
+        if code is not None and code < 0:  # a signal (the OOM killer's SIGKILL, a crash's SIGSEGV): the log is mute
+            raise TrainingError(f"the vLLM engine process (pid {self.pid}) was killed by "
+                                f"{signal.Signals(-code).name} during {op}; see {self.log_path}")
         raise TrainingError(f"the vLLM engine process (pid {self.pid}) exited with code {code} during {op}: "
                             f"{_last_line(self.log_path)}; see {self.log_path}")
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -429,6 +431,41 @@ def test_vllm_engine_failures_are_one_sentence(sft, tmp_path):
     assert_clean_error(slow, "the vLLM engine gave no answer to start within rollout.vllm.timeout_s=0.5 s and was "
                              "stopped; raise rollout.vllm.timeout_s if it is only slow, else see ")
     assert not list((tmp_path / "slow").glob("model*")) and not (tmp_path / "slow" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_a_vllm_engine_killed_mid_run_stops_it_and_loses_nothing(sft, tmp_path):
+    """SIGKILL the engine process after checkpoint 1: the run stops with one sentence, every committed checkpoint
+    verifies, no engine process or /dev/shm file is left, and `checkpoint.resume=auto` finishes the run."""
+    import time
+
+    from helpers import descendants, subprocess_env
+
+    run_dir = tmp_path / "killed"
+    overrides = [*SMALL, *VLLM, f"rollout.vllm.python={vllm_python()}", "train.max_steps=6", "checkpoint.every_steps=1"]
+    shm_before = set(Path("/dev/shm").glob("isotrain-vllm-*"))
+    proc = subprocess.Popen(rl_command(sft, run_dir, overrides), env=subprocess_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + HANG_S
+    while not (run_dir / "checkpoints" / "step-00000001").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.01)
+    engines = [pid for pid in descendants(proc.pid) if "vllm_server.py" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(engines) == 1
+    os.kill(engines[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=HANG_S)
+    assert proc.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert re.search(rf"^error: step \d+: the vLLM engine process \(pid {engines[0]}\) was killed by SIGKILL during "
+                     rf"\w+; see {re.escape(str(run_dir))}/vllm_engine.rank0.log$", stderr.strip()), stderr[-3000:]
+    assert not os.path.exists(f"/proc/{engines[0]}")  # the trainer reaped its engine
+    assert set(Path("/dev/shm").glob("isotrain-vllm-*")) <= shm_before
+    committed = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if "." not in p.name)
+    for checkpoint in committed:
+        verify = run_isotrain(["ckpt", "verify", str(checkpoint)])
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+    resumed = run_to_end(sft, run_dir, [*overrides, "checkpoint.resume=auto"])
+    assert "resumed from" in resumed.stdout
+    assert [r["step"] for r in metrics(run_dir)][-1] == 6
 
 
 # ----- 6: bad input -------------------------------------------------------------------------------------------------

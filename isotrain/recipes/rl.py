@@ -188,8 +188,9 @@ class RL(Recipe):
         from isotrain.rl.sync_check import sync_and_verify
 
         prompt = encode_prompts(self.tokenizer, self.prompts.prompts[:1])[0]
-        sync_and_verify(self.engine, self.model, prompt, self.cfg.rl.max_new_tokens, self.cfg.rollout.vllm.probe_max_diff,
-                        self.ctx.device, when, self.ctx.options.autocast_dtype, self.ctx.layout)
+        sync_and_verify(self.engine, self.model, prompt, self.cfg.rl.max_new_tokens,
+                        self.cfg.rollout.vllm.probe_max_diff, self.ctx.device, when, self.ctx.options.autocast_dtype,
+                        self.ctx.layout)
 
     def _trainer_logprobs(self, batch) -> tuple[list | None, list | None, list | None, float]:
         """Old (pre-update) and reference log-probs, and PPO's values, of every sample: each rank scores its own

@@ -82,7 +82,8 @@ def check_settings(python: str | None, temperature: float, top_p: float, engine_
         raise ConfigError(f"rollout.vllm.python={python!r} is not an executable interpreter; {BUILD_HINT} and set "
                           "rollout.vllm.python to the path of its python")
     # Finding the package is quick (importing it takes seconds): an environment without it is refused now.
-    found = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    found = subprocess.run([python, "-c", probe],
                            capture_output=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     if found.returncode != 0:
         raise ConfigError(f"rollout.vllm.python={python!r} has no vllm package; {BUILD_HINT}, and set "

@@ -114,7 +114,10 @@ def test_seeded_rollouts_are_reproducible_and_shaped(engine, tokenizer):
     eos = tokenizer.eos_token_id
     for response, logprobs, truncated in zip(first.response_ids, first.response_logprobs, first.truncated):
         assert len(logprobs) == len(response) and all(lp <= 0 for lp in logprobs)
-        assert (eos not in response and len(response) == 10) if truncated else (response.index(eos) == len(response) - 1)
+        if truncated:
+            assert eos not in response and len(response) == 10
+        else:
+            assert response.index(eos) == len(response) - 1
     assert not all(first.truncated) and any(first.truncated)
 
 

@@ -256,3 +256,28 @@ def vllm_python() -> str:
         pytest.skip(f"no vLLM engine environment: build it with `python {script.relative_to(REPO)}` (CI does) "
                     "or set ISOTRAIN_VLLM_PYTHON")
     return found.stdout.strip()
+
+
+def orphaned_vllm_dirs(settle_s: float = 3.0) -> list[Path]:
+    """The vLLM engines' temporary directories in /dev/shm that no live engine process holds (its command line names
+    the directory) and that stay so for `settle_s`: what a run must never leave behind. Robust to other tests'
+    engines running meanwhile, and to one that was just killed and is about to be cleaned up by its owner."""
+
+    def orphans() -> set[Path]:
+        held = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    held.append(Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"))
+                except OSError:
+                    continue
+        held_text = "\n".join(held)
+        return {d for d in Path("/dev/shm").glob("isotrain-vllm-*") if f"{d}/" not in held_text}
+
+    import time
+
+    found = orphans()
+    if found:
+        time.sleep(settle_s)
+        found &= orphans()
+    return sorted(found)

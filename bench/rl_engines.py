@@ -68,7 +68,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     python = vllm_python(args.vllm_python)
-    work = Path(tempfile.mkdtemp(prefix="bench-rl-engines-"))
+    with tempfile.TemporaryDirectory(prefix="bench-rl-engines-") as work:
+        run(args, python, Path(work))
+
+
+def run(args, python: str, work: Path) -> None:
     isotrain(["train", "train.max_steps=50", f"output_dir={work / 'sft'}", "eval.path=null",
               "checkpoint.every_steps=0"], work)
     common = [f"model.name_or_path={work / 'sft' / 'model'}", f"rl.prompts_per_step={args.prompts}",

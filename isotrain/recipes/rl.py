@@ -68,9 +68,10 @@ class RL(Recipe):
         self.prompts = read_prompts(cfg.data.path)
         self.held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples, "eval.path") if cfg.eval.path else None
         if cfg.rollout.engine == "vllm":  # the engine's interpreter and settings, refused before any work
-            from isotrain.rl.engine_vllm import check_settings
+            from isotrain.rl.engine_vllm import check_settings, vllm_lora_rank
 
             check_settings(cfg.rollout.vllm.python, cfg.rl.temperature, cfg.rl.top_p, cfg.rollout.vllm.engine_args)
+            vllm_lora_rank(cfg.lora.r)
         self.engine = None
         self.reward_error_shown = False
 
@@ -185,12 +186,15 @@ class RL(Recipe):
             self.engine.update_weights(sync_named_tensors(self.model))
             return
         from isotrain.rl.generate import encode_prompts
-        from isotrain.rl.sync_check import sync_and_verify
+        from isotrain.rl.sync_check import sync_adapter_and_verify, sync_and_verify
 
         prompt = encode_prompts(self.tokenizer, self.prompts.prompts[:1])[0]
-        sync_and_verify(self.engine, self.model, prompt, self.cfg.rl.max_new_tokens,
-                        self.cfg.rollout.vllm.probe_max_diff, self.ctx.device, when, self.ctx.options.autocast_dtype,
-                        self.ctx.layout)
+        common = (prompt, self.cfg.rl.max_new_tokens, self.cfg.rollout.vllm.probe_max_diff, self.ctx.device, when,
+                  self.ctx.options.autocast_dtype, self.ctx.layout)
+        if self.cfg.lora.r:  # LoRA as adapters: the base once, then only the adapter's tensors travel
+            sync_adapter_and_verify(self.engine, self.model, self.engine.adapter_version == 0, *common)
+        else:
+            sync_and_verify(self.engine, self.model, *common)
 
     def _trainer_logprobs(self, batch) -> tuple[list | None, list | None, list | None, float]:
         """Old (pre-update) and reference log-probs, and PPO's values, of every sample: each rank scores its own

@@ -67,6 +67,20 @@ def logprobs_mode_for(temperature: float, top_p: float) -> str:
     )
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's max_lora_rank accepts
+
+
+def vllm_lora_rank(r: int) -> int | None:
+    """The engine's max_lora_rank for LoRA rank r (0: no LoRA, the engine gets full weights only)."""
+    if r == 0:
+        return None
+    fitting = [rank for rank in VLLM_LORA_RANKS if rank >= r]
+    if not fitting:
+        raise ConfigError(f"lora.r={r} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}; lower lora.r or use "
+                          "rollout.engine=hf")
+    return fitting[0]
+
+
 def default_python() -> str:
     return os.environ.get("ISOTRAIN_VLLM_PYTHON") or sys.executable
 
@@ -102,11 +116,13 @@ class VLLMEngine:
     def __init__(self, config, eos_id: int, *, python: str | None = None, seed: int = 0, dtype: str = "float32",
                  temperature: float = 1.0, top_p: float = 1.0, kv_cache_bytes: int | None = None,
                  engine_args: dict | None = None, bucket_bytes: int = 256 * 2**20, timeout_s: float = 600.0,
-                 num_threads: int | None = None, log_path: str | Path | None = None, max_model_len: int | None = None):
+                 num_threads: int | None = None, log_path: str | Path | None = None, max_model_len: int | None = None,
+                 max_lora_rank: int | None = None):
         python = check_settings(python, temperature, top_p, engine_args)
         self.python, self._eos_id, self._seed, self.timeout_s = python, eos_id, seed, timeout_s
         self._bucket_bytes, self._num_generate_calls, self._checksums = bucket_bytes, 0, {}
         self._process, self._buffer, self._log, self.failed = None, b"", None, False
+        self._max_lora_rank, self.adapter_version, self._adapter_checksums = max_lora_rank, 0, {}
         # The directory of the engine's config.json and of the weight buckets; removed by close().
         shm = Path("/dev/shm")
         self.tmp_dir = Path(tempfile.mkdtemp(prefix="isotrain-vllm-", dir=shm if shm.is_dir() else None))
@@ -127,7 +143,7 @@ class VLLMEngine:
         args = {"model_dir": str(model_dir), "dtype": dtype, "seed": self._seed,
                 "max_model_len": max_model_len, "logprobs_mode": logprobs_mode,
                 "kv_cache_bytes": kv_cache_bytes, "engine_args": engine_args, "head_dim": head_dim_of(config),
-                "num_threads": num_threads}
+                "num_threads": num_threads, "max_lora_rank": self._max_lora_rank}
         # TMPDIR: vLLM's own temporary files (its process-group rendezvous file) go where close() removes them;
         # torch inductor's compile cache stays where torch keeps it by default, so that the next start reuses it.
         inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
@@ -266,6 +282,21 @@ class VLLMEngine:
             return self._call("bucket", path=str(path))  # the child deletes the file once it has read it
         finally:
             path.unlink(missing_ok=True)
+
+    def update_adapter(self, save) -> dict[str, str]:
+        """LoRA as adapters (an engine started with max_lora_rank): `save(directory)` writes a peft adapter there
+        (models/lora.py save_adapter); the engine serves it as a new adapter version, dropping the previous one.
+        Only the adapter's tensors travel; the base weights stay those of the last update_weights. Returns the
+        engine's sha256 of each adapter tensor, by peft name."""
+        if not self._max_lora_rank:
+            raise ValueError("update_adapter needs an engine started with max_lora_rank")
+        previous = self.tmp_dir / f"adapter-{self.adapter_version:06d}"
+        self.adapter_version += 1
+        directory = self.tmp_dir / f"adapter-{self.adapter_version:06d}"
+        save(directory)
+        self._adapter_checksums = self._call("adapter", path=str(directory), version=self.adapter_version)
+        shutil.rmtree(previous, ignore_errors=True)  # vLLM read it when it first served that version
+        return dict(self._adapter_checksums)
 
     def checksums(self) -> dict[str, str]:
         """sha256 of each tensor the engine loaded in the last complete sync (fp32 bytes), by name."""

@@ -44,7 +44,7 @@ def make_engine(cfg: RLRunConfig, config, tokenizer, output_dir: Path, rank: int
         return ProcessEngine(config, tokenizer_dir, seed=cfg.train.seed, batch_size=cfg.rollout.batch_size,
                              num_threads=torch.get_num_threads())
     if cfg.rollout.engine == "vllm":
-        from isotrain.rl.engine_vllm import VLLMEngine
+        from isotrain.rl.engine_vllm import VLLMEngine, vllm_lora_rank
 
         v = cfg.rollout.vllm
         # One engine per rank: each rank generates its own prompts' samples, like the in-process engine.
@@ -52,7 +52,8 @@ def make_engine(cfg: RLRunConfig, config, tokenizer, output_dir: Path, rank: int
                           temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, kv_cache_bytes=v.kv_cache_bytes,
                           engine_args=v.engine_args, bucket_bytes=v.bucket_bytes, timeout_s=v.timeout_s,
                           num_threads=torch.get_num_threads(), log_path=output_dir / f"vllm_engine.rank{rank}.log",
-                          max_model_len=cfg.data.max_seq_len)  # prompt + response: the KV cache sized for it
+                          max_model_len=cfg.data.max_seq_len,  # prompt + response: the KV cache sized for it
+                          max_lora_rank=vllm_lora_rank(cfg.lora.r))
     from isotrain.rl.rollout import HFEngine
 
     return HFEngine.from_config(config, tokenizer, batch_size=cfg.rollout.batch_size)

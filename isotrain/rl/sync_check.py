@@ -8,7 +8,9 @@ Two checks, both before any sample of the new policy is trained on (invariant 9)
    sequence must equal the trainer's own forward's, max_t |log p_engine(y_t) - log p_trainer(y_t)| <=
    max_diff (log-probs at T = 1, rl/rollout.py's definition). This proves the weights are *used*: loaded
    into the right slots, with the right layout (fused projections, tied head), the prefix cache reset.
-A failure raises TrainingError (one sentence) and the run stops before training on stale samples.
+A failure raises TrainingError (one sentence) and the run stops before training on stale samples. With LoRA sent
+as adapters (`sync_adapter_and_verify`) the checksums cover the base weights at the start and the adapter's
+tensors at every sync, and the probe compares the engine's adapter with the trainer's peft forward.
 
 Every rank runs the same calls (sync_named_tensors and the probe's forward are collectives under FSDP2).
 """
@@ -64,6 +66,23 @@ def probe(engine, model, prompt_ids: list[int], max_new_tokens: int, max_diff: f
             "lower-precision engine"
         )
     return gap
+
+
+def sync_adapter_and_verify(engine, model, with_base: bool, probe_prompt: list[int], max_new_tokens: int,
+                            max_diff: float, device, when: str, autocast_dtype=None, layout=None) -> float:
+    """LoRA as adapters: the base weights (adapters off) only when `with_base` (the start), then the adapter alone, as
+    a new adapter version; the checksums of both and the probe (the engine's adapter against the trainer's peft
+    forward) as in sync_and_verify."""
+    from isotrain.models.lora import adapter_state_dict, reference_logits_context, save_adapter
+
+    if with_base:
+        sent: dict[str, str] = {}
+        with reference_logits_context(model):
+            engine.update_weights(recording_checksums(sync_named_tensors(model), sent))
+        check_checksums(sent, engine.checksums(), when)
+    loaded = engine.update_adapter(lambda directory: save_adapter(model, directory))
+    check_checksums({name: tensor_sha256(t) for name, t in adapter_state_dict(model).items()}, loaded, when)
+    return probe(engine, model, probe_prompt, max_new_tokens, max_diff, device, when, autocast_dtype, layout)
 
 
 def sync_and_verify(engine, model, probe_prompt: list[int], max_new_tokens: int, max_diff: float, device, when: str,

@@ -18,6 +18,8 @@ Requests:
     bucket    {"path": a safetensors file of full tensors under Hugging Face names}: read, deleted, answered
               with the sha256 of each tensor (fp32 contiguous bytes, isotrain's checksum definition);
     end       the last bucket was sent: answered once vLLM has loaded and processed every tensor.
+    adapter   {"path": a peft adapter directory, "version": k}: LoRA only, the adapter every later generate
+              uses (vLLM's LoRARequest, a new id per version) -> sha256 of each adapter tensor
     close     exit
 One sync is one `collective_rpc("reload_weights", weights_iterator=...)` whose iterator reads the buckets
 as they come: vLLM reloads layer by layer and processes a layer (e.g. fuses q, k and v into qkv_proj) once
@@ -105,9 +107,12 @@ class Server:
             max_model_len=args["max_model_len"],
             logprobs_mode=args["logprobs_mode"],
             **({"kv_cache_memory_bytes": args["kv_cache_bytes"]} if args.get("kv_cache_bytes") else {}),
+            **({"enable_lora": True, "max_lora_rank": args["max_lora_rank"], "max_loras": 1}
+               if args.get("max_lora_rank") else {}),
             # Eager unless the user asks for graphs (engine_args enforce_eager=false on a GPU): no compile wait.
             **{"enforce_eager": True, **args.get("engine_args", {})},
         )
+        self.lora = None  # the LoRARequest of the adapter every generate uses, once one was sent
         self.info = {"vllm": vllm.__version__, "torch": torch.__version__, "platform": platform,
                      "pid": os.getpid()}
 
@@ -128,7 +133,7 @@ class Server:
                 ignore_eos=False,
                 detokenize=False,
             ))
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
         responses, logprobs, truncated = [], [], []
         for request_output in outputs:  # in prompt order; the n samples of a prompt in index order
             for sample in sorted(request_output.outputs, key=lambda o: o.index):
@@ -163,6 +168,21 @@ class Server:
         self.llm.collective_rpc(_reprocess_shared_weights)
         self.llm.reset_prefix_cache()
         return {"tensors": count}
+
+
+    def op_adapter(self, path, version):
+        """A new adapter version (a peft directory): every later generate uses it; the previous one is dropped.
+        -> sha256 of each adapter tensor as vLLM will read it."""
+        import torch
+        from safetensors.torch import load_file
+        from vllm.lora.request import LoRARequest
+
+        tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+        if self.lora is not None:
+            self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
+        self.lora = LoRARequest(f"isotrain-v{version}", version, path)
+        self.llm.reset_prefix_cache()
+        return {name: _sha256(torch, t) for name, t in tensors.items()}
 
 
 def _reprocess_shared_weights(worker) -> int:

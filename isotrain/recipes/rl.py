@@ -67,6 +67,11 @@ class RL(Recipe):
             self.reward_fn = format_gated(self.reward_fn, cfg.rl.format_pattern, cfg.rl.format_penalty)
         self.prompts = read_prompts(cfg.data.path)
         self.held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples, "eval.path") if cfg.eval.path else None
+        if cfg.rollout.engine == "vllm":  # the engine's interpreter and settings, refused before any work
+            from isotrain.rl.engine_vllm import check_settings, vllm_lora_rank
+
+            check_settings(cfg.rollout.vllm.python, cfg.rl.temperature, cfg.rl.top_p, cfg.rollout.vllm.engine_args)
+            vllm_lora_rank(cfg.lora.r)
         self.engine = None
         self.reward_error_shown = False
 
@@ -92,7 +97,14 @@ class RL(Recipe):
         # before_update is looked up at each step: the checkpoint manager exists only after build.
         self.ctx = UpdateContext(cfg, plan, parallel.dp_rank, info.device, options, self.tokenizer.pad_token_id,
                                  layout, lambda: session.checkpoints.before_update(), critic, critic_optimizer)
-        self.engine = make_engine(cfg, model_config(cfg.model, self.tokenizer), self.tokenizer, session.output_dir)
+        self.engine = make_engine(cfg, model_config(cfg.model, self.tokenizer), self.tokenizer, session.output_dir,
+                                  info.rank)
+        if cfg.rollout.engine == "vllm":
+            info = self.engine.info
+            session.log(f"rollout engine: vLLM {info['vllm']} on {info['platform']} (torch {info['torch']}), started "
+                        f"in {info['start_s']:.1f} s, log in {self.engine.log_path.name}"
+                        + ("; sleep mode (freeing the engine's memory while training) is unavailable on CPU"
+                           if info["platform"] == "cpu" else ""))
 
     def _check_lengths(self) -> None:
         """A rollout sequence is a prompt and up to rl.max_new_tokens (eval.max_new_tokens when scoring held-out
@@ -133,7 +145,7 @@ class RL(Recipe):
             )
 
     def start(self, state: RunState) -> None:
-        self.engine.update_weights(sync_named_tensors(self.model))  # resumed weights (a fresh run sends the same)
+        self._sync_weights("at the start")  # resumed weights (a fresh run sends the same)
         self.eval_before = self._evaluate("before RL")
 
     def step(self, state: RunState) -> dict:
@@ -155,7 +167,7 @@ class RL(Recipe):
                              lambda k: lr_of_step(cfg.train, first + k, total_updates))
         update_s = time.perf_counter() - update_start
         sync_start = time.perf_counter()
-        self.engine.update_weights(sync_named_tensors(self.model))
+        self._sync_weights(f"after the update of step {state.step + 1}")
         sync_s = time.perf_counter() - sync_start
         counters["prompt_rounds"] += rounds.rounds
         counters["optimizer_steps"] += totals.num_updates
@@ -166,6 +178,23 @@ class RL(Recipe):
         return rl_metrics_row(counters, batch, rounds, totals, ctx.critic is not None, time.perf_counter() - start,
                               {"generate_s": generate_s, "logprob_s": logprob_s, "update_s": update_s,
                                "sync_s": sync_s}, rl.correction)
+
+    def _sync_weights(self, when: str) -> None:
+        """The policy's weights to the engine. An external engine (vLLM) is then verified (rl/sync_check.py):
+        checksums of what it loaded and a probe of its log-probs against the trainer's, else the run stops here."""
+        if self.cfg.rollout.engine != "vllm":
+            self.engine.update_weights(sync_named_tensors(self.model))
+            return
+        from isotrain.rl.generate import encode_prompts
+        from isotrain.rl.sync_check import sync_adapter_and_verify, sync_and_verify
+
+        prompt = encode_prompts(self.tokenizer, self.prompts.prompts[:1])[0]
+        common = (prompt, self.cfg.rl.max_new_tokens, self.cfg.rollout.vllm.probe_max_diff, self.ctx.device, when,
+                  self.ctx.options.autocast_dtype, self.ctx.layout)
+        if self.cfg.lora.r:  # LoRA as adapters: the base once, then only the adapter's tensors travel
+            sync_adapter_and_verify(self.engine, self.model, self.engine.adapter_version == 0, *common)
+        else:
+            sync_and_verify(self.engine, self.model, *common)
 
     def _trainer_logprobs(self, batch) -> tuple[list | None, list | None, list | None, float]:
         """Old (pre-update) and reference log-probs, and PPO's values, of every sample: each rank scores its own

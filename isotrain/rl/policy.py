@@ -32,7 +32,7 @@ def build_policy(cfg: RLRunConfig, device: torch.device, tokenizer, parallel):
     return model, build_optimizer(model, cfg.train), reference
 
 
-def make_engine(cfg: RLRunConfig, config, tokenizer, output_dir: Path):
+def make_engine(cfg: RLRunConfig, config, tokenizer, output_dir: Path, rank: int = 0):
     """The rollout engine, holding its own copy of the weights. It starts with none usable: the recipe sends
     the policy's weights before the first rollout, and after every update."""
     if cfg.rollout.engine == "process":
@@ -43,6 +43,17 @@ def make_engine(cfg: RLRunConfig, config, tokenizer, output_dir: Path):
         tokenizer.save_pretrained(tokenizer_dir)
         return ProcessEngine(config, tokenizer_dir, seed=cfg.train.seed, batch_size=cfg.rollout.batch_size,
                              num_threads=torch.get_num_threads())
+    if cfg.rollout.engine == "vllm":
+        from isotrain.rl.engine_vllm import VLLMEngine, vllm_lora_rank
+
+        v = cfg.rollout.vllm
+        # One engine per rank: each rank generates its own prompts' samples, like the in-process engine.
+        return VLLMEngine(config, tokenizer.eos_token_id, python=v.python, seed=cfg.train.seed, dtype=v.dtype,
+                          temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, kv_cache_bytes=v.kv_cache_bytes,
+                          engine_args=v.engine_args, bucket_bytes=v.bucket_bytes, timeout_s=v.timeout_s,
+                          num_threads=torch.get_num_threads(), log_path=output_dir / f"vllm_engine.rank{rank}.log",
+                          max_model_len=cfg.data.max_seq_len,  # prompt + response: the KV cache sized for it
+                          max_lora_rank=vllm_lora_rank(cfg.lora.r))
     from isotrain.rl.rollout import HFEngine
 
     return HFEngine.from_config(config, tokenizer, batch_size=cfg.rollout.batch_size)

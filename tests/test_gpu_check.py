@@ -71,8 +71,8 @@ def test_step_profile_dry_run_puts_the_step_into_categories(tmp_path):
     result = json.loads((out / "gpu_profile.json").read_text())
     [row] = result["rows"]
     assert row["tool"] == "isotrain eager" and row["step_ms"] > 0
-    # a Llama step is mostly matrix products; the categories add up to the busy time
-    assert max(row["categories"], key=row["categories"].get) == "matrix products"
+    # a Llama step's operators fall into categories (their shares depend on the machine), adding up to the busy time
+    assert row["categories"]["matrix products"] > 0 and row["categories"]["attention"] > 0
     assert sum(row["categories"].values()) == pytest.approx(row["busy_ms"])
     assert 0 < row["busy_share"] <= 1.0
     assert "| matrix products |" in (out / "gpu_profile.md").read_text()

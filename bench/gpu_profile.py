@@ -1,7 +1,7 @@
 """Where a training step's GPU time goes, isotrain eager next to isotrain compiled (`train.compile=true`), on the
 model and rows of bench/gpu_speed.py (a 1.1 B Llama, bf16 autocast, 4096-token rows, 8 rows per step).
 
-    python bench/gpu_profile.py --out DIR              # on a machine with one NVIDIA GPU, about 4 minutes
+    python bench/gpu_profile.py --out DIR              # on a machine with one NVIDIA GPU, about 2 minutes
     python bench/gpu_profile.py --out DIR --dry-run    # the same code on CPU with a tiny model (CPU operator times)
 
 For each tool, torch.profiler records the timed steps after the warm-up; every GPU kernel's time is put into one
@@ -9,7 +9,8 @@ category by its name (matrix products, attention, the compiler's fused kernels, 
 reductions, copies, communication) and the table gives milliseconds per step and the share of each. "GPU busy" is
 the kernels' time over the steps' wall time under the profiler: well under 100 % means the GPU waits on the host
 (launches, syncs), which compiling shortens; near 100 % means the step is bound by its kernels, and compiling can
-only shorten the non-matmul share. Writes DIR/gpu_profile.json and DIR/gpu_profile.md.
+only shorten the non-matmul share. The attention operators' input shapes are listed too: a mask among them means
+SDPA ran masked rather than causal. Writes DIR/gpu_profile.json and DIR/gpu_profile.md.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def profile_tool(s, work: Path, tool: str) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s.cuda else [])
     prof = profile(activities=activities, schedule=schedule(wait=0, warmup=s.warmup, active=s.steps, repeat=1),
                    record_shapes=True)
-
     if tool == "isotrain compiled":
         torch._dynamo.reset()
     cfg = isotrain_config(s, work, tool.replace(" ", "-"), work / "rows.jsonl", compile_model=tool.endswith("compiled"))

@@ -22,18 +22,8 @@ import torch
 from isotrain.memory.embed_step import count_loss, watch_backward
 from isotrain.memory.measure import (fsdp_buffers, fsdp_groups, gradient_bytes, optimizer_bytes, parameter_bytes,
                                      storage_bytes)
-from isotrain.memory.saved import count_saved
+from isotrain.memory.saved import count_saved, tensors_in
 from isotrain.parallel.apply import decoder_layers
-
-
-def _held_tensors(frame) -> list[torch.Tensor]:
-    found = []
-    for value in frame.f_locals.values():
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found.extend(v for v in value if isinstance(v, torch.Tensor))
-    return found
 
 
 @contextlib.contextmanager
@@ -53,7 +43,7 @@ def _instrumented_step(model):
         return originals["encode_chunk"](*args, **kwargs)
 
     def cached_surrogate(vectors, cached, positions):
-        held = _held_tensors(sys._getframe(1))  # embed_forward_backward's own tensors, `vectors` included
+        held = tensors_in(sys._getframe(1).f_locals.values())  # embed_forward_backward's own tensors, `vectors` included
         peaks["embeddings"] = max(peaks["embeddings"], storage_bytes(held))
         result = originals["cached_surrogate"](vectors, cached, positions)
         open_count.close()

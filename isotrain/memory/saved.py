@@ -89,9 +89,10 @@ class SavedBytes:
         self.by_kind[kind] += storage.nbytes()
 
 
-def _tensors(args, kwargs) -> list[torch.Tensor]:
+def tensors_in(values) -> list[torch.Tensor]:
+    """The tensors among `values`, and inside the lists and tuples among them (one level)."""
     found = []
-    for value in [*args, *kwargs.values()]:
+    for value in values:
         if isinstance(value, torch.Tensor):
             found.append(value)
         elif isinstance(value, (tuple, list)):
@@ -111,7 +112,7 @@ def count_saved(model: nn.Module, layers: list[nn.Module]):
         head.register_forward_hook(lambda mod, args, out: _note_logits(saved, out)),
     ]
     def layer_inputs(mod, args, kwargs):
-        for t in _tensors(args, kwargs):
+        for t in tensors_in([*args, *kwargs.values()]):
             saved.add(t, "activations")
 
     for layer in layers:

@@ -3,9 +3,11 @@
 Rank 1 of a 2-process FSDP2 run stops itself with SIGSTOP at the start of step HANG_AT (a start-up hook in its own
 process, signal_worker.py), after checkpoints 2 and 4 are committed. Rank 0 waits in that step's first collective
 for parallel.timeout_s, then must stop: the sentence (step, the rank that did not arrive, its progress file), exit
-code 2, no traceback, both committed checkpoints verified by `isotrain ckpt verify`. Nothing here measures time:
-the small timeout is the thing under test, and a slow machine only makes the run take longer. The stopped rank
-is continued and killed at the end, whatever happened.
+code 2, no traceback, both committed checkpoints verified by `isotrain ckpt verify`. Nothing here measures time,
+but the timeout bounds every collective of the run, so a healthy rank that lagged its peer by more than TIMEOUT_S
+in steps 1-4 (a save on a loaded machine) would be taken for a hang: TIMEOUT_S is far above any such lag seen
+here, at the price of that many seconds of waiting. The stopped rank is continued and killed at the end,
+whatever happened.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from isotrain.checkpoint.layout import committed
 from zygote import fork_ranks, run_isotrain, shared_zygote
 
 WORKER = Path(__file__).with_name("signal_worker.py")
-TIMEOUT_S = 3
+TIMEOUT_S = 20
 HANG_AT = 5
 
 

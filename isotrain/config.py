@@ -551,6 +551,15 @@ class RLConfig(Section):
         description="The largest ratio a masking rl.rollout_correction (token_mis, seq_mis, geo_rs) keeps, >= 1 "
         "(e.g. 2.0; geo_rs: e.g. 1.001); required by them.",
     )
+    max_off_policy_steps: int = Field(
+        0, ge=0,
+        description="Asynchronous RL: 0 generates each step's rollout with the current policy, then trains on it; k "
+        ">= 1 generates the rollout of step s with the policy after step s - k (the first k + 1 with the starting "
+        "policy) while the trainer trains the steps between, so generation and training overlap and every sample is "
+        "exactly min(s, k) versions old; none is dropped. Needs an engine in its own process (rollout.engine=process "
+        "or vllm) and a correction of the off-policy gap (rl.rollout_correction or rl.tis_cap; docs/rl.md, "
+        "Asynchronous RL).",
+    )
     reward: str = Field(
         "exact_match",
         description="Reward: `exact_match`, `math` (`#### answer`), `boxed` (`\\boxed{}`), or `module:function` "
@@ -793,6 +802,15 @@ class RLRunConfig(RunConfig):
         if self.parallel.cp > 1:
             raise ValueError(f"parallel.cp={self.parallel.cp} is built for isotrain train only; the RL trainer's "
                              "forwards do not split sequences yet: set parallel.cp=1")
+        off_policy = self.rl.max_off_policy_steps
+        if off_policy and self.rollout.engine == "hf":
+            raise ValueError(f"rl.max_off_policy_steps={off_policy} overlaps generation with training, which needs "
+                             "an engine in a process of its own; set rollout.engine=process (or vllm), or "
+                             "rl.max_off_policy_steps=0")
+        if off_policy and self.rl.correction is None:
+            raise ValueError(f"rl.max_off_policy_steps={off_policy} trains on samples of a policy up to {off_policy} "
+                             "update(s) old, which the loss must weight; set rl.rollout_correction (e.g. token_tis "
+                             "with rl.rollout_is_cap=2.0, or bypass), or rl.max_off_policy_steps=0")
         if self.data.packing:
             raise ValueError("data.packing=true does not apply to RL, whose rows are one prompt and its sampled "
                              "response each; remove data.packing from the RL config")

@@ -412,6 +412,7 @@ def cli_runs(tmp_path_factory):
                           "--world-size", "2"],
         "config show": ["config", "show", str(default_rl_recipe_path()), "rl.prompts_per_step=8", "rl.group_size=4",
                         "rl.mini_batch_prompts=4", "train.micro_batch_size=4", "parallel.dp_replicate=2",
+                        "rl.max_off_policy_steps=2", "rollout.engine=process", "rl.rollout_correction=bypass",
                         "--world-size", "2"],
         "unknown key": ["rl", "rl.grup_size=4", f"output_dir={root / 'run'}"],
     }
@@ -445,7 +446,7 @@ def test_config_show_prints_the_rl_sizes(cli_runs):
     proc = cli_runs["config show"]
     assert proc.returncode == 0, proc.stderr
     for line in ("# samples_per_rollout: 32", "# optimizer_steps_per_rollout: 2", "# grad_accum_steps: 2",
-                 "global_batch_size: 16"):
+                 "global_batch_size: 16", "# max_off_policy_steps: 2"):
         assert line in proc.stdout, (line, proc.stdout)
 
 

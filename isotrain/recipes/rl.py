@@ -40,6 +40,7 @@ from isotrain.rl.packing import row_layout
 from isotrain.rl.policy import build_policy, make_engine, start_fingerprint
 from isotrain.rl.prompts import PromptStream, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
+from isotrain.rl.sync_check import check_checksums, recording_checksums, sync_adapter_and_verify, sync_and_verify
 from isotrain.rl.update import UpdateContext, advantages, recomputes_old_logprobs, run_updates
 from isotrain.session import Recipe, RunResult, Session, run_session
 from isotrain.sizes import plan_rl_batches
@@ -194,14 +195,15 @@ class RL(Recipe):
         if self.ahead is None:
             batch, rounds = collect(self.engine, self.tokenizer, self.prompts, self.stream, counters["prompt_rounds"],
                                     rl, self.reward_fn, cfg.train.seed, ctx.dp_rank, plan.dp_size, ctx.options.dp_group)
-            timings = {"generate_s": time.perf_counter() - start}
+            timings, version = {"generate_s": time.perf_counter() - start}, state.step
         else:
             generated, wait_s, sync_s = self.ahead.rollout(
                 state.step, lambda: self._sync_weights(f"before step {state.step + 1}"))
-            batch, rounds = generated.batch, generated.stats
+            batch, rounds, version = generated.batch, generated.stats, generated.version
             # generate_s ran on the worker, beside earlier steps; wait_s is what this step waited for it.
-            timings = {"generate_s": generated.generate_s, "wait_s": wait_s, "sync_s": sync_s,
-                       "behaviour_version": generated.version, "staleness": state.step - generated.version}
+            timings = {"generate_s": generated.generate_s, "wait_s": wait_s, "sync_s": sync_s}
+        # The policy version that sampled every sample of this step (invariant 9), and how many updates old it is.
+        timings.update(behaviour_version=version, staleness=state.step - version)
         _refuse_failed_rewards(rl.reward, rounds)
         old, ref, values, logprob_s = self._trainer_logprobs(batch)
         token_advantages, returns = advantages(batch, rl, old, ref, values)
@@ -227,13 +229,16 @@ class RL(Recipe):
                               timings, rl.correction)
 
     def _sync_weights(self, when: str) -> None:
-        """The policy's weights to the engine. An external engine (vLLM) is then verified (rl/sync_check.py):
-        checksums of what it loaded and a probe of its log-probs against the trainer's, else the run stops here."""
+        """The policy's weights to the engine, verified (rl/sync_check.py) before any sample of them is trained on:
+        the checksums of what the engine holds equal those of what was sent (invariant 9), else the run stops here.
+        isotrain's own engines sample with exactly the tensors they hold; an external engine (vLLM) also passes a
+        probe of its log-probs against the trainer's, which shows the weights are used as the trainer uses them."""
         if self.cfg.rollout.engine != "vllm":
-            self.engine.update_weights(sync_named_tensors(self.model))
+            sent: dict[str, str] = {}
+            self.engine.update_weights(recording_checksums(sync_named_tensors(self.model), sent))
+            check_checksums(sent, self.engine.checksums(), when)
             return
         from isotrain.rl.generate import encode_prompts
-        from isotrain.rl.sync_check import sync_adapter_and_verify, sync_and_verify
 
         prompt = encode_prompts(self.tokenizer, self.prompts.prompts[:1])[0]
         common = (prompt, self.cfg.rl.max_new_tokens, self.cfg.rollout.vllm.probe_max_diff, self.ctx.device, when,

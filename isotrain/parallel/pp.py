@@ -5,9 +5,16 @@ Stages. Stage s of `pp` holds the decoder layers `stage_layers(L, pp, s)`, an ev
 L mod pp stages take one more); the first stage also holds the input embedding, the last the final norm and the LM
 head, and the loss is computed there. The model stays the Hugging Face model with its own names, as torchtitan keeps
 its model and deletes what a stage does not own: the layers of other stages become `PassThrough` (no parameters), a
-later stage's embedding and an earlier stage's head are removed and an earlier stage's final norm is the identity.
-So `named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one
+later stage's embedding is removed and an earlier stage's final norm and head are the identity. So
+`named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one
 process uses, and a model built on meta materialises only them (models/build.py).
+
+Data parallelism beside it (a `pp × dp` mesh, parallel/mesh.py): the DP ranks of one stage hold the same stage and
+run different micro-batches. Every stage runs the Hugging Face model's own top-level forward, so that FSDP2, which
+wraps it as its root, gathers the root's tensors (embedding, final norm, head) there as it does without a pipeline;
+its gradients are reduce-scattered over the stage's DP ranks at every micro-batch's backward (a sum of sums). DDP
+is not wrapped around a stage (a schedule bypasses its forward): the stage's gradients are summed over its DP
+replicas once, after the schedule (parallel/apply.py `sync_replica_grads`).
 
 Math (invariant 1). The schedule runs the batch plan's gradient-accumulation micro-batches m = 1..M; the loss of
 each is
@@ -61,25 +68,25 @@ def apply_pp(model: nn.Module, stage: int, pp: int) -> None:
             base.layers[index] = PassThrough()
     if stage > 0:
         base.embed_tokens = None
-    if stage < pp - 1:
+    if stage < pp - 1:  # the top-level forward still runs on every stage (module docstring): identities, not None
         base.norm = nn.Identity()
-        model.lm_head = None
+        model.lm_head = nn.Identity()
 
 
 class StageModule(nn.Module):
     """One stage's forward: token ids (first stage) or the previous stage's hidden states in, hidden states out, or
-    the logits on the last stage. `kwargs` (position ids, an attention mask) are the micro-batch's own, given to every
-    stage by the schedule; transformers builds the causal mask and the rotary embeddings from them on each stage."""
+    the logits on the last stage (an earlier stage's head is the identity). `kwargs` (position ids, an attention
+    mask) are the micro-batch's own, given to every stage by the schedule; transformers builds the causal mask and
+    the rotary embeddings from them on each stage."""
 
-    def __init__(self, model: nn.Module, stage: int, pp: int):
+    def __init__(self, model: nn.Module, stage: int):
         super().__init__()
         self.model = model
-        self.first, self.last = stage == 0, stage == pp - 1
+        self.first = stage == 0
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        hidden = _base(self.model)(**inputs, use_cache=False, **kwargs).last_hidden_state
-        return self.model.lm_head(hidden) if self.last else hidden
+        return self.model(**inputs, use_cache=False, **kwargs).logits
 
 
 def pipeline_backward(model: nn.Module, stage: int, pp: int, group, schedule: str, inputs: list[torch.Tensor],
@@ -94,7 +101,7 @@ def pipeline_backward(model: nn.Module, stage: int, pp: int, group, schedule: st
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-    pipeline_stage = PipelineStage(StageModule(model, stage, pp), stage, pp, device, group=group)
+    pipeline_stage = PipelineStage(StageModule(model, stage), stage, pp, device, group=group)
     runner = schedules[schedule](pipeline_stage, n_microbatches=len(inputs), loss_fn=loss_fn,
                                    scale_grads=SCALE_GRADS)
     first = stage == 0

@@ -13,7 +13,8 @@ Order of a step (the invariant each stage keeps is in brackets):
      of a DP rank holds alike, are summed over DP only (summed over CP they would count each token cp times);
      under pipeline parallelism (parallel/pp.py) the micro-batches run through the stages by the run's schedule,
      the last stage computes each micro-batch's Σ_t w_t·ℓ_t / D, the schedule never rescales, and the loss sum is
-     summed over the stages (the others hold 0) and DP;
+     summed over the stages (the others hold 0) and DP; the counts of step 1 are summed over DP only (every stage
+     of a pipeline holds the same micro-batches), and each stage's gradients over that stage's DP ranks;
   4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
      global grad norm (every element counted once, one fp64 all-reduce), clip, set the lr, optimizer step;
      a NaN or infinite loss or norm stops the run before the update [weights and checkpoints stay finite].
@@ -281,6 +282,7 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
         pipeline_backward(hf_model(model), parallel.pp_rank, parallel.dims.pp, parallel.pp_group,
                           parallel.dims.pp_schedule, [mb["input_ids"] for mb in padded], kwargs, targets, loss_fn,
                           device)
+    sync_replica_grads(model, parallel)  # PP × DDP: each stage's gradients summed over its DP replicas
     local_loss_sum = torch.stack(weighted_sums).sum() if weighted_sums else torch.zeros((), dtype=torch.float64,
                                                                                            device=device)
     return all_reduce_sum(all_reduce_sum(local_loss_sum, parallel.pp_group), options.dp_group)

@@ -5,7 +5,7 @@ Stages. Stage s of `pp` holds the decoder layers `stage_layers(L, pp, s)`, an ev
 L mod pp stages take one more); the first stage also holds the input embedding, the last the final norm and the LM
 head, and the loss is computed there. The model stays the Hugging Face model with its own names, as torchtitan keeps
 its model and deletes what a stage does not own: the layers of other stages become `PassThrough` (no parameters), a
-later stage's embedding is removed and an earlier stage's final norm and head are the identity. So
+later stage's embedding is removed and an earlier stage's final norm is the identity and its head a `HandOff`. So
 `named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one
 process uses, and a model built on meta materialises only them (models/build.py).
 
@@ -48,6 +48,15 @@ class PassThrough(nn.Module):
         return hidden_states
 
 
+class HandOff(nn.Module):
+    """An earlier stage's LM head, with no parameters: the hidden states go on to the next stage as a tensor of their
+    own. transformers hands the head a slice of them, and a view returned by the model's forward would lose FSDP2's
+    backward hook to any in-place op (FSDP2 warns of it)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.clone()
+
+
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
     """The decoder layers of `stage`: L // pp each, the first L mod pp stages one more (checked: L >= pp)."""
     size, extra = divmod(num_layers, pp)
@@ -70,12 +79,12 @@ def apply_pp(model: nn.Module, stage: int, pp: int) -> None:
         base.embed_tokens = None
     if stage < pp - 1:  # the top-level forward still runs on every stage (module docstring): identities, not None
         base.norm = nn.Identity()
-        model.lm_head = nn.Identity()
+        model.lm_head = HandOff()
 
 
 class StageModule(nn.Module):
     """One stage's forward: token ids (first stage) or the previous stage's hidden states in, hidden states out, or
-    the logits on the last stage (an earlier stage's head is the identity). `kwargs` (position ids, an attention
+    the logits on the last stage (an earlier stage's head hands the hidden states on). `kwargs` (position ids, an attention
     mask) are the micro-batch's own, given to every stage by the schedule; transformers builds the causal mask and
     the rotary embeddings from them on each stage."""
 

@@ -360,8 +360,8 @@ class ParallelConfig(Section):
         gt=0,
         description="Pipeline-parallel degree: the decoder layers split evenly into this many stages, one per rank "
         "of a pipeline (embeddings on the first, final norm, head and loss on the last); takes ranks of its own, "
-        "outermost: world size = pp × dp_replicate × dp_shard, each stage held by DP ranks (DDP, FSDP2 or HSDP) that "
-        "run different micro-batches; not combined with tp, cp or ep yet (docs/parallelism.md).",
+        "outermost: world size = pp × dp_replicate × dp_shard × tp, each stage held by DP ranks (DDP, FSDP2 or HSDP) "
+        "that run different micro-batches and split by TP; not combined with cp or ep yet (docs/parallelism.md).",
     )
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
         "1f1b",

@@ -2,8 +2,8 @@
 logs the metrics of one process (the same exact counts, the loss and gradient norm to fp32 rounding), its
 checkpoints hold one process's tensors under the same Hugging Face names (each stage wrote its own), `ckpt verify`
 passes and plain transformers loads them, and a run resumes across PP 2 <-> 1 process with the same data order.
-The same for PP 2 × FSDP2 2 on 4 processes (each stage's tensors written from its two shards), and its checkpoint
-resumed on 1 process and on PP 2, and theirs on PP 2 × FSDP2 2.
+The same for PP 2 × FSDP2 2 and PP 2 × TP 2 on 4 processes (each stage's tensors written from its two shards), and
+their checkpoints resumed on 1 process, on PP 2 and on each other, and one process's and PP 2's on PP 2 × FSDP2 2.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ TINY = [
 ]
 PP2 = ["parallel.pp=2"]
 PP2_FSDP2 = ["parallel.pp=2", "parallel.dp_shard=-1", "parallel.dp_replicate=1"]
-LAYOUTS = {"single": (1, []), "pp2": (2, PP2), "pp2-fsdp2": (4, PP2_FSDP2)}
+PP2_TP2 = ["parallel.pp=2", "parallel.tp=2", "parallel.dp_replicate=1"]
+LAYOUTS = {"single": (1, []), "pp2": (2, PP2), "pp2-fsdp2": (4, PP2_FSDP2), "pp2-tp2": (4, PP2_TP2)}
 
 
 def train(nproc: int, run_dir, *more: str):
@@ -78,17 +79,28 @@ def test_resume_across_pp_continues_the_same_run(tmp_path, runs, saved_on, resum
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    """8 uninterrupted steps on PP 2 × FSDP2 2 (4 processes: 2 micro-batches per DP rank), checkpoints at 4 and 8."""
-    run_dir = tmp_path_factory.mktemp("pp-fsdp-run") / "pp2-fsdp2"
-    return run_dir, train(4, run_dir, *PP2_FSDP2)
+def runs_on(tmp_path_factory):
+    """runs_on(layout): 8 uninterrupted steps on PP 2 × FSDP2 2 (2 micro-batches per DP rank) or PP 2 × TP 2 (4
+    processes each), checkpoints at 4 and 8, run once per module: (run directory, process)."""
+    done = {}
+
+    def run(layout: str):
+        if layout not in done:
+            run_dir = tmp_path_factory.mktemp(layout) / layout
+            nproc, flags = LAYOUTS[layout]
+            done[layout] = run_dir, train(nproc, run_dir, *flags)
+        return done[layout]
+
+    return run
 
 
 @pytest.mark.slow
-def test_pp2_fsdp2_run_logs_the_metrics_and_saves_the_weights_of_one_process(runs, fsdp_run):
+@pytest.mark.parametrize("layout, dp_size", [("pp2-fsdp2", 2), ("pp2-tp2", 1)])
+def test_pp2_with_fsdp2_or_tp2_logs_the_metrics_and_saves_the_weights_of_one_process(runs, runs_on, layout, dp_size):
     single, _, _ = runs
-    run_dir, proc = fsdp_run
-    assert re.search(r"│ pp +│ 2 +│", proc.stdout) and re.search(r"│ dp_size +│ 2 +│", proc.stdout), proc.stdout[:2000]
+    run_dir, proc = runs_on(layout)
+    assert re.search(r"│ pp +│ 2 +│", proc.stdout) and re.search(rf"│ dp_size +│ {dp_size} +│", proc.stdout), \
+        proc.stdout[:2000]
     assert "UserWarning" not in proc.stderr, proc.stderr[-2000:]
     assert_same_run(metrics(run_dir), metrics(single))
     for step in ("step-00000004", "step-00000008"):
@@ -99,12 +111,14 @@ def test_pp2_fsdp2_run_logs_the_metrics_and_saves_the_weights_of_one_process(run
 
 @pytest.mark.slow
 @pytest.mark.parametrize("saved_on, resumed_on", [("pp2-fsdp2", "single"), ("pp2-fsdp2", "pp2"),
-                                                  ("pp2", "pp2-fsdp2"), ("single", "pp2-fsdp2")])
-def test_resume_across_pp_and_fsdp_continues_the_same_run(tmp_path, runs, fsdp_run, saved_on, resumed_on):
+                                                  ("pp2", "pp2-fsdp2"), ("single", "pp2-fsdp2"),
+                                                  ("pp2-tp2", "single"), ("pp2-fsdp2", "pp2-tp2")])
+def test_resume_across_pp_fsdp_and_tp_continues_the_same_run(tmp_path, runs, runs_on, saved_on, resumed_on):
     single, pp2, _ = runs
-    sources = {"single": single, "pp2": pp2, "pp2-fsdp2": fsdp_run[0]}
+    sources = {"single": single, "pp2": pp2}
+    source = sources[saved_on] if saved_on in sources else runs_on(saved_on)[0]
     run_dir = tmp_path / "resumed"
-    _from_step_4(sources[saved_on], run_dir)
+    _from_step_4(source, run_dir)
     nproc, flags = LAYOUTS[resumed_on]
     proc = train(nproc, run_dir, *flags)
     assert "resumed from" in proc.stdout

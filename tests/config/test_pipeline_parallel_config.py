@@ -32,7 +32,7 @@ def test_pp_takes_ranks_of_its_own_and_the_batch_plan_is_that_of_one_process():
                               "were launched; make the product equal the number of processes")
 
 
-def test_pp_with_data_parallelism_keeps_the_batch_plan_of_dp_alone():
+def test_pp_with_data_and_tensor_parallelism_keeps_the_batch_plan_of_dp_alone():
     """PP 2 on 4 ranks: dp_replicate=-1 takes the other 2 (DDP 2), or dp_shard=-1 does (FSDP2 2); the sampler and GA
     see DP = 2, whatever the number of stages."""
     ddp = resolve_dims(ParallelConfig(pp=2), 4)
@@ -43,6 +43,8 @@ def test_pp_with_data_parallelism_keeps_the_batch_plan_of_dp_alone():
                              "train.global_batch_size=8", "train.micro_batch_size=2"])
     plan = plan_batches(cfg, resolve_dims(cfg.parallel, 4))
     assert (plan.dp_size, plan.grad_accum_steps, plan.samples_per_rank_per_step) == (2, 2, 4)
+    tp = resolve_dims(ParallelConfig(pp=2, tp=2), 8)  # a 3-D mesh: PP 2 × DDP 2 × TP 2
+    assert (tp.pp, tp.dp_replicate, tp.tp, tp.dp_size, tp.world_size) == (2, 2, 2, 2, 8)
     with pytest.raises(ConfigError) as err:
         resolve_dims(ParallelConfig(pp=2), 3)
     assert str(err.value) == ("parallel.pp=2 needs a multiple of 2 processes, but 3 processes were launched; launch a "
@@ -58,15 +60,12 @@ def test_layers_split_evenly_in_order():
 @pytest.mark.parametrize("settings, sentence", [
     (dict(pp=2, pp_schedule="interleaved_1f1b"), "parallel.pp_schedule=interleaved_1f1b is not built yet (it needs "
      "several stages per rank); set parallel.pp_schedule to one of 1f1b, gpipe"),
-    (dict(pp=2, tp=2), "parallel.pp=2 with parallel.tp=2 is not supported yet (pipeline parallelism composes with data "
-     "parallelism only); set parallel.tp=1 and use parallel.dp_shard or parallel.dp_replicate for the other ranks, "
-     "or parallel.pp=1"),
     (dict(pp=2, cp=2), "parallel.pp=2 with parallel.cp=2 is not supported yet (pipeline parallelism composes with data "
-     "parallelism only); set parallel.cp=1 and use parallel.dp_shard or parallel.dp_replicate for the other ranks, "
-     "or parallel.pp=1"),
+     "and tensor parallelism only); set parallel.cp=1 and use parallel.dp_shard, parallel.dp_replicate or "
+     "parallel.tp for the other ranks, or parallel.pp=1"),
     (dict(pp=2, ep=2), "parallel.pp=2 with parallel.ep=2 is not supported yet (pipeline parallelism composes with data "
-     "parallelism only); set parallel.ep=1 and use parallel.dp_shard or parallel.dp_replicate for the other ranks, "
-     "or parallel.pp=1"),
+     "and tensor parallelism only); set parallel.ep=1 and use parallel.dp_shard, parallel.dp_replicate or "
+     "parallel.tp for the other ranks, or parallel.pp=1"),
 ])
 def test_unbuilt_combinations_are_refused(settings, sentence):
     with pytest.raises(ConfigError) as err:

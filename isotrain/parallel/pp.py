@@ -28,7 +28,7 @@ fails the equivalence test).
 
 Shapes. A stage receives activations into buffers whose shape it infers at its first micro-batch, so the micro-batches
 of one step are padded to the same length (right padding, label -100: causal attention lets no real token see it,
-and it trains nothing), and the stage and its schedule are built again for every step (one exchange of shapes).
+and it trains nothing), and a stage and its schedule are built once for each shape and reused (`Pipeline`).
 """
 
 from __future__ import annotations
@@ -98,21 +98,59 @@ class StageModule(nn.Module):
         return self.model(**inputs, use_cache=False, **kwargs).logits
 
 
-def pipeline_backward(model: nn.Module, stage: int, pp: int, group, schedule: str, inputs: list[torch.Tensor],
-                      kwargs: list[dict], targets: list[torch.Tensor],
-                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device) -> None:
-    """Run the forward and backward passes of every micro-batch through the pipeline, accumulating this stage's
-    gradients. `inputs`: the micro-batches' token ids, all of one shape (used by the first stage); `kwargs`: each
-    micro-batch's forward arguments; `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose
-    `targets` entry is `target`, already divided by the global denominator (torch also calls it once, while building
-    the stage, on a copy of the first target and uninitialised logits). The schedule never rescales (SCALE_GRADS,
-    read at each call so that a test can show what rescaling would do)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+class Pipeline:
+    """This rank's stage of the pipeline and its schedule, built once for each shape of a step's micro-batches and
+    reused by every later step of that shape.
 
-    schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-    pipeline_stage = PipelineStage(StageModule(model, stage), stage, pp, device, group=group)
-    runner = schedules[schedule](pipeline_stage, n_microbatches=len(inputs), loss_fn=loss_fn,
-                                   scale_grads=SCALE_GRADS)
-    first = stage == 0
-    runner.step(arg_mbs=[(x.to(device),) if first else () for x in inputs], kwarg_mbs=kwargs,
-                target_mbs=targets, return_outputs=False)
+    A stage learns the shapes of what it receives and sends by running its first micro-batch (torch's metadata
+    inference: one forward and one input-gradient backward per stage, one stage after the other, and an exchange of
+    shapes), which for a pipeline of `pp` stages costs about as much as `pp` micro-batches of the step. A schedule
+    built for a shape therefore stays: a step whose micro-batches have a shape seen before runs on it at once. The
+    last `KEPT` shapes are kept: each holds the receive buffers of its micro-batches' activations and gradients, so
+    the pipeline's buffer memory is at most `KEPT` times that of one step's schedule. Every rank of a pipeline sees the
+    same shapes in the same order (step.py pads to the longest over DP), so its stages build and drop the same
+    schedules. The loss function is the step's own, passed to
+    the kept schedule through `_loss`."""
+
+    KEPT = 2
+
+    def __init__(self, stage: int, pp: int, group, schedule: str):
+        self.stage, self.pp, self.group, self.schedule = stage, pp, group, schedule
+        self.num_builds = 0  # how many stages and schedules this rank has built (tests read it)
+        self._model: nn.Module | None = None
+        self._kept: dict[tuple, object] = {}  # (micro-batches, their shape) -> schedule, the newest last
+        self._loss_fn: Callable | None = None
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(logits, target)
+
+    def _build(self, model: nn.Module, num_microbatches: int, device: torch.device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+        self.num_builds += 1
+        pipeline_stage = PipelineStage(StageModule(model, self.stage), self.stage, self.pp, device, group=self.group)
+        return schedules[self.schedule](pipeline_stage, n_microbatches=num_microbatches, loss_fn=self._loss,
+                                        scale_grads=SCALE_GRADS)
+
+    def backward(self, model: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], targets: list[torch.Tensor],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device) -> None:
+        """Run the forward and backward passes of every micro-batch through the pipeline, accumulating this stage's
+        gradients. `inputs`: the micro-batches' token ids, all of one shape (used by the first stage); `kwargs`: each
+        micro-batch's forward arguments; `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose
+        `targets` entry is `target`, already divided by the global denominator (torch also calls it once, when a
+        schedule is built, on a copy of the first target and uninitialised logits). The schedule never rescales
+        (SCALE_GRADS, read when a schedule is built, so that a test can show what rescaling would do)."""
+        if model is not self._model:
+            self._model, self._kept = model, {}
+        key = (len(inputs), tuple(inputs[0].shape))
+        runner = self._kept.pop(key, None) or self._build(model, len(inputs), device)
+        self._kept[key] = runner
+        while len(self._kept) > self.KEPT:
+            self._kept.pop(next(iter(self._kept)))
+        self._loss_fn = loss_fn
+        try:
+            runner.step(arg_mbs=[(x.to(device),) if self.stage == 0 else () for x in inputs], kwarg_mbs=kwargs,
+                        target_mbs=targets, return_outputs=False)
+        finally:
+            self._loss_fn = None

@@ -42,10 +42,10 @@ from isotrain.moe.routing import input_token_mask
 from isotrain.moe.objective import RouterStep, RouterValues, check_routing, router_values
 from isotrain.moe.prepass import begin_router_step
 from isotrain.moe.settings import RouterSettings
-from isotrain.parallel.dist import all_reduce_sum
+from isotrain.parallel.dist import all_reduce_max, all_reduce_sum
 from isotrain.parallel.apply import sync_replica_grads
 from isotrain.parallel.cp import context_parallel_attention, local_piece, pad_micro_batch, pad_rows, padded_length
-from isotrain.parallel.pp import pipeline_backward
+from isotrain.parallel.pp import Pipeline
 from isotrain.train.chunked_loss import no_positions, sft_chunked_forward
 from isotrain.train.loss import loss_weights, token_losses
 
@@ -72,6 +72,7 @@ class StepOptions:
     router: RouterSettings | None = None  # MoE models: the router terms of the objective (isotrain/moe/)
     loss_chunk_tokens: int = 0  # > 0: the cross-entropy over chunks of this many tokens (train/chunked_loss.py)
     compile_loss: bool = False  # train.compile: the chunked loss's chunks are compiled too
+    pipeline: Pipeline | None = None  # parallel.pp: this rank's stage and schedules, kept across steps
 
 
 def _global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> torch.Tensor:
@@ -255,9 +256,14 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
 
     The last stage's loss of micro-batch m is Σ_{t∈m} w_t·ℓ_t / D (D global, known before the first backward) and
     the schedule does not rescale it, so the stages' gradients are those of the global mean, as `_backpropagate`'s.
-    The micro-batches are padded to one length (a stage's receive buffers have one shape); padding weighs 0."""
+    The micro-batches are padded to one length, the longest of any DP rank's (a stage's receive buffers have one
+    shape); padding weighs 0."""
     parallel = options.parallel
-    length = max(mb["input_ids"].shape[1] for mb in micro_batches)
+    pipeline = options.pipeline or Pipeline(parallel.pp_rank, parallel.dims.pp, parallel.pp_group,
+                                            parallel.dims.pp_schedule)
+    # One length on every DP rank, so that a stage's DP ranks build their schedules (torch's shape inference runs the
+    # stage, FSDP2's collectives included) at the same steps and reuse them at the same steps (parallel/pp.py).
+    length = all_reduce_max(max(mb["input_ids"].shape[1] for mb in micro_batches), options.dp_group, device)
     padded = [pad_micro_batch(mb, length) for mb in micro_batches]
     weighted_sums = []
 
@@ -278,10 +284,8 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
     for mb in padded:
         positions = mb["position_ids"].to(device)
         kwargs.append({"position_ids": positions, **attention_kwargs(model, positions, options.document_mask)})
-    with _autocast(options, device):
-        pipeline_backward(hf_model(model), parallel.pp_rank, parallel.dims.pp, parallel.pp_group,
-                          parallel.dims.pp_schedule, [mb["input_ids"] for mb in padded], kwargs, targets, loss_fn,
-                          device)
+    with _autocast(options, device), _loss_parallel(options):  # (TP: the last stage's logits stay vocab-sharded)
+        pipeline.backward(hf_model(model), [mb["input_ids"] for mb in padded], kwargs, targets, loss_fn, device)
     sync_replica_grads(model, parallel)  # PP × DDP: each stage's gradients summed over its DP replicas
     local_loss_sum = torch.stack(weighted_sums).sum() if weighted_sums else torch.zeros((), dtype=torch.float64,
                                                                                            device=device)

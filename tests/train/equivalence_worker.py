@@ -28,7 +28,7 @@ from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.models.unwrap import unwrap
 from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dims import ParallelDims
-from isotrain.parallel.dist import init_distributed, shutdown_distributed
+from isotrain.parallel.dist import all_reduce_max, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
 from isotrain.parallel.tp import check_replicated
 from isotrain.train.loss import token_losses
@@ -125,10 +125,12 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
                                               compile=False))
     options = step_options(cfg, parallel)
     params = [p for p in model.parameters()]
-    losses, first_grads, counts, norms = [], None, [], []
+    losses, first_grads, counts, norms, shapes = [], None, [], [], []
     for step in range(NUM_STEPS):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
+        length = max(mb["input_ids"].shape[1] for mb in micro_batches)  # the pipeline pads to the DP ranks' longest
+        shapes.append((len(micro_batches), all_reduce_max(length, parallel.dp_group, info.device)))
         if naive:
             loss, step_counts = naive_forward_backward(model, micro_batches), None
         else:
@@ -144,7 +146,10 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
     # Expert parallelism: how many experts this rank holds of each expert tensor (E / ep, not E).
     local_rows = {n: p.to_local().shape[0] for n, p in unwrap(model).named_parameters()
                   if ".experts." in n and isinstance(p, DTensor)}
-    return {"local_expert_rows": local_rows, "losses": losses, "grads": first_grads, "weights": weights, "counts": counts, "norms": norms}
+    # Under PP: the stages and schedules this rank built, and the padded micro-batch shapes of the 3 steps.
+    pipeline = {"builds": options.pipeline.num_builds, "shapes": len(set(shapes))} if options.pipeline else None
+    return {"local_expert_rows": local_rows, "losses": losses, "grads": first_grads, "weights": weights, "counts": counts,
+            "norms": norms, "pipeline": pipeline}
 
 
 def _all_stages(tensors: dict, parallel) -> dict:

@@ -359,8 +359,9 @@ class ParallelConfig(Section):
         1,
         gt=0,
         description="Pipeline-parallel degree: the decoder layers split evenly into this many stages, one per rank "
-        "(embeddings on the first, final norm, head and loss on the last); takes ranks of its own "
-        "(docs/parallelism.md).",
+        "of a pipeline (embeddings on the first, final norm, head and loss on the last); takes ranks of its own, "
+        "outermost: world size = pp × dp_replicate × dp_shard × tp, each stage held by DP ranks (DDP, FSDP2 or HSDP) "
+        "that run different micro-batches and split by TP; not combined with cp or ep yet (docs/parallelism.md).",
     )
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
         "1f1b",
@@ -948,6 +949,8 @@ _VALID = {
     "rl.rollout_is_cap": "a finite number > 0, e.g. 2.0",
     "rl.rollout_mask_low": "a finite number >= 0 and <= 1, e.g. 0.5",
     "rl.rollout_mask_high": "a finite number >= 1, e.g. 2.0",
+    "parallel.pp_schedule": "parallel.pp_schedule=1f1b or parallel.pp_schedule=gpipe (interleaved_1f1b is not "
+                            "built yet)",
     "parallel.timeout_s": "a finite number of seconds > 0, e.g. 600 (longer than a step or a save takes)",
     "checkpoint.preempt_grace_s": "a finite number of seconds > 0, e.g. 90, or null to always save after a signal",
 }

@@ -285,7 +285,7 @@ class CheckpointManager:
         return state, weights_only, problem
 
     def _other_stages_tensors(self) -> frozenset[str]:
-        """Under pipeline parallelism, the names of the tensors the other stages hold (PP runs alone: the world)."""
+        """Under pipeline parallelism, the names of the tensors the other stages hold (gathered from every rank)."""
         if self.cfg.parallel.pp == 1:
             return frozenset()
         names = [None] * self.world_size
@@ -349,7 +349,7 @@ class CheckpointManager:
     def _items(self, kind: str) -> list[Item]:
         """The tensors a save of this kind writes, each with its owner rank."""
         items = collect_items(self.model, self.optimizer, self.save_dtype)
-        if self.cfg.parallel.pp > 1:  # every stage's tensors, each written by its stage (PP runs alone: the world)
+        if self.cfg.parallel.pp > 1:  # every stage's tensors, each written by a rank of its stage
             items = pipeline_items(items, self.group)
         if kind == "model":
             items = [item for item in items if item.kind == "model"]

@@ -147,6 +147,15 @@ def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
     return values
 
 
+def all_reduce_max(value: int, group, device: torch.device) -> int:
+    """The largest of every rank's `value` over the group; `value` itself without a process group."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    values = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return int(values.item())
+
+
 def any_rank(device: torch.device, *flags: bool) -> list[bool]:
     """Each flag is True on every rank if it is True on any rank (one all-reduce for all of them)."""
     values = all_reduce_sum(torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=device))

@@ -2,8 +2,9 @@
 
 One server for the whole module (a start costs 30-60 s), on a Unix domain socket (`--uds`: no port to find free),
 serving the bundled SFT recipe's model shape with isotrain's worker extension, started as docs/rl.md says. Proven:
-- seeded rollouts are identical across two calls and across two engines (trainer-side clients) on the server;
-  another seed differs; n samples per prompt, stopped at EOS (included) or max_new_tokens;
+- seeded rollouts are identical across two calls and across two engines (trainer-side clients) on the server, and
+  equal the trainer's own vLLM engine's (rl/engine_vllm.py); another seed differs; n samples per prompt, stopped
+  at EOS (included) or max_new_tokens;
 - after each of 3 optimizer steps the sync through the shared directory passes both checks of rl/sync_check.py
   (the checksums the server's workers computed of what they loaded, and the probe), the server's log-probs of its
   own samples equal the trainer's within 1e-5, and the shared directory holds nothing once a sync is answered;
@@ -32,6 +33,7 @@ from helpers import REPO, vllm_python
 from isotrain.config import load_config
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.weights import checksums, sync_named_tensors
+from isotrain.rl.engine_vllm import VLLMEngine
 from isotrain.rl.engine_vllm_server import VLLMServerEngine
 from isotrain.rl.rollout import SamplingParams
 from isotrain.rl.sync_check import check_checksums, probe, sync_and_verify
@@ -167,6 +169,19 @@ def test_seeded_rollouts_are_reproducible_across_calls_and_engines(engine, serve
             assert eos not in response and len(response) == 6
         else:
             assert response.index(eos) == len(response) - 1
+
+
+def test_the_server_samples_what_the_trainers_own_engine_samples(engine, trained, tokenizer, prompts):
+    """The same seeds and settings as `rollout.engine=vllm` without a url (rl/engine_vllm.py), same weights: the same
+    samples and log-probs, so a run may move between the two engines."""
+    params = SamplingParams(n=4, max_new_tokens=6, temperature=1.0, seed=7)
+    with VLLMEngine(trained.config, tokenizer.eos_token_id, python=vllm_python(), seed=0, kv_cache_bytes=32 * 2**20,
+                    timeout_s=300.0, num_threads=1) as own:
+        own.update_weights(sync_named_tensors(trained))
+        expected = own.generate(prompts, params)
+    served = engine.generate(prompts, params)
+    assert served.response_ids == expected.response_ids and served.truncated == expected.truncated
+    assert served.response_logprobs == expected.response_logprobs
 
 
 # ----- weight sync --------------------------------------------------------------------------------------------

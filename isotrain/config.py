@@ -839,10 +839,6 @@ class RLRunConfig(RunConfig):
         if url is not None and self.rollout.engine != "vllm":
             raise ValueError(f"rollout.vllm.url={url!r} is read only with rollout.engine=vllm, not "
                              f"{self.rollout.engine}; set rollout.engine=vllm or remove rollout.vllm.url")
-        if url is not None and self.lora.r:
-            raise ValueError(f"lora.r={self.lora.r} with rollout.vllm.url={url!r}: LoRA adapters are not sent to a "
-                             "running vLLM server yet; set lora.r=0 or remove rollout.vllm.url (the trainer's own "
-                             "vLLM engine serves adapters)")
         return self
 
 

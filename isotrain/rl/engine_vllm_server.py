@@ -72,10 +72,15 @@ class VLLMServerEngine:
     def __init__(self, url: str, weights_dir: str | Path, eos_id: int, *, seed: int = 0, dtype: str = "float32",
                  temperature: float = 1.0, top_p: float = 1.0, bucket_bytes: int = 256 * 2**20,
                  timeout_s: float = 600.0, max_model_len: int | None = None, lora_rank: int = 0,
-                 max_concurrency: int = 64):
+                 max_concurrency: int = 64, writer: bool = True, share=None):
+        """Several trainer processes share one server: each samples its own prompts, but only the `writer` (rank 0)
+        writes and loads the weights; `share(value)` returns the writer's value on every process (a broadcast,
+        rl/policy.py passes parallel/dist.py's broadcast_from_main), so every process learns the writer's
+        checksums, adapter name or failure, and none samples before the writer's load is answered."""
         self.url, self._eos_id, self._seed, self.timeout_s = url.rstrip("/"), eos_id, seed, timeout_s
         self._bucket_bytes, self._num_generate_calls, self._checksums = bucket_bytes, 0, {}
         self._max_concurrency, self._num_syncs, self.failed = max_concurrency, 0, False
+        self._writer, self._share = writer, share or (lambda value: value)
         self.adapter_version, self._lora_rank, self._adapter = 0, lora_rank, None  # _adapter: (name, directory)
         weights_dir = Path(weights_dir)
         if not weights_dir.is_dir():
@@ -103,8 +108,8 @@ class VLLMServerEngine:
                               f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, --enable-lora and --max-lora-rank "
                               f"{lora_rank} or more, or set lora.r=0")
         self.info["start_s"] = time.perf_counter() - started
-        # This engine's folder in the shared directory: one per trainer process, removed by close().
-        self.sync_root = Path(tempfile.mkdtemp(prefix="isotrain-vllm-sync-", dir=weights_dir))
+        # The writer's folder in the shared directory, removed by close().
+        self.sync_root = Path(tempfile.mkdtemp(prefix="isotrain-vllm-sync-", dir=weights_dir)) if writer else None
 
     # ----- HTTP -------------------------------------------------------------------------------------------------
 
@@ -210,9 +215,36 @@ class VLLMServerEngine:
         """Write the tensors as bucket files into a hidden directory, rename it into place, have the server load it.
 
         The checksums of the previous sync are forgotten first: until this sync completes, generate refuses."""
+        self._checksums = {}
+        if not self._writer:
+            for _ in named_tensors:  # the gathers are collectives: take part, send nothing
+                pass
+            self._checksums = self._shared_result("weight sync")
+            return
+        named_tensors = iter(named_tensors)
+        try:
+            loaded = self._write_and_load(named_tensors)
+        except BaseException as err:
+            with contextlib.suppress(Exception):  # the rest of the gathers, which the other processes are in
+                for _ in named_tensors:
+                    pass
+            self._share({"error": str(err)})
+            raise
+        self._share({"ok": loaded})
+        self._checksums = loaded
+
+    def _shared_result(self, what: str):
+        """The writer's answer, on a process that is not the writer."""
+        answer = self._share(None)
+        if "error" in answer:
+            self.failed = True
+            raise TrainingError(f"the {what} of rank 0 to the vLLM server at {self.url} failed ({answer['error']}), "
+                                "so this process stops too; see rank 0's error")
+        return answer["ok"]
+
+    def _write_and_load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
         from safetensors.torch import save_file
 
-        self._checksums = {}
         self._num_syncs += 1
         partial = self.sync_root / f".sync-{self._num_syncs:06d}.partial"
         ready = self.sync_root / f"sync-{self._num_syncs:06d}"
@@ -241,7 +273,7 @@ class VLLMServerEngine:
         if any(result != first for result in results[1:]):  # tensor-parallel workers each read every tensor
             raise TrainingError(f"the vLLM server at {self.url}'s workers loaded different bytes in one sync, so its "
                                 "weights cannot be trusted; check the shared directory and the server's log")
-        self._checksums = dict(first)
+        return dict(first)
 
     def update_adapter(self, save) -> dict[str, str]:
         """LoRA as adapters (VLLMEngine.update_adapter's contract): `save(directory)` writes a peft adapter; it is
@@ -252,6 +284,19 @@ class VLLMServerEngine:
         if not self._lora_rank:
             raise ValueError("update_adapter needs an engine created with lora_rank")
         self.adapter_version += 1
+        if not self._writer:
+            name, loaded = self._shared_result("LoRA adapter")
+            self._adapter = (name, None)
+            return loaded
+        try:
+            name, loaded = self._load_adapter(save)
+        except BaseException as err:
+            self._share({"error": str(err)})
+            raise
+        self._share({"ok": (name, loaded)})
+        return loaded
+
+    def _load_adapter(self, save) -> tuple[str, dict[str, str]]:
         name = f"{self.sync_root.name}-v{self.adapter_version}"
         partial = self.sync_root / f".adapter-{self.adapter_version:06d}.partial"
         ready = self.sync_root / f"adapter-{self.adapter_version:06d}"
@@ -270,7 +315,7 @@ class VLLMServerEngine:
         if previous is not None:
             self._call("POST", "/v1/unload_lora_adapter", {"lora_name": previous[0]}, "unloading a LoRA adapter")
             shutil.rmtree(previous[1], ignore_errors=True)
-        return dict(results[0])
+        return name, dict(results[0])
 
     def checksums(self) -> dict[str, str]:
         """sha256 of each tensor the server loaded in the last complete sync (fp32 bytes), by name."""
@@ -284,7 +329,7 @@ class VLLMServerEngine:
         """Unload this engine's adapter, remove its directory in the shared folder; the server, not ours, keeps
         running. Idempotent."""
         adapter, self._adapter = getattr(self, "_adapter", None), None
-        if adapter is not None and not self.failed:
+        if adapter is not None and self._writer and not self.failed:
             with contextlib.suppress(TrainingError, _ServerError):
                 self._request("POST", "/v1/unload_lora_adapter", {"lora_name": adapter[0]}, "unloading an adapter")
         root = getattr(self, "sync_root", None)

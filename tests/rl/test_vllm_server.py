@@ -12,12 +12,11 @@ serving the bundled SFT recipe's model shape with isotrain's worker extension, s
 - LoRA as adapters through `/v1/load_lora_adapter`: only the adapter tensors travel (counted, checksummed by the
   server's workers), a new adapter name per update, and the server's log-probs equal the trainer's peft forward
   within 1e-5 after each of 3 updates;
-- `isotrain rl rollout.engine=vllm rollout.vllm.url=...` runs 3 steps, with and without LoRA, every sync's probe
-  within 1e-5;
+- `isotrain rl rollout.engine=vllm rollout.vllm.url=...` runs 3 steps on 1 process, with LoRA, and on 2 FSDP2
+  ranks sharing the server, every sync's probe within 1e-5;
 - failures are one sentence each: no server at the address, an error answer, a server silent past the timeout
-  (also mid-run through the CLI: committed checkpoints verify, nothing left in the shared directory), two
-  trainer processes on one server;
-  a url without weights_dir is refused by the config.
+  (also mid-run through the CLI: committed checkpoints verify, nothing left in the shared directory); a url
+  without weights_dir is refused by the config.
 """
 
 from __future__ import annotations
@@ -44,9 +43,10 @@ from isotrain.rl.engine_vllm import VLLMEngine
 from isotrain.rl.engine_vllm_server import VLLMServerEngine
 from isotrain.rl.rollout import SamplingParams
 from isotrain.rl.sync_check import check_checksums, probe, sync_and_verify
-from test_rl_e2e import SMALL, assert_clean_error, metrics, rl_arguments, rl_cli, rl_command
+from test_rl_e2e import (LAYOUTS, SMALL, TWO_RANKS, assert_clean_error, metrics, rl_cli, rl_command,
+                         run_to_end)
 from test_vllm_engine import max_gap, train_steps, trainer_logprobs
-from zygote import run_forked_ranks, run_isotrain
+from zygote import run_isotrain
 
 START_S = 900  # a server start on a loaded 2-core machine: generous, polled, never slept through
 CPU = torch.device("cpu")
@@ -281,13 +281,14 @@ def test_isotrain_rl_runs_on_the_server(start_model, server, tmp_path):
     assert_clean_error(gone, f"the vLLM server at unix:{shared}/x is unreachable (FileNotFoundError: ")
     assert not (tmp_path / "gone" / "metrics.jsonl").exists() and not (tmp_path / "gone" / "checkpoints").exists()
     assert list(shared.iterdir()) == []
-    # Two trainer processes would each reload the one server: refused on every rank before any work.
-    two = run_forked_ranks(2, rl_arguments(start_model, tmp_path / "two", [*SMALL, "rollout.engine=vllm", *url,
-                                                                          "train.micro_batch_size=4"]))
-    sentence = ("rollout.vllm.url serves one trainer process for now, but 2 were launched; run one process, or remove "
-                "rollout.vllm.url to give each rank its own engine")
-    assert two.returncode != 0 and f"\nerror: {sentence}" in "\n" + two.stderr, two.stderr[-3000:]
-    assert not (tmp_path / "two" / "metrics.jsonl").exists()
+    # Two FSDP2 ranks on the one server: each samples its own prompts, rank 0 sends the weights (gathered tensor by
+    # tensor on both ranks), every rank checks the checksums rank 0 got and probes within 1e-5.
+    run_to_end(start_model, tmp_path / "fsdp2", [*TWO_RANKS, "train.max_steps=3", "checkpoint.every_steps=0",
+                                                 *LAYOUTS["fsdp2"], "rollout.engine=vllm",
+                                                 "rollout.vllm.probe_max_diff=1e-5", *url], nproc=2)
+    rows = metrics(tmp_path / "fsdp2")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["rollout_logprob_diff"] < 1e-5 for r in rows), rows
+    assert list(shared.iterdir()) == []
 
 
 def test_a_url_is_checked_with_the_config():

@@ -677,6 +677,38 @@ class VLLMConfig(Section):
         1e-3, gt=0, description="After every weight sync the engine's greedy log-probs of one probe sequence must "
         "equal the trainer's within this (max |Δ log p|; fp32 engines agree within ~3e-6), else the run stops "
         "before training on stale samples.")
+    url: str | None = Field(
+        None, description="An OpenAI-compatible vLLM server that is already running (`http://host:port` or "
+        "`unix:/path/to/socket`), started with isotrain's worker extension and VLLM_SERVER_DEV_MODE=1 (docs/rl.md, "
+        "A vLLM server); the trainer drives it instead of starting an engine, and needs rollout.vllm.weights_dir. "
+        "null: the trainer starts its own engine under rollout.vllm.python.")
+    weights_dir: str | None = Field(
+        None, description="With rollout.vllm.url: a directory both the trainer and the server read and write at the "
+        "same path (a shared file system); each weight sync is written there in files of at most bucket_bytes, "
+        "renamed into place complete, loaded by the server and removed.")
+
+    @model_validator(mode="after")
+    def _server_fields(self) -> VLLMConfig:
+        """What a running server needs and what it cannot take from the trainer."""
+        if self.url is None:
+            if self.weights_dir is not None:
+                raise ValueError(f"rollout.vllm.weights_dir={self.weights_dir!r} is read only with rollout.vllm.url; "
+                                 "set rollout.vllm.url to the server or remove rollout.vllm.weights_dir")
+            return self
+        if not self.url.startswith(("http://", "unix:/")):
+            raise ValueError(f"rollout.vllm.url={self.url!r} is neither http://host:port nor unix:/path/to/socket; "
+                             "give the server's address in one of those forms")
+        if self.weights_dir is None:
+            raise ValueError(f"rollout.vllm.url={self.url!r} needs rollout.vllm.weights_dir, a directory that this "
+                             "trainer and the server both see at the same path (a shared file system), to pass the "
+                             "weights through; set it")
+        started = [name for name in ("python", "kv_cache_bytes") if getattr(self, name) is not None]
+        started += ["engine_args"] if self.engine_args else []
+        if started:
+            raise ValueError(f"rollout.vllm.{started[0]} sets up an engine the trainer starts, which "
+                             f"rollout.vllm.url={self.url!r} replaces; pass it to `vllm serve` instead and remove "
+                             f"rollout.vllm.{started[0]}")
+        return self
 
 
 class RolloutConfig(Section):
@@ -818,6 +850,14 @@ class RLRunConfig(RunConfig):
         if self.train.loss_chunk_tokens:
             raise ValueError(f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} applies to the SFT cross-entropy "
                              "only, and RL's losses are not chunked; remove train.loss_chunk_tokens from the RL config")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_server_fields(self) -> RLRunConfig:
+        url = self.rollout.vllm.url
+        if url is not None and self.rollout.engine != "vllm":
+            raise ValueError(f"rollout.vllm.url={url!r} is read only with rollout.engine=vllm, not "
+                             f"{self.rollout.engine}; set rollout.engine=vllm or remove rollout.vllm.url")
         return self
 
 

@@ -71,7 +71,12 @@ class RL(Recipe):
             self.reward_fn = format_gated(self.reward_fn, cfg.rl.format_pattern, cfg.rl.format_penalty)
         self.prompts = read_prompts(cfg.data.path)
         self.held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples, "eval.path") if cfg.eval.path else None
-        if cfg.rollout.engine == "vllm":  # the engine's interpreter and settings, refused before any work
+        if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.url is not None:
+            from isotrain.rl.engine_vllm import logprobs_mode_for, vllm_lora_rank
+
+            logprobs_mode_for(cfg.rl.temperature, cfg.rl.top_p)
+            vllm_lora_rank(cfg.lora.r)
+        elif cfg.rollout.engine == "vllm":  # the engine's interpreter and settings, refused before any work
             from isotrain.rl.engine_vllm import check_settings, vllm_lora_rank
 
             check_settings(cfg.rollout.vllm.python, cfg.rl.temperature, cfg.rl.top_p, cfg.rollout.vllm.engine_args)
@@ -105,7 +110,11 @@ class RL(Recipe):
                                  layout, lambda: session.checkpoints.before_update(), critic, critic_optimizer)
         self.engine = make_engine(cfg, model_config(cfg.model, self.tokenizer), self.tokenizer, session.output_dir,
                                   info.rank)
-        if cfg.rollout.engine == "vllm":
+        if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.url is not None:
+            info = self.engine.info
+            session.log(f"rollout engine: the vLLM {info['vllm']} server at {cfg.rollout.vllm.url} on "
+                        f"{info['platform']} (torch {info['torch']}), weights through {cfg.rollout.vllm.weights_dir}")
+        elif cfg.rollout.engine == "vllm":
             info = self.engine.info
             session.log(f"rollout engine: vLLM {info['vllm']} on {info['platform']} (torch {info['torch']}), started "
                         f"in {info['start_s']:.1f} s, log in {self.engine.log_path.name}"

@@ -43,10 +43,20 @@ def make_engine(cfg: RLRunConfig, config, tokenizer, output_dir: Path, rank: int
         tokenizer.save_pretrained(tokenizer_dir)
         return ProcessEngine(config, tokenizer_dir, seed=cfg.train.seed, batch_size=cfg.rollout.batch_size,
                              num_threads=torch.get_num_threads())
+    v = cfg.rollout.vllm
+    if cfg.rollout.engine == "vllm" and v.url is not None:
+        from isotrain.rl.engine_vllm_server import VLLMServerEngine
+
+        from isotrain.parallel.dist import broadcast_from_main
+
+        # One server for every rank: each samples its own prompts; rank 0 alone sends the weights (see the class).
+        return VLLMServerEngine(v.url, v.weights_dir, tokenizer.eos_token_id, seed=cfg.train.seed, dtype=v.dtype,
+                                temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, bucket_bytes=v.bucket_bytes,
+                                timeout_s=v.timeout_s, max_model_len=cfg.data.max_seq_len, lora_rank=cfg.lora.r,
+                                writer=rank == 0, share=broadcast_from_main)
     if cfg.rollout.engine == "vllm":
         from isotrain.rl.engine_vllm import VLLMEngine, vllm_lora_rank
 
-        v = cfg.rollout.vllm
         # One engine per rank: each rank generates its own prompts' samples, like the in-process engine.
         return VLLMEngine(config, tokenizer.eos_token_id, python=v.python, seed=cfg.train.seed, dtype=v.dtype,
                           temperature=cfg.rl.temperature, top_p=cfg.rl.top_p, kv_cache_bytes=v.kv_cache_bytes,

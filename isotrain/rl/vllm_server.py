@@ -30,11 +30,13 @@ sync, the error answers the line in flight and the rest of that sync's lines are
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
 import traceback
+
+# This file's folder is sys.path[0] (it runs by path): the worker-side steps it shares with a vLLM server.
+from vllm_worker import reprocess_shared_weights, sha256_of
 
 CPU_MIN_HEAD_DIM = 32  # vLLM's CPU attention kernel: smaller heads fail at the first generate
 
@@ -89,8 +91,8 @@ class Server:
             import safetensors.torch  # noqa: F401
             import torch
             import vllm
-        except ImportError as err:
-            raise StartError(f"{type(err).__name__}: {err}", "no_vllm") from err
+        except Exception as err:  # a broken install raises more than ImportError (an OSError of a missing .so, ...)
+            raise StartError(_describe(err), "no_vllm") from err
         from vllm.platforms import current_platform
 
         torch.set_num_threads(args.get("num_threads") or torch.get_num_threads())
@@ -159,13 +161,13 @@ class Server:
                     return
                 tensors = load_file(request["path"])
                 os.unlink(request["path"])  # read: the trainer may write the next bucket
-                _send(channel, {"ok": {name: _sha256(torch, t) for name, t in tensors.items()}})
+                _send(channel, {"ok": {name: sha256_of(torch, t) for name, t in tensors.items()}})
                 count += len(tensors)
                 yield from tensors.items()
             raise EOFError("the trainer closed the channel during a weight sync")
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": buckets()})
-        self.llm.collective_rpc(_reprocess_shared_weights)
+        self.llm.collective_rpc(reprocess_shared_weights)
         self.llm.reset_prefix_cache()
         return {"tensors": count}
 
@@ -182,34 +184,7 @@ class Server:
             self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
         self.lora = LoRARequest(f"isotrain-v{version}", version, path)
         self.llm.reset_prefix_cache()
-        return {name: _sha256(torch, t) for name, t in tensors.items()}
-
-
-def _reprocess_shared_weights(worker) -> int:
-    """Redo the post-load processing of layers whose weight is another layer's (a tied lm_head).
-
-    On CPU, vLLM prepacks each linear layer's weight into a kernel-specific copy after loading. A reload
-    refreshes the copies of the layers that received tensors, but a tied lm_head receives none (its tensor is
-    the embedding's), so it kept the copy packed from the first, dummy weights: the probe of rl/sync_check.py
-    caught exactly this (log-probs off by ~4 nats). Harmless where nothing is packed (GPU)."""
-    model = worker.get_model()
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
-        if weight is not None:
-            owners[id(weight)] = owners.get(id(weight), 0) + 1
-    count = 0
-    for module in model.modules():
-        weight, method = module._parameters.get("weight"), getattr(module, "quant_method", None)
-        if weight is not None and owners[id(weight)] > 1 and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-            count += 1
-    return count
-
-
-def _sha256(torch, tensor) -> str:
-    data = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    return hashlib.sha256(memoryview(data.numpy()).cast("B")).hexdigest()
+        return {name: sha256_of(torch, t) for name, t in tensors.items()}
 
 
 def _die_with_parent() -> None:

@@ -27,7 +27,7 @@ import torch
 import engine_models
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from helpers import vllm_python
+from helpers import orphaned_vllm_dirs, vllm_python
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.weights import checksums, sync_named_tensors, tensor_sha256
 from isotrain.rl.engine_vllm import VLLMEngine
@@ -260,6 +260,27 @@ def test_an_environment_without_vllm_is_one_sentence(tokenizer, trained):
                        r"CPU one with `python scripts/build_vllm_cpu_env.py`, or `pip install 'isotrain\[vllm\]'` on "
                        r"GPU, and set rollout.vllm.python to its interpreter$"):
         start(sys.executable, tokenizer, trained)
+
+
+def test_a_vllm_that_fails_to_import_is_one_sentence(python, tokenizer, trained, tmp_path):
+    """An environment whose vllm is installed but broken (here: a package shadowing it that raises on import, as a
+    missing shared library would): the engine stops at its start with one sentence naming rollout.vllm.python and
+    the import error, and leaves nothing behind."""
+    broken = tmp_path / "broken"
+    (broken / "vllm").mkdir(parents=True)
+    (broken / "vllm" / "__init__.py").write_text(
+        "raise OSError('libvllm_C.so: cannot open shared object file: No such file or directory')\n")
+    interpreter = tmp_path / "python"
+    interpreter.write_text(f"#!/bin/sh\nPYTHONPATH={broken} exec {python} \"$@\"\n")
+    interpreter.chmod(0o755)
+    with pytest.raises(ConfigError) as caught:
+        start(str(interpreter), tokenizer, trained)
+    assert str(caught.value) == (
+        f"rollout.vllm.python={str(interpreter)!r} cannot import vllm (OSError: libvllm_C.so: cannot open shared "
+        "object file: No such file or directory (at __init__.py:1)); build the CPU one with `python "
+        "scripts/build_vllm_cpu_env.py`, or `pip install 'isotrain[vllm]'` on GPU, and set rollout.vllm.python to "
+        "its interpreter")
+    assert not orphaned_vllm_dirs()  # its /dev/shm directory went with it
 
 
 def test_a_head_dim_vllm_cannot_serve_on_cpu_is_one_sentence(python, tokenizer):

@@ -6,9 +6,10 @@
 divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every MoE layer's experts
 (parallel/ep.py); with tensor parallelism there is one such group per TP coordinate (ep × tp composes).
 `cp` (context parallel) takes ranks of its own, like `tp`: the `cp` ranks of a DP rank hold the same micro-batches
-and each runs one contiguous piece of every sequence (parallel/cp.py); Ulysses exchanges attention heads, so `cp`
-must divide the heads, and the key/value heads or be a multiple of them (KV heads are then repeated). CP is not
-combined with TP or EP yet (`check_cp`), and `cp_style=ring` is refused until it is built.
+and each runs one piece of every sequence (parallel/cp.py); Ulysses exchanges attention heads, so `cp` must divide
+the heads, and the key/value heads or be a multiple of them (KV heads are then repeated); ring attention passes
+key/value blocks around the ranks and has no condition on the heads. CP is not combined with TP or EP yet
+(`check_cp`).
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks holds one stage, an even share of
@@ -51,6 +52,7 @@ class ParallelDims:
     shard_one_rank: bool = False  # dp_shard=-1 on a one-process torchrun launch: FSDP2 over that rank
     pp: int = 1
     pp_schedule: str = "1f1b"
+    cp_style: str = "ulysses"
 
     @property
     def fsdp(self) -> bool:
@@ -107,7 +109,7 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     # One torchrun process joins a process group of one (parallel/dist.py), so dp_shard=-1 can shard over it.
     one_rank = cfg.dp_shard == -1 and degrees["dp_shard"] == 1 and launched_by_torchrun()
     dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1), cp=cp, shard_one_rank=one_rank, pp=pp,
-                        pp_schedule=schedule)
+                        pp_schedule=schedule, cp_style=getattr(cfg, "cp_style", "ulysses"))
     if dims.world_size != world_size:
         names = [n for n in WORLD_NAMES if n not in ("cp", "pp") or getattr(dims, n) > 1]
         product = " × ".join(str(getattr(dims, n)) for n in names)
@@ -122,13 +124,10 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
 
 
 def check_cp(cp: int, style: str, tp: int, ep: int) -> None:
-    """What context parallelism is built for: Ulysses, without TP (both would split the heads) and without EP
-    (its token all-to-all and global router terms are not written for split sequences)."""
+    """What context parallelism is built for: Ulysses or ring, without TP (not written for heads split over TP yet)
+    and without EP (its token all-to-all and global router terms are not written for split sequences)."""
     if cp == 1:
         return
-    if style == "ring":
-        raise ConfigError(f"parallel.cp_style=ring is not built yet; set parallel.cp_style=ulysses with a "
-                          f"parallel.cp (now {cp}) that divides the model's attention heads")
     if tp > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.tp={tp} is not supported yet (both split the attention "
                           "heads); set parallel.tp=1 and use parallel.dp_shard for the other ranks, or parallel.cp=1")
@@ -222,7 +221,7 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
     experts into `ep` parts; refuse a model whose numbers do not divide, naming them (config: a transformers
     PretrainedConfig)."""
     _check_experts_fit(dims.ep, config)
-    check_cp_fits(dims.cp, config)
+    check_cp_fits(dims.cp, config, dims.cp_style)
     check_pp_fits(dims.pp, config)
     if dims.tp == 1:
         return
@@ -250,12 +249,21 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
         )
 
 
-def check_cp_fits(cp: int, config) -> None:
+def check_cp_fits(cp: int, config, style: str = "ulysses") -> None:
     """Ulysses gives each of the `cp` ranks heads / cp whole query heads over the whole sequence: `cp` divides the
     heads; the KV heads are split the same way, or repeated up to `cp` when there are fewer (then `cp` must be a
-    multiple of them, so that each rank's query heads share one KV head). Attention over whole sequences knows no
-    sliding window, and MoE router terms are not split over pieces: both refused."""
+    multiple of them, so that each rank's query heads share one KV head). Ring attention keeps every head on every
+    rank (any `cp`), and computes its blocks without dropout. Attention over whole sequences knows no sliding window,
+    and MoE router terms are not split over pieces: both refused."""
     if cp == 1:
+        return
+    if style == "ring":
+        dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+        if dropout > 0:
+            raise ConfigError(f"parallel.cp_style=ring computes attention without dropout, and this model has "
+                              f"attention_dropout={dropout}; set model.config.attention_dropout=0 or "
+                              "parallel.cp_style=ulysses")
+        _check_cp_model(cp, config)
         return
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -267,6 +275,11 @@ def check_cp_fits(cp: int, config) -> None:
         raise ConfigError(f"parallel.cp={cp} neither divides nor is a multiple of the model's key/value heads "
                           f"(num_key_value_heads={kv_heads}); use a parallel.cp that divides {kv_heads} or is a "
                           f"multiple of it")
+    _check_cp_model(cp, config)
+
+
+def _check_cp_model(cp: int, config) -> None:
+    """What neither CP style is built for: a sliding window, mixture-of-experts routers."""
     if getattr(config, "sliding_window", None):
         raise ConfigError(f"parallel.cp={cp} attends over whole sequences, and this {config.model_type} model has a "
                           f"sliding window of {config.sliding_window} tokens; set parallel.cp=1")

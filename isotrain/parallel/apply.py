@@ -160,15 +160,17 @@ def wrap_replicas(model: nn.Module, parallel: ParallelState, trainable: bool = T
 
 
 def sync_replica_grads(model: nn.Module, parallel: ParallelState) -> None:
-    """TP × DDP: sum every gradient over the dp_replicate axis (what DDP's SUM hook does for plain tensors).
+    """TP × DDP (and TP × CP): sum every gradient over the dp_replicate (× cp) axes (what DDP's SUM hook does for
+    plain tensors).
 
     Gradients are DTensors on the tp mesh; their local parts are what each replica computed for the
     same shard, so a plain all-reduce of the local parts over dp_replicate is the data-parallel sum.
     Expert-parallel gradients are summed over their replicas here too (`sync_expert_grads`)."""
     sync_expert_grads(model, parallel.ep_mesh)
-    if parallel.mesh is None or parallel.dims.tp == 1 or parallel.dims.fsdp or parallel.dims.dp_replicate == 1:
+    dims = parallel.dims
+    if parallel.mesh is None or dims.tp == 1 or dims.fsdp or dims.dp_replicate * dims.cp == 1:
         return
-    group = parallel.mesh["dp_replicate"].get_group()
+    group = parallel.replica_group()  # dp_replicate, × cp: each CP rank's gradient is its pieces' part
     # Not the experts: under EP the dp_replicate ranks hold different experts (summed above over their copies).
     experts = {id(p) for p in expert_parameters(model)}
     grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]

@@ -8,8 +8,8 @@ divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every Mo
 `cp` (context parallel) takes ranks of its own, like `tp`: the `cp` ranks of a DP rank hold the same micro-batches
 and each runs one piece of every sequence (parallel/cp.py); Ulysses exchanges attention heads, so `cp` must divide
 the heads, and the key/value heads or be a multiple of them (KV heads are then repeated); ring attention passes
-key/value blocks around the ranks and has no condition on the heads. CP is not combined with TP or EP yet
-(`check_cp`).
+key/value blocks around the ranks and has no condition on the heads. With TP, the CP ranks of a TP rank attend
+over its heads. CP is not combined with EP yet (`check_cp`).
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks holds one stage, an even share of
@@ -124,13 +124,11 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
 
 
 def check_cp(cp: int, style: str, tp: int, ep: int) -> None:
-    """What context parallelism is built for: Ulysses or ring, without TP (not written for heads split over TP yet)
-    and without EP (its token all-to-all and global router terms are not written for split sequences)."""
+    """What context parallelism is built for: Ulysses or ring, with or without TP (each TP rank's heads attend over
+    the CP ranks), without EP (its token all-to-all and global router terms are not written for split
+    sequences)."""
     if cp == 1:
         return
-    if tp > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.tp={tp} is not supported yet (both split the attention "
-                          "heads); set parallel.tp=1 and use parallel.dp_shard for the other ranks, or parallel.cp=1")
     if ep > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.ep={ep} is not supported yet; set parallel.ep=1 or "
                           "parallel.cp=1")
@@ -221,11 +219,13 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
     experts into `ep` parts; refuse a model whose numbers do not divide, naming them (config: a transformers
     PretrainedConfig)."""
     _check_experts_fit(dims.ep, config)
-    check_cp_fits(dims.cp, config, dims.cp_style)
     check_pp_fits(dims.pp, config)
-    if dims.tp == 1:
-        return
-    tp = dims.tp
+    if dims.tp > 1:
+        _check_tp_fits(dims.tp, config, check_vocab)
+    check_cp_fits(dims.cp, config, dims.cp_style, dims.tp)  # after TP's: Ulysses splits each TP rank's heads
+
+
+def _check_tp_fits(tp: int, config, check_vocab: bool) -> None:
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     checks = [
@@ -249,12 +249,13 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
         )
 
 
-def check_cp_fits(cp: int, config, style: str = "ulysses") -> None:
+def check_cp_fits(cp: int, config, style: str = "ulysses", tp: int = 1) -> None:
     """Ulysses gives each of the `cp` ranks heads / cp whole query heads over the whole sequence: `cp` divides the
-    heads; the KV heads are split the same way, or repeated up to `cp` when there are fewer (then `cp` must be a
-    multiple of them, so that each rank's query heads share one KV head). Ring attention keeps every head on every
-    rank (any `cp`), and computes its blocks without dropout. Attention over whole sequences knows no sliding window,
-    and MoE router terms are not split over pieces: both refused."""
+    heads (with TP, the heads / tp of a TP rank, checked divisible by TP before); the KV heads are split the same
+    way, or repeated up to `cp` when there are fewer (then `cp` must be a multiple of them, so that each rank's
+    query heads share one KV head). Ring attention keeps every head of its TP rank on every CP rank (any `cp`), and
+    computes its blocks without dropout. Attention over whole sequences knows no sliding window, and MoE router
+    terms are not split over pieces: both refused."""
     if cp == 1:
         return
     if style == "ring":
@@ -267,15 +268,32 @@ def check_cp_fits(cp: int, config, style: str = "ulysses") -> None:
         return
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads is not None and heads % cp:
+    if tp > 1:
+        _check_ulysses_tp_heads(cp, tp, heads, kv_heads)
+    elif heads is not None and heads % cp:
         raise ConfigError(f"parallel.cp={cp} does not divide the model's attention heads (num_attention_heads="
                           f"{heads}), which Ulysses splits over the context-parallel ranks; use a parallel.cp that "
                           f"divides {heads}")
-    if kv_heads is not None and kv_heads % cp and cp % kv_heads:
+    elif kv_heads is not None and kv_heads % cp and cp % kv_heads:
         raise ConfigError(f"parallel.cp={cp} neither divides nor is a multiple of the model's key/value heads "
                           f"(num_key_value_heads={kv_heads}); use a parallel.cp that divides {kv_heads} or is a "
                           f"multiple of it")
     _check_cp_model(cp, config)
+
+
+def _check_ulysses_tp_heads(cp: int, tp: int, heads: int | None, kv_heads: int | None) -> None:
+    """Under TP, Ulysses splits the heads of one TP rank (heads / tp, KV heads / tp) over the CP ranks."""
+    if heads is not None and (heads // tp) % cp:
+        raise ConfigError(f"parallel.cp={cp} does not divide the attention heads of a tensor-parallel rank "
+                          f"(num_attention_heads={heads} / parallel.tp={tp} = {heads // tp}), which Ulysses splits "
+                          f"over the context-parallel ranks; use a parallel.cp that divides {heads // tp} or "
+                          "parallel.cp_style=ring")
+    local_kv = kv_heads // tp if kv_heads is not None else None
+    if local_kv is not None and local_kv % cp and cp % local_kv:
+        raise ConfigError(f"parallel.cp={cp} neither divides nor is a multiple of the key/value heads of a "
+                          f"tensor-parallel rank (num_key_value_heads={kv_heads} / parallel.tp={tp} = {local_kv}); "
+                          f"use a parallel.cp that divides {local_kv} or is a multiple of it, or "
+                          "parallel.cp_style=ring")
 
 
 def _check_cp_model(cp: int, config) -> None:

@@ -113,3 +113,14 @@ def test_resume_across_cp_continues_the_same_run(tmp_path, runs, saved_on, resum
     assert "resumed from" in proc.stdout
     assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
     assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")
+
+
+@pytest.mark.slow
+def test_tp2_x_ring_cp2_run_logs_the_metrics_and_saves_the_weights_of_one_process(tmp_path, runs):
+    """4 ranks, TP 2 × ring CP 2: each TP rank's heads attend around the CP ring (the vocabulary-parallel loss on
+    each piece); the same metrics rows and checkpoint weights as one process."""
+    single, _ = runs
+    train(4, tmp_path / "tp2-cp2", *cp2("ring"), "parallel.tp=2")
+    assert_same_run(metrics(tmp_path / "tp2-cp2"), metrics(single))
+    for step in ("step-00000004", "step-00000008"):
+        assert_same_weights(tmp_path / "tp2-cp2" / "checkpoints" / step, single / "checkpoints" / step)

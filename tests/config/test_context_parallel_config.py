@@ -31,8 +31,6 @@ def test_cp_takes_ranks_of_its_own_and_dp_stays_pure():
 
 
 @pytest.mark.parametrize("settings, sentence", [
-    (dict(cp=2, tp=2), "parallel.cp=2 with parallel.tp=2 is not supported yet (both split the attention heads); set "
-     "parallel.tp=1 and use parallel.dp_shard for the other ranks, or parallel.cp=1"),
     (dict(cp=2, ep=2), "parallel.cp=2 with parallel.ep=2 is not supported yet; set parallel.ep=1 or parallel.cp=1"),
 ])
 def test_unbuilt_combinations_are_refused(settings, sentence):
@@ -90,6 +88,25 @@ def test_models_that_do_not_split_are_refused(sizes, cp, sentence):
     with pytest.raises(ConfigError) as err:
         check_cp_fits(cp, config)
     assert str(err.value) == sentence
+
+
+def test_cp_with_tp_splits_each_tp_rank_s_heads():
+    dims = resolve_dims(ParallelConfig(cp=2, tp=2), 8)
+    assert (dims.dp_replicate, dims.tp, dims.cp, dims.dp_size) == (2, 2, 2, 2)
+    config = AutoConfig.for_model("llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    check_cp_fits(2, config, "ulysses", tp=2)  # 2 heads and 1 KV head (repeated) per TP rank
+    check_cp_fits(4, config, "ring", tp=2)
+    with pytest.raises(ConfigError) as err:
+        check_cp_fits(4, config, "ulysses", tp=2)
+    assert str(err.value) == ("parallel.cp=4 does not divide the attention heads of a tensor-parallel rank "
+                              "(num_attention_heads=4 / parallel.tp=2 = 2), which Ulysses splits over the "
+                              "context-parallel ranks; use a parallel.cp that divides 2 or parallel.cp_style=ring")
+    config = AutoConfig.for_model("llama", hidden_size=48, num_attention_heads=12, num_key_value_heads=6)
+    with pytest.raises(ConfigError) as err:
+        check_cp_fits(2, config, "ulysses", tp=2)
+    assert str(err.value) == ("parallel.cp=2 neither divides nor is a multiple of the key/value heads of a "
+                              "tensor-parallel rank (num_key_value_heads=6 / parallel.tp=2 = 3); use a parallel.cp "
+                              "that divides 3 or is a multiple of it, or parallel.cp_style=ring")
 
 
 def test_fewer_kv_heads_than_the_degree_are_accepted():

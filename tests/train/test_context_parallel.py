@@ -8,7 +8,9 @@ Layouts, (dp_replicate, dp_shard, tp, ep, cp[, "ring"]):
     1x2x1x1x2  FSDP2 2 × CP 2 on 4 ranks (FSDP2 shards over dp_shard × cp; GA 2)
     1x1x1x1x4  CP 4 with 2 KV heads: fewer KV heads than the degree, each repeated twice
 and the same with ring attention (parallel.cp_style=ring, zig-zag pieces): CP 2 with GA 4 and GA 2 (2 and 1 KV
-heads), FSDP2 2 × CP 2, and CP 4 on a model of 2 heads and 1 KV head, more ranks than heads.
+heads), FSDP2 2 × CP 2, and CP 4 on a model of 2 heads and 1 KV head, more ranks than heads. With tensor
+parallelism: TP 2 × CP 2 (Ulysses and ring) on 4 ranks, FSDP2 2 × TP 2 × ring CP 2 and DDP 2 × TP 2 × Ulysses CP 2
+on 8.
 The sequences of a micro-batch (up to 20 tokens) are cut into pieces, padded to a multiple of the degree (of twice
 the degree for ring's zig-zag); the packed sample's two documents land in different pieces.
 """
@@ -25,6 +27,8 @@ CP4 = (1, 1, 1, 1, 4)
 RING_CP2 = (*CP2, "ring")
 RING_FSDP2_CP2 = (*FSDP2_CP2, "ring")
 RING_CP4 = (*CP4, "ring")
+TP2_CP2 = (1, 1, 2, 1, 2)
+RING_TP2_CP2 = (*TP2_CP2, "ring")
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +67,21 @@ def test_ring_fsdp2_x_cp2_and_cp4_with_fewer_heads_than_ranks_match_single_proce
     results = _multi(tmp_path, 4, [RING_FSDP2_CP2, RING_CP4], MICRO_BATCH, "families=llama,llama_2heads")
     assert_equivalent(results[("llama", RING_FSDP2_CP2)], references["llama"])
     assert_equivalent(results[("llama_2heads", RING_CP4)], references["llama_2heads"])
+
+
+@pytest.mark.slow
+def test_tp2_x_cp2_matches_single_process(tmp_path, references):
+    """TP 2 × CP 2, Ulysses and ring: each TP rank's 2 heads (1 KV head) attend over the CP ranks; the gradients
+    are summed over CP beside TP's own reductions (no DP: sync_replica_grads over dp_replicate × cp)."""
+    results = _multi(tmp_path, 4, [TP2_CP2, RING_TP2_CP2], MICRO_BATCH)
+    assert_equivalent(results[TP2_CP2], references["llama"])
+    assert_equivalent(results[RING_TP2_CP2], references["llama"])
+
+
+@pytest.mark.slow
+def test_fsdp2_x_tp2_x_cp2_and_ddp2_x_tp2_x_cp2_match_single_process(tmp_path, references):
+    """8 ranks: FSDP2 2 × TP 2 × ring CP 2 (FSDP2 shards the TP shards over dp_shard × cp), and DDP 2 × TP 2 ×
+    Ulysses CP 2 (gradients summed over dp_replicate × cp)."""
+    results = _multi(tmp_path, 8, [(1, 2, 2, 1, 2, "ring"), (2, 1, 2, 1, 2)], MICRO_BATCH)
+    assert_equivalent(results[(1, 2, 2, 1, 2, "ring")], references["llama"])
+    assert_equivalent(results[(2, 1, 2, 1, 2)], references["llama"])

@@ -47,10 +47,12 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def start(self, tensor: torch.Tensor):
-        """Send `tensor` on and receive the previous rank's tensor of the same shape; returns (received, works)."""
+    def start(self, tensor: torch.Tensor, tag: int = 0):
+        """Send `tensor` on and receive the previous rank's tensor of the same shape; returns (received, works).
+        One batch of both (NCCL then groups them, so two ranks that send to each other cannot block)."""
         received = torch.empty_like(tensor)
-        works = [dist.isend(tensor, self.next, group=self.group), dist.irecv(received, self.prev, group=self.group)]
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group, tag),
+                                        dist.P2POp(dist.irecv, received, self.prev, self.group, tag)])
         return received, works
 
     @staticmethod
@@ -109,34 +111,84 @@ def _segments_of(segments, index):
     return segments[:, index] if segments is not None else None
 
 
+def _backward_block(q5, do5, k, v, lse, delta, scale, mask):
+    """One block's share of the gradients: dq [B, Hkv, g, S, D], dk and dv [B, Hkv, T, D] (the q heads of a KV
+    head summed), from the merged lse and Δ = rowsum(dO ∘ O) [B, Hkv, g, S]."""
+    k5, v5 = k.unsqueeze(2), v.unsqueeze(2)
+    probs = torch.exp(_scores(q5, k, scale, mask) - lse.unsqueeze(-1))
+    dscores = probs * (torch.matmul(do5, v5.transpose(-1, -2)) - delta.unsqueeze(-1))
+    return (torch.matmul(dscores, k5) * scale, torch.matmul(dscores.transpose(-1, -2), q5).sum(2) * scale,
+            torch.matmul(probs.transpose(-1, -2), do5).sum(2))
+
+
+def _ring_forward(ring: _Ring, q5, k, v, pieces, segments, scale):
+    """The merged output and log-sum-exp [B, Hkv, g, S(, D)] of this rank's queries q5 over every rank's block."""
+    dtype = q5.dtype
+    out = torch.zeros(q5.shape, dtype=dtype, device=q5.device)
+    lse = torch.full(q5.shape[:-1], float("-inf"), dtype=dtype, device=q5.device)
+    q_index = pieces[ring.rank]
+    q_segments = _segments_of(segments, q_index)
+    kv = torch.stack([k, v]).contiguous()
+    for step in range(ring.size):
+        works = None
+        if step < ring.size - 1:  # the next block travels while this one is computed
+            received, works = ring.start(kv)
+        j = (ring.rank - step) % ring.size
+        block = _block(q_index, pieces[j], q_segments, _segments_of(segments, pieces[j]))
+        if block is not None:
+            rows, cols, mask = block
+            o_b, lse_b = _forward_block(q5[..., rows, :], kv[0, :, :, cols].to(dtype), kv[1, :, :, cols].to(dtype),
+                                        scale, mask)
+            out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], o_b, lse_b)
+        if works is not None:
+            _Ring.finish(works)
+            kv = received
+    return out, lse
+
+
+def _ring_backward(ring: _Ring, q5, k, v, out, lse, do5, pieces, segments, scale):
+    """dq5 of this rank's queries, and dk, dv of its own block, summed over every rank's queries."""
+    dtype = out.dtype
+    delta, lse = (do5 * out).sum(-1), _finite(lse)
+    dq5 = torch.zeros_like(out)
+    q_index = pieces[ring.rank]
+    q_segments = _segments_of(segments, q_index)
+    kv = torch.stack([k, v]).contiguous()
+    grads = torch.zeros(kv.shape, dtype=dtype, device=kv.device)  # (dk, dv) of the block held, travelling with it
+    for step in range(ring.size):
+        kv_works = None
+        if step < ring.size - 1:  # the next block travels while this one is computed (its gradients cannot)
+            kv_received, kv_works = ring.start(kv, tag=0)
+        j = (ring.rank - step) % ring.size
+        block = _block(q_index, pieces[j], q_segments, _segments_of(segments, pieces[j]))
+        if block is not None:
+            rows, cols, mask = block
+            dq, dk, dv = _backward_block(q5[..., rows, :], do5[..., rows, :], kv[0, :, :, cols].to(dtype),
+                                         kv[1, :, :, cols].to(dtype), lse[..., rows], delta[..., rows], scale, mask)
+            dq5[..., rows, :] += dq
+            grads[0, :, :, cols] += dk
+            grads[1, :, :, cols] += dv
+        # the gradients follow their block; the last send brings them home to the block's own rank
+        received, works = ring.start(grads, tag=1)
+        _Ring.finish(works)
+        grads = received
+        if kv_works is not None:
+            _Ring.finish(kv_works)
+            kv = kv_received
+    return dq5, grads[0], grads[1]
+
+
 class RingAttention(torch.autograd.Function):
-    """q [B, H, S, D], k/v [B, Hkv, S, D] of this rank's piece -> out [B, H, S, D] (see the module docstring)."""
+    """q [B, H, S, D], k/v [B, Hkv, S, D] of this rank's piece -> out [B, H, S, D] (see the module docstring).
+    Autocast is off inside: the scores, softmax and merge stay in `compute_dtype` whatever the region asks."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, pieces, segments, scale):
-        ring = _Ring(group)
-        dtype = compute_dtype(q.dtype)
         b, heads, s, d = q.shape
-        q5 = q.to(dtype).reshape(b, k.shape[1], heads // k.shape[1], s, d)  # the q heads of each KV head together
-        out = torch.zeros(q5.shape, dtype=dtype, device=q.device)
-        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
-        q_index = pieces[ring.rank]
-        q_segments = _segments_of(segments, q_index)
-        kv = torch.stack([k, v]).contiguous()
-        for step in range(ring.size):
-            works = None
-            if step < ring.size - 1:  # the next block travels while this one is computed
-                received, works = ring.start(kv)
-            j = (ring.rank - step) % ring.size
-            block = _block(q_index, pieces[j], q_segments, _segments_of(segments, pieces[j]))
-            if block is not None:
-                rows, cols, mask = block
-                o_b, lse_b = _forward_block(q5[..., rows, :], kv[0, :, :, cols].to(dtype),
-                                            kv[1, :, :, cols].to(dtype), scale, mask)
-                out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], o_b, lse_b)
-            if works is not None:
-                _Ring.finish(works)
-                kv = received
+        with torch.autocast(q.device.type, enabled=False):
+            # the q heads of each KV head together: [B, Hkv, g, S, D]
+            q5 = q.to(compute_dtype(q.dtype)).reshape(b, k.shape[1], heads // k.shape[1], s, d)
+            out, lse = _ring_forward(_Ring(group), q5, k, v, pieces, segments, scale)
         ctx.save_for_backward(q, k, v, out, lse, pieces, segments)
         ctx.group, ctx.scale = group, scale
         return out.reshape(b, heads, s, d).to(q.dtype)
@@ -144,36 +196,10 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, pieces, segments = ctx.saved_tensors
-        ring, scale, dtype = _Ring(ctx.group), ctx.scale, out.dtype
-        b, heads, s, d = q.shape
-        q5 = q.to(dtype).reshape(out.shape)
-        do5 = grad_out.to(dtype).reshape(out.shape)
-        delta = (do5 * out).sum(-1)
-        lse = _finite(lse)
-        dq5 = torch.zeros_like(out)
-        q_index = pieces[ring.rank]
-        q_segments = _segments_of(segments, q_index)
-        # a key/value block and its gradient accumulators travel together: (k, v, dk, dv) [4, B, Hkv, S, D]
-        travelling = torch.stack([k.to(dtype), v.to(dtype), torch.zeros_like(k, dtype=dtype),
-                                  torch.zeros_like(v, dtype=dtype)]).contiguous()
-        for step in range(ring.size):
-            j = (ring.rank - step) % ring.size
-            block = _block(q_index, pieces[j], q_segments, _segments_of(segments, pieces[j]))
-            if block is not None:
-                rows, cols, mask = block
-                k_j, v_j = travelling[0, :, :, cols].unsqueeze(2), travelling[1, :, :, cols].unsqueeze(2)
-                q_rows, do_rows = q5[..., rows, :], do5[..., rows, :]
-                probs = torch.exp(_scores(q_rows, k_j.squeeze(2), scale, mask) - lse[..., rows].unsqueeze(-1))
-                dscores = probs * (torch.matmul(do_rows, v_j.transpose(-1, -2)) - delta[..., rows].unsqueeze(-1))
-                dq5[..., rows, :] += torch.matmul(dscores, k_j) * scale
-                travelling[2, :, :, cols] += torch.matmul(dscores.transpose(-1, -2), q_rows).sum(2) * scale
-                travelling[3, :, :, cols] += torch.matmul(probs.transpose(-1, -2), do_rows).sum(2)
-            # after the last block only the gradients go on, which brings them home to the block's own rank
-            received, works = ring.start(travelling if step < ring.size - 1 else travelling[2:].contiguous())
-            _Ring.finish(works)
-            travelling = received
-        dk, dv = travelling[0].to(k.dtype), travelling[1].to(v.dtype)
-        return dq5.reshape(b, heads, s, d).to(q.dtype), dk, dv, None, None, None, None
+        with torch.autocast(q.device.type, enabled=False):
+            q5, do5 = (t.to(out.dtype).reshape(out.shape) for t in (q, grad_out))
+            dq5, dk, dv = _ring_backward(_Ring(ctx.group), q5, k, v, out, lse, do5, pieces, segments, ctx.scale)
+        return dq5.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, pieces: torch.Tensor,

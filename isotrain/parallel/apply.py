@@ -16,7 +16,8 @@ number of trained tokens (or sequences), so the sum over DP ranks is exactly the
 global-batch mean (invariant 1).
 
 Context parallelism (parallel/cp.py) only swaps the attention function; its ranks join the gradient sum as DP
-ranks do (FSDP2 over dp_shard × cp, DDP over dp_replicate × cp: parallel/mesh.py).
+ranks do (FSDP2 over dp_shard × cp, DDP or, under TP, `sync_replica_grads` over dp_replicate × cp:
+parallel/mesh.py).
 
 Expert parallelism (parallel/ep.py) makes the experts DTensors on the "ep" axis; FSDP2 and DDP leave them
 out (FSDP2's ignored parameters, DDP's ignore list) and `sync_expert_grads` sums their gradients over the

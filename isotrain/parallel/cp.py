@@ -1,21 +1,33 @@
-"""Context parallelism, Ulysses style: each of the `cp` ranks of a DP rank runs one contiguous piece of every
-sequence of a micro-batch, and attention exchanges heads for sequence with two all-to-alls.
+"""Context parallelism: each of the `cp` ranks of a DP rank runs one piece of every sequence of a micro-batch, and
+attention reaches across the pieces in one of two styles (parallel.cp_style).
+
+Ulysses (`ulysses`): contiguous pieces, heads exchanged for sequence with two all-to-alls.
 
     piece r of a row of L tokens (padded to a multiple of cp): tokens [r·L/cp, (r+1)·L/cp)
     attention on rank r:  q, k, v [B, H, L/cp, D]  --all-to-all-->  [B, H/cp, L, D]  (heads r·H/cp ...)
                           causal SDPA over the whole sequence for those heads (per document when packed)
                           out [B, H/cp, L, D]  --all-to-all-->  [B, H, L/cp, D]
 
-Everything outside attention is per token (embeddings, norms, MLP, RoPE with the piece's own position ids, the
-head and the cross-entropy of pre-shifted labels), so a contiguous split changes no token's computation: every
-rank sees the whole sequence for its heads, which is what makes the math that of one process. (A causal load
-balance of the pieces matters for ring attention, not for Ulysses, whose SDPA covers the whole sequence.)
-Key/value heads fewer than `cp` are repeated first (`cp` a multiple of them, checked in parallel/dims.py), so
-each rank receives the KV head its query heads use; autograd sums the copies' gradients back.
+Ring (`ring`, parallel/ring.py): zig-zag pieces, key/value blocks passed around the ranks.
 
-The backward of an all-to-all is the reverse all-to-all (`_AllToAll`); it also carries the gradient of the
-other ranks' losses into this rank's q/k/v, so a replicated weight's gradient is the sum over the CP ranks of
-their parts (parallel/mesh.py: CP joins the data-parallel gradient reduction).
+    rows padded to a multiple of 2·cp and cut into 2·cp chunks; rank r holds chunks r and 2·cp-1-r
+    attention on rank r:  its q [B, H, L/cp, D] against every rank's k, v block in turn (cp - 1 sends),
+                          the blocks' partial softmaxes merged by log-sum-exp; masks from global token indices
+
+Everything outside attention is per token (embeddings, norms, MLP, RoPE with the piece's own position ids, the
+head and the cross-entropy of pre-shifted labels), so any split changes no token's computation as long as input
+ids, labels, position ids and loss weights are cut alike (`local_piece`, `piece_indices`). Ulysses sees the whole
+sequence for its heads, so a contiguous split costs it nothing; ring attention skips the blocks in a rank's causal
+future, so contiguous pieces would leave the last rank with cp blocks and the first with one, hence the zig-zag
+(each rank pairs an early chunk with a late one: the same work on every rank). Under Ulysses, key/value heads
+fewer than `cp` are repeated first (`cp` a multiple of them, checked in parallel/dims.py), so each rank receives
+the KV head its query heads use; autograd sums the copies' gradients back. Ring attention keeps every head, so
+any `cp` works (more ranks than heads included). Under TP, both run on the heads of their TP rank.
+
+The backward of an all-to-all is the reverse all-to-all (`_AllToAll`), and ring attention sends each block's
+dK, dV around the ring back home; both carry the gradient of the other ranks' losses into this rank's q/k/v, so a
+replicated weight's gradient is the sum over the CP ranks of their parts (parallel/mesh.py: CP joins the
+data-parallel gradient reduction).
 
 The exchange happens only inside `context_parallel_attention(...)`, which the step enters around each micro-batch's
 forward and backward (the recompute of activation checkpointing runs in the backward). Outside it, the registered
@@ -33,7 +45,7 @@ import torch.nn.functional as F
 
 from isotrain.parallel.ring import ring_attention
 
-NAME = "isotrain_ulysses"  # the transformers attention implementation a CP model runs
+NAME = "isotrain_ulysses"  # the transformers attention implementation a CP model runs (either style: a stable name)
 
 IGNORE_INDEX = -100
 _SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")

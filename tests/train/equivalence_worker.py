@@ -208,8 +208,9 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
                 for dtype in (torch.float32, torch.float64)
             }
     for layout in layouts if chunk_tokens else []:
-        if layout[2] == 1:  # the chunked loss refuses TP
-            parallel = build_parallel(ParallelDims(*layout), info.device, info.rank)
+        dims, layout = _dims(layout)
+        if dims.tp == 1:  # the chunked loss refuses TP
+            parallel = build_parallel(dims, info.device, info.rank)
             results[("chunked", layout)] = {
                 (reduction, str(dtype)): run_layout(info, parallel, micro_batch, reduction, dtype, naive,
                                                     checkpointing, chunk_tokens=chunk_tokens)

@@ -54,8 +54,8 @@ _SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 class _Active(threading.local):
     group = None  # the CP group while a CP micro-batch runs
     mask = None  # Ulysses: [B, 1, L, L] per-document causal mask of the whole rows, or None: plain causal
-    pieces = None  # ring: [cp, L/cp] the global token indices of every rank's piece (None: Ulysses runs)
-    segments = None  # ring: [B, L] the document of every token of the whole rows, or None: plain causal
+    pieces = None  # ring: [cp, L/cp] the global token indices of every rank's piece, on the CPU (None: Ulysses)
+    segments = None  # ring: [cp, B, L/cp] the document of every token of every rank's piece, or None: plain causal
 
 
 _active = _Active()
@@ -233,9 +233,10 @@ def context_parallel_attention(group, position_ids: torch.Tensor | None, style: 
         return
     previous = (_active.group, _active.mask, _active.pieces, _active.segments)
     if style == "ring":
-        pieces = piece_indices(position_ids.shape[1], dist.get_world_size(group), style).to(position_ids.device)
+        pieces = piece_indices(position_ids.shape[1], dist.get_world_size(group), style)
+        documents = document_ids(position_ids)
         _active.group, _active.mask, _active.pieces = group, None, pieces
-        _active.segments = document_ids(position_ids)
+        _active.segments = None if documents is None else documents[:, pieces.to(documents.device)].transpose(0, 1)
     else:
         _active.group, _active.mask, _active.pieces, _active.segments = group, document_mask(position_ids), None, None
     try:

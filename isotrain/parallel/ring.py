@@ -9,7 +9,7 @@ which is the softmax over the whole row written in blocks, exactly (fp32 for bf1
 dtype: the merge of fp64 inputs is fp64).
 
 Masks come from global token indices, so any split of the rows works: key j is attended by query i when
-index(j) <= index(i) and, for packed rows, both lie in the same document (`segments` of the whole rows). A block
+index(j) <= index(i) and, for packed rows, both lie in the same document (`segments`, from the whole rows). A block
 with no allowed pair (entirely in the future) is not computed, and only the query rows and key columns that take
 part in a block enter its matmuls. With the zig-zag split (parallel/cp.py: rank r holds chunks r and 2cp-1-r of
 2cp) every rank then does the same work for causal attention: the diagonal block is causally masked, a block from
@@ -61,20 +61,24 @@ class _Ring:
             work.wait()
 
 
-def _block(q_index: torch.Tensor, k_index: torch.Tensor, q_segments, k_segments):
-    """(rows, cols, mask) of one block: the slice of query rows and the slice of key columns that take part (None
-    when no pair is causally allowed: the block is skipped), and the mask of those [B or 1, 1, 1, rows, cols], or
-    None when every pair is allowed. Each piece's indices increase (parallel/cp.py), so the rows that attend
-    anything are a suffix of the piece, and the keys attended by anyone a prefix."""
+def _block(pieces: torch.Tensor, segments, i: int, j: int, device: torch.device):
+    """(rows, cols, mask) of rank i's queries against rank j's keys: the slice of query rows and the slice of key
+    columns that take part (None when no pair is causally allowed: the block is skipped), and the mask of those
+    [B or 1, 1, 1, rows, cols] on `device`, or None when every pair is allowed. `pieces` [cp, S] (on the CPU: the
+    slices are found without a device sync) increase within a piece (parallel/cp.py), so the rows that attend
+    anything are a suffix of the piece and the keys attended by anyone a prefix."""
+    q_index, k_index = pieces[i], pieces[j]
     first_row = int(torch.searchsorted(q_index, k_index[0]))  # rows before it precede every key of the block
     if first_row == q_index.numel():
         return None
     num_cols = int(torch.searchsorted(k_index, q_index[-1], right=True))  # keys after them follow every query
     rows, cols = slice(first_row, None), slice(0, num_cols)
-    mask = (k_index[cols][None, :] <= q_index[rows][:, None])[None]
-    if q_segments is not None:
-        mask = mask & (q_segments[:, rows, None] == k_segments[:, None, cols])
-    return rows, cols, (None if bool(mask.all()) else mask[:, None, None])
+    causal = k_index[cols][None, :] <= q_index[rows][:, None]
+    mask = None if bool(causal.all()) else causal.to(device)[None]
+    if segments is not None:  # documents [cp, B, S] of every piece's tokens
+        same = segments[i][:, rows, None] == segments[j][:, None, cols]
+        mask = same if mask is None else same & mask
+    return rows, cols, (None if mask is None else mask[:, None, None])
 
 
 def _scores(q5: torch.Tensor, k: torch.Tensor, scale: float, mask) -> torch.Tensor:
@@ -107,10 +111,6 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
             merged)
 
 
-def _segments_of(segments, index):
-    return segments[:, index] if segments is not None else None
-
-
 def _backward_block(q5, do5, k, v, lse, delta, scale, mask):
     """One block's share of the gradients: dq [B, Hkv, g, S, D], dk and dv [B, Hkv, T, D] (the q heads of a KV
     head summed), from the merged lse and Δ = rowsum(dO ∘ O) [B, Hkv, g, S]."""
@@ -126,15 +126,13 @@ def _ring_forward(ring: _Ring, q5, k, v, pieces, segments, scale):
     dtype = q5.dtype
     out = torch.zeros(q5.shape, dtype=dtype, device=q5.device)
     lse = torch.full(q5.shape[:-1], float("-inf"), dtype=dtype, device=q5.device)
-    q_index = pieces[ring.rank]
-    q_segments = _segments_of(segments, q_index)
     kv = torch.stack([k, v]).contiguous()
     for step in range(ring.size):
         works = None
         if step < ring.size - 1:  # the next block travels while this one is computed
             received, works = ring.start(kv)
         j = (ring.rank - step) % ring.size
-        block = _block(q_index, pieces[j], q_segments, _segments_of(segments, pieces[j]))
+        block = _block(pieces, segments, ring.rank, j, q5.device)
         if block is not None:
             rows, cols, mask = block
             o_b, lse_b = _forward_block(q5[..., rows, :], kv[0, :, :, cols].to(dtype), kv[1, :, :, cols].to(dtype),
@@ -151,8 +149,6 @@ def _ring_backward(ring: _Ring, q5, k, v, out, lse, do5, pieces, segments, scale
     dtype = out.dtype
     delta, lse = (do5 * out).sum(-1), _finite(lse)
     dq5 = torch.zeros_like(out)
-    q_index = pieces[ring.rank]
-    q_segments = _segments_of(segments, q_index)
     kv = torch.stack([k, v]).contiguous()
     grads = torch.zeros(kv.shape, dtype=dtype, device=kv.device)  # (dk, dv) of the block held, travelling with it
     for step in range(ring.size):
@@ -160,7 +156,7 @@ def _ring_backward(ring: _Ring, q5, k, v, out, lse, do5, pieces, segments, scale
         if step < ring.size - 1:  # the next block travels while this one is computed (its gradients cannot)
             kv_received, kv_works = ring.start(kv, tag=0)
         j = (ring.rank - step) % ring.size
-        block = _block(q_index, pieces[j], q_segments, _segments_of(segments, pieces[j]))
+        block = _block(pieces, segments, ring.rank, j, q5.device)
         if block is not None:
             rows, cols, mask = block
             dq, dk, dv = _backward_block(q5[..., rows, :], do5[..., rows, :], kv[0, :, :, cols].to(dtype),
@@ -205,7 +201,8 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, pieces: torch.Tensor,
                    segments: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of rows split over the ranks of `group`: query [B, H, S, D], key/value [B, Hkv, S, D] of
-    this rank's piece -> [B, H, S, D]. `pieces` [cp, S]: the global token index of every rank's piece; `segments`
-    [B, L]: the document of every token of the whole rows (packed rows), or None for plain causal attention."""
+    this rank's piece -> [B, H, S, D]. `pieces` [cp, S] (CPU): the global token index of every rank's piece,
+    increasing within each; `segments` [cp, B, S] (on the device): the document of every token of every rank's
+    piece (packed rows), or None for plain causal attention."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     return RingAttention.apply(query, key, value, group, pieces, segments, scale)

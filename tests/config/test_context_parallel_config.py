@@ -1,5 +1,5 @@
-"""parallel.cp and parallel.cp_style (ulysses, ring): where CP takes its ranks, what it leaves to DP, and every refusal as the one
-sentence a user sees (`isotrain config show`, which checks what a run checks before any work)."""
+"""parallel.cp and parallel.cp_style (ulysses, ring): where CP takes its ranks, what it leaves to DP, and every
+refusal as the one sentence a user sees (`isotrain config show`, which checks what a run checks before any work)."""
 
 from __future__ import annotations
 

@@ -54,7 +54,9 @@ def one_case(group, cp: int, rank: int, kv_heads: int, packed: bool, length: int
     pieces = piece_indices(length, cp, "ring")
     mine = pieces[rank]
     local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-    out = ring.ring_attention(*local, group, pieces, document_ids(position_ids))
+    documents = document_ids(position_ids)  # [B, L] -> every piece's tokens' documents [cp, B, L/cp]
+    segments = None if documents is None else documents[:, pieces].transpose(0, 1)
+    out = ring.ring_attention(*local, group, pieces, segments)
     (out * weights[:, :, mine]).sum().backward()
     errors = {}
     for name, got, ref in [("out", out.detach(), expected.detach()),
@@ -82,9 +84,9 @@ def main() -> None:
     if "break=nodiagonal" in flags:
         block = ring._block
 
-        def unmasked_diagonal(q_index, k_index, q_segments, k_segments):
-            found = block(q_index, k_index, q_segments, k_segments)
-            return found if found is None or not torch.equal(q_index, k_index) else (*found[:2], None)
+        def unmasked_diagonal(pieces, segments, i, j, device):
+            found = block(pieces, segments, i, j, device)
+            return found if found is None or i != j else (*found[:2], None)
 
         ring._block = unmasked_diagonal
     results = {f"kv{kv}-{'packed' if packed else 'causal'}": one_case(group, cp, rank, kv, packed, 8 * cp)

@@ -161,7 +161,8 @@ def _all_stages(tensors: dict, parallel) -> dict:
 
 
 def _parse_layout(text: str):
-    """'1x1x1' -> (1, 1, 1); '1x1x1:pp2-gpipe' -> ((1, 1, 1), 2, 'gpipe'); '1x1x1x1x2:ring' -> (1, 1, 1, 1, 2, 'ring')."""
+    """'1x1x1' -> (1, 1, 1); '1x1x1:pp2-gpipe' -> ((1, 1, 1), 2, 'gpipe');
+    '1x1x1x1x2:ring' -> (1, 1, 1, 1, 2, 'ring')."""
     layout, _, pipeline = text.partition(":")
     degrees = tuple(int(x) for x in layout.split("x"))
     if not pipeline:

@@ -86,7 +86,7 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
             f"parallel.{auto[0]} and parallel.{auto[1]} are both -1; at most one degree can take the remaining ranks"
         )
     cp = getattr(cfg, "cp", 1)
-    check_cp(cp, getattr(cfg, "cp_style", "ulysses"), degrees["tp"], getattr(cfg, "ep", 1))
+    check_cp(cp, getattr(cfg, "ep", 1))
     pp, schedule = getattr(cfg, "pp", 1), getattr(cfg, "pp_schedule", "1f1b")
     check_pp(pp, schedule, {**degrees, "cp": cp, "ep": getattr(cfg, "ep", 1)})
     if pp > 1:  # pipeline parallelism alone: "the rest" is no ranks at all
@@ -123,10 +123,9 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     return dims
 
 
-def check_cp(cp: int, style: str, tp: int, ep: int) -> None:
-    """What context parallelism is built for: Ulysses or ring, with or without TP (each TP rank's heads attend over
-    the CP ranks), without EP (its token all-to-all and global router terms are not written for split
-    sequences)."""
+def check_cp(cp: int, ep: int) -> None:
+    """What context parallelism is built for: either style, with or without TP (each TP rank's heads attend over the
+    CP ranks), without EP (its token all-to-all and global router terms are not written for split sequences)."""
     if cp == 1:
         return
     if ep > 1:
@@ -273,11 +272,11 @@ def check_cp_fits(cp: int, config, style: str = "ulysses", tp: int = 1) -> None:
     elif heads is not None and heads % cp:
         raise ConfigError(f"parallel.cp={cp} does not divide the model's attention heads (num_attention_heads="
                           f"{heads}), which Ulysses splits over the context-parallel ranks; use a parallel.cp that "
-                          f"divides {heads}")
+                          f"divides {heads}, or parallel.cp_style=ring")
     elif kv_heads is not None and kv_heads % cp and cp % kv_heads:
         raise ConfigError(f"parallel.cp={cp} neither divides nor is a multiple of the model's key/value heads "
                           f"(num_key_value_heads={kv_heads}); use a parallel.cp that divides {kv_heads} or is a "
-                          f"multiple of it")
+                          f"multiple of it, or parallel.cp_style=ring")
     _check_cp_model(cp, config)
 
 

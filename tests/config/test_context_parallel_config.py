@@ -73,10 +73,10 @@ def test_models_that_ring_does_not_split_are_refused(sizes, sentence):
 @pytest.mark.parametrize("sizes, cp, sentence", [
     (dict(num_attention_heads=4, num_key_value_heads=2), 3, "parallel.cp=3 does not divide the model's attention "
      "heads (num_attention_heads=4), which Ulysses splits over the context-parallel ranks; use a parallel.cp that "
-     "divides 4"),
+     "divides 4, or parallel.cp_style=ring"),
     (dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48), 2, "parallel.cp=2 neither divides nor is a "
      "multiple of the model's key/value heads (num_key_value_heads=3); use a parallel.cp that divides 3 or is a "
-     "multiple of it"),
+     "multiple of it, or parallel.cp_style=ring"),
     (dict(model_type="mistral", sliding_window=16), 2, "parallel.cp=2 attends over whole sequences, and this mistral "
      "model has a sliding window of 16 tokens; set parallel.cp=1"),
     (dict(model_type="qwen3_moe", num_experts=4), 2, "parallel.cp=2 is not supported for mixture-of-experts models "
@@ -134,7 +134,8 @@ def test_config_show_refuses_heads_that_do_not_split(capsys):
     proc = cli(capsys, ["config", "show", *TINY, "model.config.num_attention_heads=4", "parallel.cp=3",
                         "--world-size", "3"])
     assert_error_sentence(proc, "parallel.cp=3 does not divide the model's attention heads (num_attention_heads=4), "
-                          "which Ulysses splits over the context-parallel ranks; use a parallel.cp that divides 4")
+                          "which Ulysses splits over the context-parallel ranks; use a parallel.cp that divides 4, or "
+                          "parallel.cp_style=ring")
 
 
 def test_config_show_refuses_another_attention_kernel(capsys):

@@ -361,8 +361,9 @@ class ParallelConfig(Section):
         1,
         gt=0,
         description="Pipeline-parallel degree: the decoder layers split evenly into this many stages, one per rank "
-        "(embeddings on the first, final norm, head and loss on the last); takes ranks of its own "
-        "(docs/parallelism.md).",
+        "of a pipeline (embeddings on the first, final norm, head and loss on the last); takes ranks of its own, "
+        "outermost: world size = pp × dp_replicate × dp_shard × tp, each stage held by DP ranks (DDP, FSDP2 or HSDP) "
+        "that run different micro-batches and split by TP; not combined with cp or ep yet (docs/parallelism.md).",
     )
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
         "1f1b",
@@ -552,6 +553,15 @@ class RLConfig(Section):
         None, gt=0, allow_inf_nan=False,
         description="The largest ratio a masking rl.rollout_correction (token_mis, seq_mis, geo_rs) keeps, >= 1 "
         "(e.g. 2.0; geo_rs: e.g. 1.001); required by them.",
+    )
+    max_off_policy_steps: int = Field(
+        0, ge=0,
+        description="Asynchronous RL: 0 generates each step's rollout with the current policy, then trains on it; k "
+        ">= 1 generates the rollout of step s with the policy after step s - k (the first k + 1 with the starting "
+        "policy) while the trainer trains the steps between, so generation and training overlap and every sample is "
+        "exactly min(s, k) versions old; none is dropped. Needs an engine in its own process (rollout.engine=process "
+        "or vllm) and a correction of the off-policy gap (rl.rollout_correction or rl.tis_cap; docs/rl.md, "
+        "Asynchronous RL).",
     )
     reward: str = Field(
         "exact_match",
@@ -795,6 +805,15 @@ class RLRunConfig(RunConfig):
         if self.parallel.cp > 1:
             raise ValueError(f"parallel.cp={self.parallel.cp} is built for isotrain train only; the RL trainer's "
                              "forwards do not split sequences yet: set parallel.cp=1")
+        off_policy = self.rl.max_off_policy_steps
+        if off_policy and self.rollout.engine == "hf":
+            raise ValueError(f"rl.max_off_policy_steps={off_policy} overlaps generation with training, which needs "
+                             "an engine in a process of its own; set rollout.engine=process (or vllm), or "
+                             "rl.max_off_policy_steps=0")
+        if off_policy and self.rl.correction is None:
+            raise ValueError(f"rl.max_off_policy_steps={off_policy} trains on samples of a policy up to {off_policy} "
+                             "update(s) old, which the loss must weight; set rl.rollout_correction (e.g. token_tis "
+                             "with rl.rollout_is_cap=2.0, or bypass), or rl.max_off_policy_steps=0")
         if self.data.packing:
             raise ValueError("data.packing=true does not apply to RL, whose rows are one prompt and its sampled "
                              "response each; remove data.packing from the RL config")
@@ -932,6 +951,8 @@ _VALID = {
     "rl.rollout_is_cap": "a finite number > 0, e.g. 2.0",
     "rl.rollout_mask_low": "a finite number >= 0 and <= 1, e.g. 0.5",
     "rl.rollout_mask_high": "a finite number >= 1, e.g. 2.0",
+    "parallel.pp_schedule": "parallel.pp_schedule=1f1b or parallel.pp_schedule=gpipe (interleaved_1f1b is not "
+                            "built yet)",
     "parallel.timeout_s": "a finite number of seconds > 0, e.g. 600 (longer than a step or a save takes)",
     "checkpoint.preempt_grace_s": "a finite number of seconds > 0, e.g. 90, or null to always save after a signal",
 }

@@ -112,7 +112,12 @@ class Recipe:
         return {}
 
     def check_resumed(self, resumed: Resumed | None) -> None:
-        """Refuse a resume the recipe cannot continue (called before any step)."""
+        """Refuse a resume the recipe cannot continue (called before any step); read back what its `state_files`
+        saved in the checkpoint (`resumed.path`)."""
+
+    def state_files(self) -> dict[str, bytes]:
+        """Files of the recipe's own state that a checkpoint saved now must hold (see CheckpointContract)."""
+        return {}
 
     def start(self, state: RunState) -> dict | None:
         """Before the first step; fields returned are written as a metrics row at the current step."""
@@ -249,6 +254,7 @@ def _checkpoint_manager(session: Session, recipe: Recipe) -> CheckpointManager:
         counter_keys=recipe.counter_keys,
         batch_field=recipe.batch_field,
         components=recipe.components(),
+        state_files=recipe.state_files,
     )
     layout = {"world_size": info.world_size, **dict(session.degrees.as_rows())}
     checkpoints = CheckpointManager(cfg, info.rank, info.world_size, layout, recipe.model, recipe.optimizer,

@@ -94,6 +94,7 @@ class RLBatchPlan:
         optimizer steps per rollout = P / M × ppo_epochs
         samples per optimizer step  = M × n               (the RL global batch)
         GA steps per rank           = M × n / (DP × micro)
+        max_off_policy_steps        = k: step s trains on the rollout of the policy after step max(s - k, 0)
     """
 
     world_size: int
@@ -108,6 +109,7 @@ class RLBatchPlan:
     samples_per_optimizer_step: int
     micro_batch_size: int
     grad_accum_steps: int
+    max_off_policy_steps: int = 0
 
     def as_rows(self) -> list[tuple[str, int]]:
         return list(asdict(self).items())
@@ -180,5 +182,6 @@ def plan_rl_batches(cfg: RLRunConfig, degrees: ParallelDims) -> RLBatchPlan:
         samples_per_optimizer_step=samples_per_update,
         micro_batch_size=micro,
         grad_accum_steps=samples_per_update // (micro * dp),
+        max_off_policy_steps=rl.max_off_policy_steps,
     )
 

@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -62,6 +63,9 @@ class CheckpointContract:
     batch_field: str = "train.global_batch_size"  # the setting behind the sampler's batch size, named in errors
     # Other trained models of the run as (prefix, model, optimizer), e.g. PPO's critic.
     components: tuple[tuple[str, torch.nn.Module, torch.optim.Optimizer], ...] = ()
+    # Files of the recipe's own state at the moment of a save (rank 0 writes them), e.g. asynchronous RL's
+    # rollouts in flight: {path in the checkpoint: bytes}. The recipe reads them back from `Resumed.path`.
+    state_files: Callable[[], dict[str, bytes]] | None = None
 
 
 @dataclass
@@ -281,7 +285,7 @@ class CheckpointManager:
         return state, weights_only, problem
 
     def _other_stages_tensors(self) -> frozenset[str]:
-        """Under pipeline parallelism, the names of the tensors the other stages hold (PP runs alone: the world)."""
+        """Under pipeline parallelism, the names of the tensors the other stages hold (gathered from every rank)."""
         if self.cfg.parallel.pp == 1:
             return frozenset()
         names = [None] * self.world_size
@@ -345,7 +349,7 @@ class CheckpointManager:
     def _items(self, kind: str) -> list[Item]:
         """The tensors a save of this kind writes, each with its owner rank."""
         items = collect_items(self.model, self.optimizer, self.save_dtype)
-        if self.cfg.parallel.pp > 1:  # every stage's tensors, each written by its stage (PP runs alone: the world)
+        if self.cfg.parallel.pp > 1:  # every stage's tensors, each written by a rank of its stage
             items = pipeline_items(items, self.group)
         if kind == "model":
             items = [item for item in items if item.kind == "model"]
@@ -364,6 +368,8 @@ class CheckpointManager:
             if self.rank == 0:
                 main_files["train_state/state.json"] = self._state_json(step, counters)
                 main_files["train_state/config.yaml"] = dump_config(self.cfg).encode()
+                if self.contract.state_files is not None:
+                    main_files.update(self.contract.state_files())
         return SaveRequest(step, items, rank_files, main_files if self.rank == 0 else {}, info)
 
     def _state_json(self, step: int, counters: dict) -> bytes:

@@ -50,7 +50,7 @@ class Item:
     local: torch.Tensor  # this rank's whole tensor, or its box of it (`shard`)
     shard: ShardSpec | None = None
     owner: int = 0  # the rank that writes it
-    holder: int | None = None  # the one rank that holds it, whole (a pipeline stage's tensor); None: any rank
+    holders: tuple[int, ...] | None = None  # the ranks that hold it (a pipeline stage's); None: any rank
 
     @property
     def num_bytes(self) -> int:
@@ -219,34 +219,55 @@ def component_items(prefix: str, model: nn.Module, optimizer: torch.optim.Optimi
 
 def pipeline_items(items: list[Item], group) -> list[Item]:
     """Under pipeline parallelism each rank holds its stage's tensors only, under the full model's names: every
-    rank's items, stage after stage (one order all ranks share), each held, and so written, by its own rank alone;
-    another stage's item is a name, a shape and a dtype here (`local` is never read on a rank that does not own
-    it). The files and their index are then those of one process. `group`: the ranks of the pipeline."""
-    mine = [(item.key, item.kind, item.shape, item.dtype) for item in items]
+    stage's items, stage after stage (one order all ranks share), each held, and so written, by the ranks of its own
+    stage alone; another stage's item is a name, a shape and a dtype here (`local` is never read on a rank that does
+    not hold it). With data parallelism beside the pipeline, a stage's DP ranks hold its tensors whole (DDP) or in
+    boxes (FSDP2), and the other stages' ranks hold an empty box of them (`_within`). The files and their index are
+    then those of one process. `group`: every rank of the run."""
+    mine = [(item.key, item.kind, item.shape, item.dtype, item.shard) for item in items]
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (dist.get_rank(), mine), group=group)
     own = {item.key: item for item in items}
+    described, ranks = {}, {}
+    for rank, listed in sorted(gathered, key=lambda entry: entry[0]):
+        for key, kind, shape, dtype, shard in listed:
+            described.setdefault(key, (kind, shape, dtype, shard))
+            ranks.setdefault(key, []).append(rank)
     merged = []
-    for rank, described in gathered:
-        for key, kind, shape, dtype in described:
-            if key in own and rank == dist.get_rank():
-                item = own[key]
-            else:
-                item = Item(key, kind, shape, dtype, torch.empty(0, dtype=dtype))
-            item.holder = rank
-            merged.append(item)
-    keys = [item.key for item in merged]
-    if len(set(keys)) != len(keys):
-        raise CheckpointError(f"two pipeline stages hold {next(k for k in keys if keys.count(k) > 1)!r}; each tensor "
-                              "must belong to one stage (a tied embedding is refused under parallel.pp)")
+    for key, (kind, shape, dtype, shard) in described.items():
+        item = own.get(key) or Item(key, kind, shape, dtype, torch.empty(0, dtype=dtype))
+        item.holders = tuple(ranks[key])
+        if shard is not None:
+            item.shard = _within(shard, item.holders)
+        merged.append(item)
+    # Each stage's ranks hold all of its tensors and none of another's, so the sets of holders are disjoint; a
+    # tensor that two stages hold has the union of theirs.
+    by_holders: dict[tuple[int, ...], list[str]] = {}
+    for item in merged:
+        by_holders.setdefault(item.holders, []).append(item.key)
+    for a in by_holders:
+        for b in by_holders:
+            if len(a) > len(b) and set(a) & set(b):
+                raise CheckpointError(f"two pipeline stages hold {by_holders[a][0]!r}; each tensor must belong to one "
+                                      "stage (a tied embedding is refused under parallel.pp)")
     return merged
+
+
+def _within(spec: ShardSpec, ranks: tuple[int, ...]) -> ShardSpec:
+    """`spec` (the boxes of a DTensor on a mesh of the stage's DP ranks, repeated over every stage's copy of that
+    mesh) with an empty box on the ranks outside `ranks`: they do not hold the tensor."""
+    empty = tuple((0, 0) for _ in spec.shape)
+    rank_boxes = [spec.box(rank) if rank in ranks else empty for rank in range(len(spec.box_of_rank))]
+    boxes = tuple(sorted(set(rank_boxes)))
+    box_of_rank = tuple(boxes.index(box) for box in rank_boxes)
+    return ShardSpec(spec.shape, boxes, box_of_rank, tuple(box_of_rank.index(i) for i in range(len(boxes))))
 
 
 def _holders(item: Item, world_size: int) -> list[int]:
     """The ranks that hold all of `item`: those of its one non-empty box (an expert, a block held by a
     single shard), else every rank (the tensor travels to whichever owns it)."""
-    if item.holder is not None:
-        return [item.holder]
+    if item.holders is not None:
+        return list(item.holders)
     if item.shard is None:
         return list(range(world_size))
     filled = [i for i, box in enumerate(item.shard.boxes) if not is_empty(box)]

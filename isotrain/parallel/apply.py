@@ -85,6 +85,8 @@ def apply_fsdp(model: nn.Module, parallel: ParallelState, compute_dtype: torch.d
     dp_mesh = parallel.dp_mesh()
     experts = set(expert_parameters(model)) or None  # sharded over "ep" already, reduced by sync_expert_grads
     for layer in decoder_layers(model):
+        if next(layer.parameters(), None) is None:  # another pipeline stage's layer (parallel/pp.py PassThrough)
+            continue
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts)
     for module in model.modules():
@@ -152,8 +154,9 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
 def wrap_replicas(model: nn.Module, parallel: ParallelState, trainable: bool = True) -> nn.Module:
     """DDP over dp_replicate (× cp) when nothing is sharded over DP. It broadcasts nothing that matters (every
     rank loaded the same weights) but needs them to exist, so it comes after loading. Under TP the
-    replicas' gradients are summed by `sync_replica_grads` instead (DDP does not take DTensors)."""
-    if not trainable or parallel.mesh is None or parallel.dims.fsdp or parallel.dims.tp > 1:
+    replicas' gradients are summed by `sync_replica_grads` instead (DDP does not take DTensors), and so are a
+    pipeline stage's (a schedule runs the stage's forward, not DDP's)."""
+    if not trainable or parallel.mesh is None or parallel.dims.fsdp or parallel.dims.tp > 1 or parallel.dims.pp > 1:
         return model
     if parallel.dims.dp_replicate * parallel.dims.cp > 1:
         return apply_ddp(model, parallel)
@@ -161,15 +164,17 @@ def wrap_replicas(model: nn.Module, parallel: ParallelState, trainable: bool = T
 
 
 def sync_replica_grads(model: nn.Module, parallel: ParallelState) -> None:
-    """TP × DDP (and TP × CP): sum every gradient over the dp_replicate (× cp) axes (what DDP's SUM hook does for
-    plain tensors).
+    """TP × DDP, TP × CP and PP × DDP: sum every gradient over the dp_replicate (× cp) axes (what DDP's SUM hook
+    does for plain tensors), where no DDP wrapper does.
 
-    Gradients are DTensors on the tp mesh; their local parts are what each replica computed for the
-    same shard, so a plain all-reduce of the local parts over dp_replicate is the data-parallel sum.
+    Under TP gradients are DTensors on the tp mesh; their local parts are what each replica computed for the
+    same shard, so a plain all-reduce of the local parts over dp_replicate is the data-parallel sum. Under PP the
+    dp_replicate group of a rank is that of its stage (the mesh's "dp_replicate" axis at its "pp" coordinate).
     Expert-parallel gradients are summed over their replicas here too (`sync_expert_grads`)."""
     sync_expert_grads(model, parallel.ep_mesh)
     dims = parallel.dims
-    if parallel.mesh is None or dims.tp == 1 or dims.fsdp or dims.dp_replicate * dims.cp == 1:
+    unwrapped = dims.tp > 1 or dims.pp > 1  # wrap_replicas put no DDP around the model
+    if parallel.mesh is None or not unwrapped or dims.fsdp or dims.dp_replicate * dims.cp == 1:
         return
     group = parallel.replica_group()  # dp_replicate, × cp: each CP rank's gradient is its pieces' part
     # Not the experts: under EP the dp_replicate ranks hold different experts (summed above over their copies).

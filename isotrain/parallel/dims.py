@@ -12,10 +12,11 @@ key/value blocks around the ranks and has no condition on the heads. With TP, th
 over its heads. CP is not combined with EP yet (`check_cp`).
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
-`pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks holds one stage, an even share of
-the decoder layers (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not change with it.
-It is built alone for now (`check_pp`: no DP, TP, CP or EP beside it, no interleaved schedule), for dense models
-without tied embeddings that have at least `pp` decoder layers (`check_pp_fits`).
+`pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
+even share of the decoder layers (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not
+change with it. It composes with data and tensor parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the
+ranks of each stage, TP inside it); CP and EP beside it and the interleaved schedule are refused (`check_pp`), and it
+needs a dense model without tied embeddings that has at least `pp` decoder layers (`check_pp_fits`).
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -88,10 +89,7 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     cp = getattr(cfg, "cp", 1)
     check_cp(cp, getattr(cfg, "ep", 1))
     pp, schedule = getattr(cfg, "pp", 1), getattr(cfg, "pp_schedule", "1f1b")
-    check_pp(pp, schedule, {**degrees, "cp": cp, "ep": getattr(cfg, "ep", 1)})
-    if pp > 1:  # pipeline parallelism alone: "the rest" is no ranks at all
-        degrees = {name: 1 if value == -1 else value for name, value in degrees.items()}
-        auto = []
+    check_pp(pp, schedule, {"cp": cp, "ep": getattr(cfg, "ep", 1)})
     fixed = cp * pp
     for value in degrees.values():
         fixed *= value if value != -1 else 1
@@ -134,8 +132,8 @@ def check_cp(cp: int, ep: int) -> None:
 
 
 def check_pp(pp: int, schedule: str, others: dict[str, int]) -> None:
-    """What pipeline parallelism is built for: the `1f1b` and `gpipe` schedules, one stage per rank, with no other
-    axis beside it (each of them would need its reductions and its mesh carved per stage)."""
+    """What pipeline parallelism is built for: the `1f1b` and `gpipe` schedules, one stage per rank, beside data and
+    tensor parallelism (`others`: the degrees that would need their reductions and meshes carved per stage)."""
     if pp == 1:
         return
     if schedule not in PP_SCHEDULES:
@@ -144,7 +142,9 @@ def check_pp(pp: int, schedule: str, others: dict[str, int]) -> None:
     for name, value in others.items():
         if value not in (1, -1):
             raise ConfigError(f"parallel.pp={pp} with parallel.{name}={value} is not supported yet (pipeline "
-                              f"parallelism runs alone for now); set parallel.{name}=1 or parallel.pp=1")
+                              f"parallelism composes with data and tensor parallelism only); set parallel.{name}=1 "
+                              "and use parallel.dp_shard, parallel.dp_replicate or parallel.tp for the other ranks, or "
+                              "parallel.pp=1")
 
 
 def check_ep(dims: ParallelDims) -> None:

@@ -147,6 +147,15 @@ def all_reduce_sum(values: torch.Tensor, group=None) -> torch.Tensor:
     return values
 
 
+def all_reduce_max(value: int, group, device: torch.device) -> int:
+    """The largest of every rank's `value` over the group; `value` itself without a process group."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    values = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return int(values.item())
+
+
 def any_rank(device: torch.device, *flags: bool) -> list[bool]:
     """Each flag is True on every rank if it is True on any rank (one all-reduce for all of them)."""
     values = all_reduce_sum(torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=device))
@@ -218,6 +227,22 @@ def gather_from_all(value) -> list:
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
+
+
+def twin_group(group, timeout_s: float | None = None):
+    """A gloo group with the ranks of `group` (None: the world), for the collectives a background thread issues
+    beside the trainer's: two threads must never share a group, whose collectives would interleave differently on
+    different ranks. Every rank calls it (each DP group gets its twin); None without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    members = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else _collective_timeout
+    mine = None
+    for ranks in sorted(set(gather_from_all(members))):  # the same order on every rank, as new_group needs
+        made = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+        if dist.get_rank() in ranks:
+            mine = made
+    return mine
 
 
 def broadcast_from_main(value):

@@ -19,7 +19,8 @@ loss values, which each CP rank computes for its own tokens, are summed over CP 
 Pipeline parallel ("pp", outermost, as torchtitan orders it): the ranks of the "pp" axis hold different stages of
 the model and run the same micro-batches one after the other, so like "tp" and "cp" it does not enter the DP group;
 the loss, computed on the last stage only, is summed over "pp", and the gradient norm sums each stage's squares
-once (train/step.py).
+once (train/step.py). The "dp" group, the sub-meshes FSDP2 shards over and the "tp" axis of a rank are those of its
+"pp" coordinate: a stage's gradients are reduced over the DP ranks of that stage alone.
 
 Gradients under CP: every CP rank backpropagates the loss of its own tokens, and the attention's backward (the
 reverse all-to-all, or ring attention's dK/dV sent around the ring) carries into its activations the gradient of

@@ -5,9 +5,16 @@ Stages. Stage s of `pp` holds the decoder layers `stage_layers(L, pp, s)`, an ev
 L mod pp stages take one more); the first stage also holds the input embedding, the last the final norm and the LM
 head, and the loss is computed there. The model stays the Hugging Face model with its own names, as torchtitan keeps
 its model and deletes what a stage does not own: the layers of other stages become `PassThrough` (no parameters), a
-later stage's embedding and an earlier stage's head are removed and an earlier stage's final norm is the identity.
-So `named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one
+later stage's embedding is removed and an earlier stage's final norm is the identity and its head a `HandOff`. So
+`named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one
 process uses, and a model built on meta materialises only them (models/build.py).
+
+Data parallelism beside it (a `pp × dp` mesh, parallel/mesh.py): the DP ranks of one stage hold the same stage and
+run different micro-batches. Every stage runs the Hugging Face model's own top-level forward, so that FSDP2, which
+wraps it as its root, gathers the root's tensors (embedding, final norm, head) there as it does without a pipeline;
+its gradients are reduce-scattered over the stage's DP ranks at every micro-batch's backward (a sum of sums). DDP
+is not wrapped around a stage (a schedule bypasses its forward): the stage's gradients are summed over its DP
+replicas once, after the schedule (parallel/apply.py `sync_replica_grads`).
 
 Math (invariant 1). The schedule runs the batch plan's gradient-accumulation micro-batches m = 1..M; the loss of
 each is
@@ -21,7 +28,7 @@ fails the equivalence test).
 
 Shapes. A stage receives activations into buffers whose shape it infers at its first micro-batch, so the micro-batches
 of one step are padded to the same length (right padding, label -100: causal attention lets no real token see it,
-and it trains nothing), and the stage and its schedule are built again for every step (one exchange of shapes).
+and it trains nothing), and a stage and its schedule are built once for each shape and reused (`Pipeline`).
 """
 
 from __future__ import annotations
@@ -39,6 +46,15 @@ class PassThrough(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return hidden_states
+
+
+class HandOff(nn.Module):
+    """An earlier stage's LM head, with no parameters: the hidden states go on to the next stage as a tensor of their
+    own. transformers hands the head a slice of them, and a view returned by the model's forward would lose FSDP2's
+    backward hook to any in-place op (FSDP2 warns of it)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.clone()
 
 
 def stage_layers(num_layers: int, pp: int, stage: int) -> range:
@@ -61,42 +77,80 @@ def apply_pp(model: nn.Module, stage: int, pp: int) -> None:
             base.layers[index] = PassThrough()
     if stage > 0:
         base.embed_tokens = None
-    if stage < pp - 1:
+    if stage < pp - 1:  # the top-level forward still runs on every stage (module docstring): identities, not None
         base.norm = nn.Identity()
-        model.lm_head = None
+        model.lm_head = HandOff()
 
 
 class StageModule(nn.Module):
     """One stage's forward: token ids (first stage) or the previous stage's hidden states in, hidden states out, or
-    the logits on the last stage. `kwargs` (position ids, an attention mask) are the micro-batch's own, given to every
-    stage by the schedule; transformers builds the causal mask and the rotary embeddings from them on each stage."""
+    the logits on the last stage (an earlier stage's head hands the hidden states on). `kwargs` (position ids, an attention
+    mask) are the micro-batch's own, given to every stage by the schedule; transformers builds the causal mask and
+    the rotary embeddings from them on each stage."""
 
-    def __init__(self, model: nn.Module, stage: int, pp: int):
+    def __init__(self, model: nn.Module, stage: int):
         super().__init__()
         self.model = model
-        self.first, self.last = stage == 0, stage == pp - 1
+        self.first = stage == 0
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        hidden = _base(self.model)(**inputs, use_cache=False, **kwargs).last_hidden_state
-        return self.model.lm_head(hidden) if self.last else hidden
+        return self.model(**inputs, use_cache=False, **kwargs).logits
 
 
-def pipeline_backward(model: nn.Module, stage: int, pp: int, group, schedule: str, inputs: list[torch.Tensor],
-                      kwargs: list[dict], targets: list[torch.Tensor],
-                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device) -> None:
-    """Run the forward and backward passes of every micro-batch through the pipeline, accumulating this stage's
-    gradients. `inputs`: the micro-batches' token ids, all of one shape (used by the first stage); `kwargs`: each
-    micro-batch's forward arguments; `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose
-    `targets` entry is `target`, already divided by the global denominator (torch also calls it once, while building
-    the stage, on a copy of the first target and uninitialised logits). The schedule never rescales (SCALE_GRADS,
-    read at each call so that a test can show what rescaling would do)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+class Pipeline:
+    """This rank's stage of the pipeline and its schedule, built once for each shape of a step's micro-batches and
+    reused by every later step of that shape.
 
-    schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-    pipeline_stage = PipelineStage(StageModule(model, stage, pp), stage, pp, device, group=group)
-    runner = schedules[schedule](pipeline_stage, n_microbatches=len(inputs), loss_fn=loss_fn,
-                                   scale_grads=SCALE_GRADS)
-    first = stage == 0
-    runner.step(arg_mbs=[(x.to(device),) if first else () for x in inputs], kwarg_mbs=kwargs,
-                target_mbs=targets, return_outputs=False)
+    A stage learns the shapes of what it receives and sends by running its first micro-batch (torch's metadata
+    inference: one forward and one input-gradient backward per stage, one stage after the other, and an exchange of
+    shapes), which for a pipeline of `pp` stages costs about as much as `pp` micro-batches of the step. A schedule
+    built for a shape therefore stays: a step whose micro-batches have a shape seen before runs on it at once. The
+    last `KEPT` shapes are kept: each holds the receive buffers of its micro-batches' activations and gradients, so
+    the pipeline's buffer memory is at most `KEPT` times that of one step's schedule. Every rank of a pipeline sees the
+    same shapes in the same order (step.py pads to the longest over DP), so its stages build and drop the same
+    schedules. The loss function is the step's own, passed to
+    the kept schedule through `_loss`."""
+
+    KEPT = 2
+
+    def __init__(self, stage: int, pp: int, group, schedule: str):
+        self.stage, self.pp, self.group, self.schedule = stage, pp, group, schedule
+        self.num_builds = 0  # how many stages and schedules this rank has built (tests read it)
+        self._model: nn.Module | None = None
+        self._kept: dict[tuple, object] = {}  # (micro-batches, their shape) -> schedule, the newest last
+        self._loss_fn: Callable | None = None
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(logits, target)
+
+    def _build(self, model: nn.Module, num_microbatches: int, device: torch.device):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+        self.num_builds += 1
+        pipeline_stage = PipelineStage(StageModule(model, self.stage), self.stage, self.pp, device, group=self.group)
+        return schedules[self.schedule](pipeline_stage, n_microbatches=num_microbatches, loss_fn=self._loss,
+                                        scale_grads=SCALE_GRADS)
+
+    def backward(self, model: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], targets: list[torch.Tensor],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device) -> None:
+        """Run the forward and backward passes of every micro-batch through the pipeline, accumulating this stage's
+        gradients. `inputs`: the micro-batches' token ids, all of one shape (used by the first stage); `kwargs`: each
+        micro-batch's forward arguments; `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose
+        `targets` entry is `target`, already divided by the global denominator (torch also calls it once, when a
+        schedule is built, on a copy of the first target and uninitialised logits). The schedule never rescales
+        (SCALE_GRADS, read when a schedule is built, so that a test can show what rescaling would do)."""
+        if model is not self._model:
+            self._model, self._kept = model, {}
+        key = (len(inputs), tuple(inputs[0].shape))
+        runner = self._kept.pop(key, None) or self._build(model, len(inputs), device)
+        self._kept[key] = runner
+        while len(self._kept) > self.KEPT:
+            self._kept.pop(next(iter(self._kept)))
+        self._loss_fn = loss_fn
+        try:
+            runner.step(arg_mbs=[(x.to(device),) if self.stage == 0 else () for x in inputs], kwarg_mbs=kwargs,
+                        target_mbs=targets, return_outputs=False)
+        finally:
+            self._loss_fn = None

@@ -158,9 +158,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> nn.M
     module_names = {module: name for name, module in model.named_modules()}
     plan = _expand(model, base_prefix, layer_plan(model.config))
     embedding = model.get_input_embeddings()
-    plan[module_names[embedding]] = RowwiseParallel(input_layouts=Replicate())  # vocabulary-parallel lookup
+    if embedding is not None:  # (a later pipeline stage has none, and an earlier stage no head: parallel/pp.py)
+        plan[module_names[embedding]] = RowwiseParallel(input_layouts=Replicate())  # vocabulary-parallel lookup
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None:
+    if head is not None and next(head.parameters(), None) is not None:
         plan[module_names[head]] = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
                                     if loss_parallel else ColwiseParallel(output_layouts=Replicate()))
     parallelize_module(model, tp_mesh, plan)

@@ -6,7 +6,9 @@
                mesh -> packed or padded rows, probed on these models -> the rollout engine with its own copy
     start      the policy's weights sent to the engine; the held-out score before RL
     step k     generate and score a rollout (generate.py) -> the trainer's log-probs -> advantages and
-               optimizer steps (update.py) -> the new weights sent to the engine -> the metrics row
+               optimizer steps (update.py) -> the new weights sent to the engine -> the metrics row;
+               with rl.max_off_policy_steps >= 1 the rollout was generated ahead, while earlier steps trained,
+               and the weights are sent when the engine is next idle (ahead.py)
     finish     the held-out score after RL
 
 A resume must find the same starting model: the frozen reference (and a LoRA base) is rebuilt from it.
@@ -28,7 +30,8 @@ from isotrain.models.loading import check_layout_fits, checked_config, count_par
 from isotrain.models.unwrap import hf_model
 from isotrain.models.weights import sync_named_tensors
 from isotrain.moe.settings import check_moe_section, router_settings
-from isotrain.parallel.dist import barrier
+from isotrain.parallel.dist import barrier, twin_group
+from isotrain.rl.ahead import IN_FLIGHT_FILE, RolloutsAhead, read_in_flight
 from isotrain.rl.critic import build_critic, token_values
 from isotrain.rl.experience import all_gather_lists, response_logprobs
 from isotrain.rl.generate import collect, evaluate
@@ -37,6 +40,7 @@ from isotrain.rl.packing import row_layout
 from isotrain.rl.policy import build_policy, make_engine, start_fingerprint
 from isotrain.rl.prompts import PromptStream, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
+from isotrain.rl.sync_check import check_checksums, recording_checksums, sync_adapter_and_verify, sync_and_verify
 from isotrain.rl.update import UpdateContext, advantages, recomputes_old_logprobs, run_updates
 from isotrain.session import Recipe, RunResult, Session, run_session
 from isotrain.sizes import plan_rl_batches
@@ -73,6 +77,8 @@ class RL(Recipe):
             check_settings(cfg.rollout.vllm.python, cfg.rl.temperature, cfg.rl.top_p, cfg.rollout.vllm.engine_args)
             vllm_lora_rank(cfg.lora.r)
         self.engine = None
+        self.ahead: RolloutsAhead | None = None  # rl.max_off_policy_steps >= 1: rollouts generated ahead
+        self.in_flight = []  # a resumed asynchronous run's rollouts, read from its checkpoint
         self.reward_error_shown = False
 
     def build(self, session: Session) -> None:
@@ -105,6 +111,19 @@ class RL(Recipe):
                         f"in {info['start_s']:.1f} s, log in {self.engine.log_path.name}"
                         + ("; sleep mode (freeing the engine's memory while training) is unavailable on CPU"
                            if info["platform"] == "cpu" else ""))
+        if cfg.rl.max_off_policy_steps:
+            self.ahead = self._rollouts_ahead()
+
+    def _rollouts_ahead(self) -> RolloutsAhead:
+        """The worker thread's rollouts: the synchronous loop's `collect`, its exchanges on a twin of the DP group."""
+        cfg, plan, ctx = self.cfg, self.plan, self.ctx
+        group = twin_group(ctx.options.dp_group, cfg.parallel.timeout_s)
+
+        def collect_from(first_round: int):
+            return collect(self.engine, self.tokenizer, self.prompts, self.stream, first_round, cfg.rl, self.reward_fn,
+                           cfg.train.seed, ctx.dp_rank, plan.dp_size, group)
+
+        return RolloutsAhead(collect_from, cfg.rl.max_off_policy_steps, cfg.train.max_steps - 1)
 
     def _check_lengths(self) -> None:
         """A rollout sequence is a prompt and up to rl.max_new_tokens (eval.max_new_tokens when scoring held-out
@@ -124,7 +143,12 @@ class RL(Recipe):
 
     def extra_state(self) -> dict:
         return {"sampler": self.stream.state_dict(), "data_fingerprint": source_fingerprint(self.cfg.data.path),
-                "start_model_sha256": start_fingerprint(self.cfg)}
+                "start_model_sha256": start_fingerprint(self.cfg),
+                "max_off_policy_steps": self.cfg.rl.max_off_policy_steps}
+
+    def state_files(self) -> dict[str, bytes]:
+        """Asynchronous RL: the rollouts generated for the steps after this checkpoint's (ahead.py)."""
+        return {IN_FLIGHT_FILE: self.ahead.in_flight_json()} if self.ahead is not None else {}
 
     def components(self) -> tuple:
         ctx = self.ctx
@@ -132,9 +156,13 @@ class RL(Recipe):
 
     def check_resumed(self, resumed) -> None:
         """The frozen reference (and, with LoRA, the base weights) is rebuilt from the starting model: refuse a
-        resume whose start has changed."""
+        resume whose start has changed; and one whose rl.max_off_policy_steps has (the rollouts in flight, read
+        back here, were generated on its schedule)."""
         cfg = self.cfg
-        if resumed is None or resumed.weights_only or (cfg.rl.kl_coef == 0 and cfg.lora.r == 0):
+        if resumed is None or resumed.weights_only:
+            return
+        self._check_off_policy(resumed)
+        if cfg.rl.kl_coef == 0 and cfg.lora.r == 0:
             return
         saved = resumed.extra_state.get("start_model_sha256")
         if saved is not None and saved != start_fingerprint(cfg):
@@ -144,17 +172,38 @@ class RL(Recipe):
                 "new output_dir"
             )
 
+    def _check_off_policy(self, resumed) -> None:
+        """The rollouts in flight were generated by the schedule of the checkpoint's rl.max_off_policy_steps: another
+        value would train them at other steps; read them back."""
+        saved, now = resumed.extra_state.get("max_off_policy_steps", 0), self.cfg.rl.max_off_policy_steps
+        if saved != now:
+            raise ConfigError(
+                f"rl.max_off_policy_steps={now} differs from checkpoint {resumed.path} ({saved}), whose rollouts "
+                f"were generated on that schedule; set rl.max_off_policy_steps={saved} or start a new output_dir")
+        self.in_flight = read_in_flight(resumed.path)
+
     def start(self, state: RunState) -> None:
         self._sync_weights("at the start")  # resumed weights (a fresh run sends the same)
-        self.eval_before = self._evaluate("before RL")
+        if self.ahead is not None:
+            self.ahead.start(state.step, state.counters["prompt_rounds"], state.step, self.in_flight)
+        self.eval_before = self._evaluate("before RL", state.step)
 
     def step(self, state: RunState) -> dict:
         """RL step `state.step`: rollout, log-probs, advantages, updates, weight sync; returns its metrics row."""
         cfg, rl, plan, ctx, counters = self.cfg, self.cfg.rl, self.plan, self.ctx, state.counters
         start = time.perf_counter()
-        batch, rounds = collect(self.engine, self.tokenizer, self.prompts, self.stream, counters["prompt_rounds"], rl,
-                                self.reward_fn, cfg.train.seed, ctx.dp_rank, plan.dp_size, ctx.options.dp_group)
-        generate_s = time.perf_counter() - start
+        if self.ahead is None:
+            batch, rounds = collect(self.engine, self.tokenizer, self.prompts, self.stream, counters["prompt_rounds"],
+                                    rl, self.reward_fn, cfg.train.seed, ctx.dp_rank, plan.dp_size, ctx.options.dp_group)
+            timings, version = {"generate_s": time.perf_counter() - start}, state.step
+        else:
+            generated, wait_s, sync_s = self.ahead.rollout(
+                state.step, lambda: self._sync_weights(f"before step {state.step + 1}"))
+            batch, rounds, version = generated.batch, generated.stats, generated.version
+            # generate_s ran on the worker, beside earlier steps; wait_s is what this step waited for it.
+            timings = {"generate_s": generated.generate_s, "wait_s": wait_s, "sync_s": sync_s}
+        # The policy version that sampled every sample of this step (invariant 9), and how many updates old it is.
+        timings.update(behaviour_version=version, staleness=state.step - version)
         _refuse_failed_rewards(rl.reward, rounds)
         old, ref, values, logprob_s = self._trainer_logprobs(batch)
         token_advantages, returns = advantages(batch, rl, old, ref, values)
@@ -165,10 +214,11 @@ class RL(Recipe):
         update_start = time.perf_counter()
         totals = run_updates(self.model, self.optimizer, batch, per_token, ctx, state.step,
                              lambda k: lr_of_step(cfg.train, first + k, total_updates))
-        update_s = time.perf_counter() - update_start
-        sync_start = time.perf_counter()
-        self._sync_weights(f"after the update of step {state.step + 1}")
-        sync_s = time.perf_counter() - sync_start
+        timings.update(logprob_s=logprob_s, update_s=time.perf_counter() - update_start)
+        if self.ahead is None:
+            sync_start = time.perf_counter()
+            self._sync_weights(f"after the update of step {state.step + 1}")
+            timings["sync_s"] = time.perf_counter() - sync_start
         counters["prompt_rounds"] += rounds.rounds
         counters["optimizer_steps"] += totals.num_updates
         counters["tokens_seen"] += totals.input_tokens
@@ -176,17 +226,19 @@ class RL(Recipe):
         counters["samples_seen"] += totals.samples
         self._report_reward_errors(state.step + 1, rounds)
         return rl_metrics_row(counters, batch, rounds, totals, ctx.critic is not None, time.perf_counter() - start,
-                              {"generate_s": generate_s, "logprob_s": logprob_s, "update_s": update_s,
-                               "sync_s": sync_s}, rl.correction)
+                              timings, rl.correction)
 
     def _sync_weights(self, when: str) -> None:
-        """The policy's weights to the engine. An external engine (vLLM) is then verified (rl/sync_check.py):
-        checksums of what it loaded and a probe of its log-probs against the trainer's, else the run stops here."""
+        """The policy's weights to the engine, verified (rl/sync_check.py) before any sample of them is trained on:
+        the checksums of what the engine holds equal those of what was sent (invariant 9), else the run stops here.
+        isotrain's own engines sample with exactly the tensors they hold; an external engine (vLLM) also passes a
+        probe of its log-probs against the trainer's, which shows the weights are used as the trainer uses them."""
         if self.cfg.rollout.engine != "vllm":
-            self.engine.update_weights(sync_named_tensors(self.model))
+            sent: dict[str, str] = {}
+            self.engine.update_weights(recording_checksums(sync_named_tensors(self.model), sent))
+            check_checksums(sent, self.engine.checksums(), when)
             return
         from isotrain.rl.generate import encode_prompts
-        from isotrain.rl.sync_check import sync_adapter_and_verify, sync_and_verify
 
         prompt = encode_prompts(self.tokenizer, self.prompts.prompts[:1])[0]
         common = (prompt, self.cfg.rl.max_new_tokens, self.cfg.rollout.vllm.probe_max_diff, self.ctx.device, when,
@@ -237,14 +289,17 @@ class RL(Recipe):
 
     def evaluate(self, step: int) -> dict:
         """rl.eval_every: the held-out score after `step` RL steps, as the metrics field eval_reward."""
-        return {"eval_reward": self._evaluate(f"step {step}")}
+        return {"eval_reward": self._evaluate(f"step {step}", step)}
 
     def finish(self, state: RunState, model_dir) -> None:
-        self.eval_after = self._evaluate("after RL")
+        self.eval_after = self._evaluate("after RL", state.step)
 
-    def _evaluate(self, when: str) -> float | None:
+    def _evaluate(self, when: str, version: int) -> float | None:
+        """The held-out score of the policy after `version` steps (the trainer's current weights)."""
         if self.held_out is None:
             return None
+        if self.ahead is not None:  # the engine may still be generating with, or holding, an older version
+            self.ahead.hold_version(version, lambda: self._sync_weights(f"for the held-out score {when}"))
         value = None
         if self.session.info.is_main:
             value = evaluate(self.engine, self.tokenizer, self.held_out, self.reward_fn, self.cfg.eval.max_new_tokens)
@@ -254,6 +309,8 @@ class RL(Recipe):
         return value
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         if self.engine is not None:
             self.engine.close()
 

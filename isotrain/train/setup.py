@@ -30,6 +30,7 @@ from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_
 from isotrain.parallel.dist import DistInfo, barrier, local_main_first
 from isotrain.moe.settings import RouterSettings
 from isotrain.parallel.mesh import ParallelState
+from isotrain.parallel.pp import Pipeline
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import StepOptions
 
@@ -155,7 +156,9 @@ def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool 
     `document_mask`: the run's packing probe found that the model ignores position-id restarts.
     `router`: an MoE model's router terms (isotrain.moe.settings.router_settings)."""
     autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and not parallel.dims.fsdp else None
-    return StepOptions(loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
+    dims = parallel.dims
+    pipeline = Pipeline(parallel.pp_rank, dims.pp, parallel.pp_group, dims.pp_schedule) if dims.pp > 1 else None
+    return StepOptions(pipeline=pipeline, loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
                        dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel,
                        document_mask=document_mask, router=router, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
                        compile_loss=cfg.train.compile)

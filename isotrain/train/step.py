@@ -13,7 +13,8 @@ Order of a step (the invariant each stage keeps is in brackets):
      of a DP rank holds alike, are summed over DP only (summed over CP they would count each token cp times);
      under pipeline parallelism (parallel/pp.py) the micro-batches run through the stages by the run's schedule,
      the last stage computes each micro-batch's Σ_t w_t·ℓ_t / D, the schedule never rescales, and the loss sum is
-     summed over the stages (the others hold 0) and DP;
+     summed over the stages (the others hold 0) and DP; the counts of step 1 are summed over DP only (every stage
+     of a pipeline holds the same micro-batches), and each stage's gradients over that stage's DP ranks;
   4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
      global grad norm (every element counted once, one fp64 all-reduce), clip, set the lr, optimizer step;
      a NaN or infinite loss or norm stops the run before the update [weights and checkpoints stay finite].
@@ -41,10 +42,10 @@ from isotrain.moe.routing import input_token_mask
 from isotrain.moe.objective import RouterStep, RouterValues, check_routing, router_values
 from isotrain.moe.prepass import begin_router_step
 from isotrain.moe.settings import RouterSettings
-from isotrain.parallel.dist import all_reduce_sum
+from isotrain.parallel.dist import all_reduce_max, all_reduce_sum
 from isotrain.parallel.apply import sync_replica_grads
 from isotrain.parallel.cp import context_parallel_attention, local_piece, pad_micro_batch, pad_rows, padded_length
-from isotrain.parallel.pp import pipeline_backward
+from isotrain.parallel.pp import Pipeline
 from isotrain.train.chunked_loss import no_positions, sft_chunked_forward
 from isotrain.train.loss import loss_weights, token_losses
 
@@ -71,6 +72,7 @@ class StepOptions:
     router: RouterSettings | None = None  # MoE models: the router terms of the objective (isotrain/moe/)
     loss_chunk_tokens: int = 0  # > 0: the cross-entropy over chunks of this many tokens (train/chunked_loss.py)
     compile_loss: bool = False  # train.compile: the chunked loss's chunks are compiled too
+    pipeline: Pipeline | None = None  # parallel.pp: this rank's stage and schedules, kept across steps
 
 
 def _global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> torch.Tensor:
@@ -254,9 +256,14 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
 
     The last stage's loss of micro-batch m is Σ_{t∈m} w_t·ℓ_t / D (D global, known before the first backward) and
     the schedule does not rescale it, so the stages' gradients are those of the global mean, as `_backpropagate`'s.
-    The micro-batches are padded to one length (a stage's receive buffers have one shape); padding weighs 0."""
+    The micro-batches are padded to one length, the longest of any DP rank's (a stage's receive buffers have one
+    shape); padding weighs 0."""
     parallel = options.parallel
-    length = max(mb["input_ids"].shape[1] for mb in micro_batches)
+    pipeline = options.pipeline or Pipeline(parallel.pp_rank, parallel.dims.pp, parallel.pp_group,
+                                            parallel.dims.pp_schedule)
+    # One length on every DP rank, so that a stage's DP ranks build their schedules (torch's shape inference runs the
+    # stage, FSDP2's collectives included) at the same steps and reuse them at the same steps (parallel/pp.py).
+    length = all_reduce_max(max(mb["input_ids"].shape[1] for mb in micro_batches), options.dp_group, device)
     padded = [pad_micro_batch(mb, length) for mb in micro_batches]
     weighted_sums = []
 
@@ -277,10 +284,9 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
     for mb in padded:
         positions = mb["position_ids"].to(device)
         kwargs.append({"position_ids": positions, **attention_kwargs(model, positions, options.document_mask)})
-    with _autocast(options, device):
-        pipeline_backward(hf_model(model), parallel.pp_rank, parallel.dims.pp, parallel.pp_group,
-                          parallel.dims.pp_schedule, [mb["input_ids"] for mb in padded], kwargs, targets, loss_fn,
-                          device)
+    with _autocast(options, device), _loss_parallel(options):  # (TP: the last stage's logits stay vocab-sharded)
+        pipeline.backward(hf_model(model), [mb["input_ids"] for mb in padded], kwargs, targets, loss_fn, device)
+    sync_replica_grads(model, parallel)  # PP × DDP: each stage's gradients summed over its DP replicas
     local_loss_sum = torch.stack(weighted_sums).sum() if weighted_sums else torch.zeros((), dtype=torch.float64,
                                                                                            device=device)
     return all_reduce_sum(all_reduce_sum(local_loss_sum, parallel.pp_group), options.dp_group)

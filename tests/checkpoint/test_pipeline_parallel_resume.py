@@ -2,6 +2,8 @@
 logs the metrics of one process (the same exact counts, the loss and gradient norm to fp32 rounding), its
 checkpoints hold one process's tensors under the same Hugging Face names (each stage wrote its own), `ckpt verify`
 passes and plain transformers loads them, and a run resumes across PP 2 <-> 1 process with the same data order.
+The same for PP 2 × FSDP2 2 and PP 2 × TP 2 on 4 processes (each stage's tensors written from its two shards), and
+their checkpoints resumed on 1 process, on PP 2 and on each other, and one process's and PP 2's on PP 2 × FSDP2 2.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ TINY = [
     "logging.progress=false",
 ]
 PP2 = ["parallel.pp=2"]
+PP2_FSDP2 = ["parallel.pp=2", "parallel.dp_shard=-1", "parallel.dp_replicate=1"]
+PP2_TP2 = ["parallel.pp=2", "parallel.tp=2", "parallel.dp_replicate=1"]
+LAYOUTS = {"single": (1, []), "pp2": (2, PP2), "pp2-fsdp2": (4, PP2_FSDP2), "pp2-tp2": (4, PP2_TP2)}
 
 
 def train(nproc: int, run_dir, *more: str):
@@ -68,6 +73,54 @@ def test_resume_across_pp_continues_the_same_run(tmp_path, runs, saved_on, resum
     run_dir = tmp_path / "resumed"
     _from_step_4(pp2 if saved_on == "pp2" else single, run_dir)
     proc = train(resumed_on, run_dir, *(PP2 if resumed_on == 2 else []))
+    assert "resumed from" in proc.stdout
+    assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
+    assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")
+
+
+@pytest.fixture(scope="module")
+def runs_on(tmp_path_factory):
+    """runs_on(layout): 8 uninterrupted steps on PP 2 × FSDP2 2 (2 micro-batches per DP rank) or PP 2 × TP 2 (4
+    processes each), checkpoints at 4 and 8, run once per module: (run directory, process)."""
+    done = {}
+
+    def run(layout: str):
+        if layout not in done:
+            run_dir = tmp_path_factory.mktemp(layout) / layout
+            nproc, flags = LAYOUTS[layout]
+            done[layout] = run_dir, train(nproc, run_dir, *flags)
+        return done[layout]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, dp_size", [("pp2-fsdp2", 2), ("pp2-tp2", 1)])
+def test_pp2_with_fsdp2_or_tp2_logs_the_metrics_and_saves_the_weights_of_one_process(runs, runs_on, layout, dp_size):
+    single, _, _ = runs
+    run_dir, proc = runs_on(layout)
+    assert re.search(r"│ pp +│ 2 +│", proc.stdout) and re.search(rf"│ dp_size +│ {dp_size} +│", proc.stdout), \
+        proc.stdout[:2000]
+    assert "UserWarning" not in proc.stderr, proc.stderr[-2000:]
+    assert_same_run(metrics(run_dir), metrics(single))
+    for step in ("step-00000004", "step-00000008"):
+        assert_same_weights(run_dir / "checkpoints" / step, single / "checkpoints" / step)
+        verified = run_forked_ranks(1, ["ckpt", "verify", str(run_dir / "checkpoints" / step)])
+        assert verified.returncode == 0 and verified.stdout.startswith("valid: "), verified.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_on, resumed_on", [("pp2-fsdp2", "single"), ("pp2-fsdp2", "pp2"),
+                                                  ("pp2", "pp2-fsdp2"), ("single", "pp2-fsdp2"),
+                                                  ("pp2-tp2", "single"), ("pp2-fsdp2", "pp2-tp2")])
+def test_resume_across_pp_fsdp_and_tp_continues_the_same_run(tmp_path, runs, runs_on, saved_on, resumed_on):
+    single, pp2, _ = runs
+    sources = {"single": single, "pp2": pp2}
+    source = sources[saved_on] if saved_on in sources else runs_on(saved_on)[0]
+    run_dir = tmp_path / "resumed"
+    _from_step_4(source, run_dir)
+    nproc, flags = LAYOUTS[resumed_on]
+    proc = train(nproc, run_dir, *flags)
     assert "resumed from" in proc.stdout
     assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
     assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")

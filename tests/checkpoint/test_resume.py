@@ -1,4 +1,4 @@
-"""Exact resume after a real SIGKILL (same layout: byte-identical files) and elastic resume
+"""Exact resume after a real SIGKILL (same layout: byte-identical files; pipeline parallel too) and elastic resume
 (other world size, DDP <-> FSDP2 <-> TP <-> FSDP2 × TP: same data order, weights within 1e-6)."""
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ LAYOUTS = {
     "hsdp4": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "tp2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.tp=2"]),
     "fsdp2tp2": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.tp=2"]),
+    # Pipeline parallel (untied embeddings: PP refuses tied ones): 2 stages, and 2 stages × FSDP2 2.
+    "pp2": (2, ["train.micro_batch_size=4", "parallel.pp=2", "model.config.tie_word_embeddings=false"]),
+    "pp2fsdp2": (4, ["train.micro_batch_size=4", "parallel.pp=2", "parallel.dp_replicate=1", "parallel.dp_shard=2",
+                     "model.config.tie_word_embeddings=false"]),
     # MoE models only (tests/checkpoint/test_moe.py): experts split over 2 ranks, dense parts by DDP or FSDP2.
     "ep2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.ep=2"]),
     "ep2fsdp2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.ep=2"]),
@@ -79,7 +83,7 @@ def kill_after_checkpoint(layout: str, run_dir, step: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "ddp2", "fsdp2", "tp2"])
+@pytest.mark.parametrize("layout", ["single", "ddp2", "fsdp2", "tp2", "pp2", "pp2fsdp2"])
 def test_sigkill_then_resume_is_byte_identical(tmp_path, layout):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # Independent runs: side by side, one per core.

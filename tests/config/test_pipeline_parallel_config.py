@@ -27,9 +27,28 @@ def test_pp_takes_ranks_of_its_own_and_the_batch_plan_is_that_of_one_process():
     plan = plan_batches(cfg, resolve_dims(cfg.parallel, 2))
     assert (plan.dp_size, plan.grad_accum_steps, plan.samples_per_rank_per_step) == (1, 4, 8)
     with pytest.raises(ConfigError) as err:
-        resolve_dims(ParallelConfig(pp=2), 4)
+        resolve_dims(ParallelConfig(pp=2, dp_replicate=1), 4)
     assert str(err.value) == ("parallel.pp × dp_replicate × dp_shard × tp = 2 × 1 × 1 × 1 = 2 but 4 processes "
                               "were launched; make the product equal the number of processes")
+
+
+def test_pp_with_data_and_tensor_parallelism_keeps_the_batch_plan_of_dp_alone():
+    """PP 2 on 4 ranks: dp_replicate=-1 takes the other 2 (DDP 2), or dp_shard=-1 does (FSDP2 2); the sampler and GA
+    see DP = 2, whatever the number of stages."""
+    ddp = resolve_dims(ParallelConfig(pp=2), 4)
+    assert (ddp.pp, ddp.dp_replicate, ddp.dp_shard, ddp.dp_size, ddp.fsdp) == (2, 2, 1, 2, False)
+    fsdp = resolve_dims(ParallelConfig(pp=2, dp_replicate=1, dp_shard=-1), 4)
+    assert (fsdp.pp, fsdp.dp_replicate, fsdp.dp_shard, fsdp.dp_size, fsdp.fsdp) == (2, 1, 2, 2, True)
+    cfg = load_config(None, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.dp_replicate=1",
+                             "train.global_batch_size=8", "train.micro_batch_size=2"])
+    plan = plan_batches(cfg, resolve_dims(cfg.parallel, 4))
+    assert (plan.dp_size, plan.grad_accum_steps, plan.samples_per_rank_per_step) == (2, 2, 4)
+    tp = resolve_dims(ParallelConfig(pp=2, tp=2), 8)  # a 3-D mesh: PP 2 × DDP 2 × TP 2
+    assert (tp.pp, tp.dp_replicate, tp.tp, tp.dp_size, tp.world_size) == (2, 2, 2, 2, 8)
+    with pytest.raises(ConfigError) as err:
+        resolve_dims(ParallelConfig(pp=2), 3)
+    assert str(err.value) == ("parallel.pp=2 needs a multiple of 2 processes, but 3 processes were launched; launch a "
+                              "multiple of 2 (torchrun --nproc-per-node 2) or lower that degree")
 
 
 def test_layers_split_evenly_in_order():
@@ -41,14 +60,12 @@ def test_layers_split_evenly_in_order():
 @pytest.mark.parametrize("settings, sentence", [
     (dict(pp=2, pp_schedule="interleaved_1f1b"), "parallel.pp_schedule=interleaved_1f1b is not built yet (it needs "
      "several stages per rank); set parallel.pp_schedule to one of 1f1b, gpipe"),
-    (dict(pp=2, tp=2), "parallel.pp=2 with parallel.tp=2 is not supported yet (pipeline parallelism runs alone for "
-     "now); set parallel.tp=1 or parallel.pp=1"),
-    (dict(pp=2, cp=2), "parallel.pp=2 with parallel.cp=2 is not supported yet (pipeline parallelism runs alone for "
-     "now); set parallel.cp=1 or parallel.pp=1"),
-    (dict(pp=2, ep=2), "parallel.pp=2 with parallel.ep=2 is not supported yet (pipeline parallelism runs alone for "
-     "now); set parallel.ep=1 or parallel.pp=1"),
-    (dict(pp=2, dp_shard=2), "parallel.pp=2 with parallel.dp_shard=2 is not supported yet (pipeline parallelism runs "
-     "alone for now); set parallel.dp_shard=1 or parallel.pp=1"),
+    (dict(pp=2, cp=2), "parallel.pp=2 with parallel.cp=2 is not supported yet (pipeline parallelism composes with data "
+     "and tensor parallelism only); set parallel.cp=1 and use parallel.dp_shard, parallel.dp_replicate or "
+     "parallel.tp for the other ranks, or parallel.pp=1"),
+    (dict(pp=2, ep=2), "parallel.pp=2 with parallel.ep=2 is not supported yet (pipeline parallelism composes with data "
+     "and tensor parallelism only); set parallel.ep=1 and use parallel.dp_shard, parallel.dp_replicate or "
+     "parallel.tp for the other ranks, or parallel.pp=1"),
 ])
 def test_unbuilt_combinations_are_refused(settings, sentence):
     with pytest.raises(ConfigError) as err:
@@ -77,6 +94,9 @@ def test_models_that_do_not_split_are_refused(sizes, pp, sentence):
      "rank trains per step (train.global_batch_size / DP size); use one of [1, 2, 4, 8]"),
     (["parallel.pp_microbatches=2"], "parallel.pp_microbatches=2 differs from the batch plan's 4 gradient-accumulation "
      "micro-batches, which the pipeline runs; set train.micro_batch_size=4 or leave parallel.pp_microbatches unset"),
+    (["parallel.pp_schedule=zbv"], "config value parallel.pp_schedule='zbv' is invalid: Input should be '1f1b', "
+     "'gpipe' or 'interleaved_1f1b'; use parallel.pp_schedule=1f1b or parallel.pp_schedule=gpipe (interleaved_1f1b is "
+     "not built yet)"),
     (["train.micro_batch_size=8"], "parallel.pp_schedule=1f1b needs at least one micro-batch per stage, but the batch "
      "plan has 1 for parallel.pp=2; lower train.micro_batch_size to at most 4 or use parallel.pp_schedule=gpipe"),
 ])

@@ -85,7 +85,7 @@ def test_the_doc_example_row_by_row():
         ("world_size", 8), ("dp_size", 8), ("prompts_per_step", 64), ("group_size", 8),
         ("samples_per_rollout", 512), ("prompts_per_rank_per_rollout", 8), ("mini_batch_prompts", 16),
         ("ppo_epochs", 2), ("optimizer_steps_per_rollout", 8), ("samples_per_optimizer_step", 128),
-        ("micro_batch_size", 4), ("grad_accum_steps", 4),
+        ("micro_batch_size", 4), ("grad_accum_steps", 4), ("max_off_policy_steps", 0),
     ]
 
 

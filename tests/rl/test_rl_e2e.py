@@ -52,7 +52,7 @@ SMALL = [
 
 RL_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_seen", "trained_tokens", "samples_seen", "tokens_per_s",
              "reward_mean", "reward_std", "response_len_mean", "kl", "clip_frac", "entropy", "pg_loss",
-             "filtered_groups", "generate_s", "logprob_s", "update_s")
+             "filtered_groups", "behaviour_version", "staleness", "generate_s", "logprob_s", "update_s")
 GROWING = ("step", "tokens_seen", "trained_tokens", "samples_seen", "optimizer_steps")
 
 
@@ -236,6 +236,8 @@ def test_metrics_rows_keep_the_contract(rise_runs):
         # One optimizer step per rollout of P=16 prompts × n=8 samples.
         assert [r["samples_seen"] for r in rows] == [r["step"] * 16 * 8 for r in rows], algorithm
         assert [r["optimizer_steps"] for r in rows] == [r["step"] for r in rows], algorithm
+        # Synchronous: each step trains on samples of the policy it starts with.
+        assert [(r["behaviour_version"], r["staleness"]) for r in rows] == [(r["step"] - 1, 0) for r in rows]
         assert all(r["lr"] == 2e-4 for r in rows)  # the bundled recipe's constant schedule
         assert all(0 <= r["score_mean"] <= 1 for r in rows)
         assert all(0 < r["response_len_mean"] <= 5 for r in rows)  # rl.max_new_tokens of the recipe
@@ -412,6 +414,7 @@ def cli_runs(tmp_path_factory):
                           "--world-size", "2"],
         "config show": ["config", "show", str(default_rl_recipe_path()), "rl.prompts_per_step=8", "rl.group_size=4",
                         "rl.mini_batch_prompts=4", "train.micro_batch_size=4", "parallel.dp_replicate=2",
+                        "rl.max_off_policy_steps=2", "rollout.engine=process", "rl.rollout_correction=bypass",
                         "--world-size", "2"],
         "unknown key": ["rl", "rl.grup_size=4", f"output_dir={root / 'run'}"],
     }
@@ -445,7 +448,7 @@ def test_config_show_prints_the_rl_sizes(cli_runs):
     proc = cli_runs["config show"]
     assert proc.returncode == 0, proc.stderr
     for line in ("# samples_per_rollout: 32", "# optimizer_steps_per_rollout: 2", "# grad_accum_steps: 2",
-                 "global_batch_size: 16"):
+                 "global_batch_size: 16", "# max_off_policy_steps: 2"):
         assert line in proc.stdout, (line, proc.stdout)
 
 

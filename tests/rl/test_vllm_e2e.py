@@ -4,7 +4,7 @@ environment of scripts/build_vllm_cpu_env.py; tests/rl/test_vllm_engine.py tests
 The start is the bundled SFT recipe's model after 50 steps (head_dim 32, which vLLM's CPU attention serves): these
 tests need its shape and tokenizer, not its skill (tests/rl/test_rl_e2e.py trains the skilled one). They prove:
 - runs on 1 process, on 2 FSDP2 ranks and with LoRA sent as adapters, every weight sync verified (checksums,
-  probe within 1e-5);
+  probe within 1e-5); and an asynchronous run (rl.max_off_policy_steps=1) trains on samples one version old;
 - an engine SIGKILLed mid-run: one sentence, committed checkpoints intact, nothing left in /dev/shm, and the resumed
   run's metrics rows equal an uninterrupted run's (seeded vLLM rollouts across a resume);
 - a missing interpreter and an engine that does not answer in time: one sentence each, nothing left behind.
@@ -53,7 +53,13 @@ def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes_and_with_l
                                                                     "rl.kl_coef=0.05", *engine]),
         "fsdp2": lambda: run_to_end(start_model, tmp_path / "fsdp2", [*TWO_RANKS, "train.max_steps=3",
                                                                       "checkpoint.every_steps=0", *LAYOUTS["fsdp2"],
-                                                                      *engine], nproc=2)})
+                                                                      *engine], nproc=2),
+        # Asynchronous: the engine generates on the trainer's worker thread, synced and probed only when idle.
+        "async": lambda: run_to_end(start_model, tmp_path / "async", [*SMALL, "train.max_steps=3", *engine,
+                                                                      "rl.max_off_policy_steps=1",
+                                                                      "rl.rollout_correction=token_tis",
+                                                                      "rl.rollout_is_cap=2.0"])})
+    assert [r["behaviour_version"] for r in metrics(tmp_path / "async")] == [0, 0, 1]
     for name, steps in (("one", 3), ("fsdp2", 3), ("lora", 3)):
         assert re.search(r"rollout engine: vLLM [\d.]+ on cpu \(torch [\w.+]+\), started in [\d.]+ s, log in "
                          r"vllm_engine.rank0.log; sleep mode "

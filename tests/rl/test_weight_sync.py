@@ -231,3 +231,42 @@ def _check_seeding_errors_and_death(model, tokenizer, tokenizer_dir, params) -> 
         engine.close()
     with pytest.raises(RuntimeError, match="after close"):
         engine.checksums()
+
+
+# Loaded by the run's process (a sitecustomize module on its PYTHONPATH): from the second sync on, the in-process
+# engine silently keeps its old final-norm weight, as an engine whose sync delivered all but one tensor would.
+STALE_NORM = """
+import isotrain.rl.rollout as rollout
+
+original, calls = rollout.HFEngine.update_weights, []
+
+def update_weights(self, named_tensors):
+    calls.append(1)
+    skip = "model.norm.weight" if len(calls) > 1 else None
+    return original(self, ((name, t) for name, t in named_tensors if name != skip))
+
+rollout.HFEngine.update_weights = update_weights
+"""
+
+
+def test_a_sync_that_leaves_one_tensor_stale_stops_the_run_before_training_on_it(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import REPO, assert_clean_error, subprocess_env
+    from test_async_rl import ASYNC, metrics
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALE_NORM)
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "isotrain", "rl", *ASYNC, "rollout.engine=hf",
+                           "rl.max_off_policy_steps=0", "train.max_steps=3", f"output_dir={run_dir}"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert_clean_error(proc, "after the update of step 1, the rollout engine's weights differ from the trainer's in "
+                             "1 of 21 tensors (e.g. model.norm.weight): it would sample with stale or corrupted "
+                             "weights, so the run stops before training on them")
+    # step 1's own sync failed: no step 2 was generated on the stale engine, no model was written
+    assert metrics(run_dir) == [] and not (run_dir / "model").exists()

@@ -6,7 +6,8 @@ LAYOUTS: e.g. 2x1x1,1x2x1,1x1x2 = DDP, FSDP2, TP (dp_replicate x dp_shard x tp),
 for expert parallelism (1x2x1x2 = FSDP2 2 with EP 2, for the MoE families) and an optional 5th for context
 parallelism (1x1x1x1x2 = CP 2 alone, 1x2x1x1x2 = FSDP2 2 × CP 2: ParallelDims' field order; Ulysses, or ring attention
 with `:ring`, 1x1x1x1x2:ring keyed (1, 1, 1, 1, 2, "ring")), and a pipeline-parallel
-degree and schedule after a colon (1x1x1:pp2-gpipe = PP 2 with GPipe, keyed ("pp", 2, "gpipe")); `ac` checkpoints every
+degree and schedule after a colon (1x1x1:pp2-gpipe = PP 2 with GPipe, keyed ("pp", 2, "gpipe"); 1x2x1:pp2-1f1b = PP 2 ×
+FSDP2 2, keyed ("pp", 2, "1f1b", (1, 2, 1))); `ac` checkpoints every
 decoder layer's activations. One launch covers every given layout (a mesh and a model each), both loss
 reductions, in fp32 and in fp64: results[(dp_replicate, dp_shard, tp)][(reduction, dtype)]; run() is one
 layout in this process. `chunk=N` also runs every layout without TP with the chunked cross-entropy
@@ -28,7 +29,7 @@ from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.models.unwrap import unwrap
 from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dims import ParallelDims
-from isotrain.parallel.dist import init_distributed, shutdown_distributed
+from isotrain.parallel.dist import all_reduce_max, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
 from isotrain.parallel.tp import check_replicated
 from isotrain.train.loss import token_losses
@@ -127,10 +128,12 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
                                               compile=False))
     options = step_options(cfg, parallel)
     params = [p for p in model.parameters()]
-    losses, first_grads, counts, norms = [], None, [], []
+    losses, first_grads, counts, norms, shapes = [], None, [], [], []
     for step in range(NUM_STEPS):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
+        length = max(mb["input_ids"].shape[1] for mb in micro_batches)  # the pipeline pads to the DP ranks' longest
+        shapes.append((len(micro_batches), all_reduce_max(length, parallel.dp_group, info.device)))
         if naive:
             loss, step_counts = naive_forward_backward(model, micro_batches), None
         else:
@@ -146,7 +149,10 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
     # Expert parallelism: how many experts this rank holds of each expert tensor (E / ep, not E).
     local_rows = {n: p.to_local().shape[0] for n, p in unwrap(model).named_parameters()
                   if ".experts." in n and isinstance(p, DTensor)}
-    return {"local_expert_rows": local_rows, "losses": losses, "grads": first_grads, "weights": weights, "counts": counts, "norms": norms}
+    # Under PP: the stages and schedules this rank built, and the padded micro-batch shapes of the 3 steps.
+    pipeline = {"builds": options.pipeline.num_builds, "shapes": len(set(shapes))} if options.pipeline else None
+    return {"local_expert_rows": local_rows, "losses": losses, "grads": first_grads, "weights": weights, "counts": counts,
+            "norms": norms, "pipeline": pipeline}
 
 
 def _all_stages(tensors: dict, parallel) -> dict:
@@ -177,7 +183,8 @@ def _dims(layout) -> tuple[ParallelDims, tuple]:
     """The ParallelDims of a parsed layout and its key in the results."""
     if isinstance(layout[0], tuple):
         degrees, pp, schedule = layout
-        return ParallelDims(*degrees, pp=pp, pp_schedule=schedule), ("pp", pp, schedule)
+        key = ("pp", pp, schedule) if degrees == (1, 1, 1) else ("pp", pp, schedule, degrees)
+        return ParallelDims(*degrees, pp=pp, pp_schedule=schedule), key
     if layout[-1] == "ring":
         return ParallelDims(*layout[:-1], cp_style="ring"), layout
     return ParallelDims(*layout), layout
@@ -210,7 +217,7 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
             }
     for layout in layouts if chunk_tokens else []:
         dims, layout = _dims(layout)
-        if dims.tp == 1:  # the chunked loss refuses TP
+        if dims.tp == 1 and dims.pp == 1:  # the chunked loss refuses TP and PP
             parallel = build_parallel(dims, info.device, info.rank)
             results[("chunked", layout)] = {
                 (reduction, str(dtype)): run_layout(info, parallel, micro_batch, reduction, dtype, naive,
@@ -225,6 +232,7 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
 
 if __name__ == "__main__":
     # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive] [ac] [families=qwen3,...] [unreduced] [scaled] [chunk=N]
+    #     [counts_over_pp] [stage_unreduced]
     # LAYOUTS: RxSxT[xE][,...], e.g. 2x1x1,1x1x2,2x1x1x2; `unreduced` removes the TP gradient sum of Qwen3's q/k norms
     # on purpose, to show that the replicated-parameter check catches a missing reduction.
     out, layouts, micro, *rest = sys.argv[1:]
@@ -244,6 +252,17 @@ if __name__ == "__main__":
         import isotrain.parallel.pp as pp
 
         pp.SCALE_GRADS = True
+    if "counts_over_pp" in rest:  # on purpose: the step's counts summed over the world (DP × PP), not DP alone
+        import isotrain.train.step as step
+
+        counts = step._global_counts
+        step._global_counts = lambda micro_batches, reduction, device, group=None: counts(
+            micro_batches, reduction, device, None)
+    if "stage_unreduced" in rest:  # on purpose: PP × DDP without the DP sum of the last stage's gradients
+        import isotrain.train.step as step
+
+        sync = step.sync_replica_grads
+        step.sync_replica_grads = lambda model, parallel: None if parallel.pp_rank == 1 else sync(model, parallel)
     results = run_layouts([_parse_layout(layout) for layout in layouts.split(",")], int(micro),
                           naive="naive" in rest, checkpointing="ac" in rest, families=families,
                           chunk_tokens=next((int(flag.split("=", 1)[1]) for flag in rest if flag.startswith("chunk=")), 0))

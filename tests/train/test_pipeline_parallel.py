@@ -7,6 +7,17 @@ Layouts: PP 2 with GPipe and with 1F1B (and 1F1B with activation checkpointing),
 gradient-accumulation micro-batches (global batch 8, micro-batch 2, DP 1) through 2 stages on 2 gloo processes. Each
 rank holds its stage's tensors only; the worker gathers them by name to compare with one process's.
 
+Beside data and tensor parallelism (4 gloo processes, a `pp × dp × tp` mesh): PP 2 × FSDP2 2 and PP 2 × DDP 2, each
+with 1F1B and GPipe, run the batch plan's 2 micro-batches per DP rank (global batch 8, micro-batch 2, DP 2); PP 2 ×
+TP 2 with each schedule runs 4 (DP 1), the last stage's logits sharded over the vocabulary. On 8 processes the 3-D
+meshes PP 2 × FSDP2 2 × TP 2 and PP 2 × DDP 2 × TP 2, and PP 2 × HSDP 2×2. PP 2 × TP 2 on Qwen3 (per-head q/k norms
+whose gradients TP sums) too, and without that sum the run stops naming the parameter. Two controls break one
+reduction each and fail: the step's counts summed over the world (DP × PP) instead of DP, which halves the loss and every gradient, and
+the last stage's gradients left unsummed over its DDP replicas.
+
+Each rank builds its stage and schedule once for each padded shape of the micro-batches (the longest of the step
+over DP) and reuses it: the 3 steps here have 2 shapes, and every equivalence test also checks that only 2 were built.
+
 The control: torch's schedules divide every gradient by the number of micro-batches unless built with
 `scale_grads=False`. With that scaling on, the losses stay those of one process but every gradient is a quarter of
 it, and the equivalence check fails.
@@ -17,7 +28,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_equivalence import FP64, MICRO_BATCH, WORKER, _single, assert_equivalent
+from test_equivalence import FP64, MICRO_BATCH, WORKER, _single, assert_equivalent, max_rel_diff
 from zygote import run_forked_ranks
 
 FAMILY = "llama_4layers"
@@ -26,14 +37,21 @@ ONE_F_ONE_B = (FAMILY, ("pp", 2, "1f1b"))
 GRAD_ACCUM = 8 // MICRO_BATCH  # the worker's global batch of 8 on one DP rank
 
 
+def assert_pipeline_equivalent(result: dict, reference: dict) -> None:
+    """assert_equivalent, and each stage and schedule built once per padded shape of the 3 steps, then reused."""
+    assert_equivalent(result, reference)
+    for run in result.values():
+        assert run["pipeline"]["builds"] == run["pipeline"]["shapes"] < 3, run["pipeline"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return _single(tmp_path_factory.mktemp("pp-ref"), micro_batch=8, family=FAMILY)
 
 
-def _pipeline(tmp_path, layouts: list[str], *flags: str) -> dict:
-    out = tmp_path / f"pp-{'-'.join(flags)}.pt"
-    proc = run_forked_ranks(2, [str(out), ",".join(layouts), str(MICRO_BATCH), f"families={FAMILY}", *flags],
+def _pipeline(tmp_path, layouts: list[str], *flags: str, nproc: int = 2) -> dict:
+    out = tmp_path / f"pp-{nproc}-{'-'.join(flags)}.pt"
+    proc = run_forked_ranks(nproc, [str(out), ",".join(layouts), str(MICRO_BATCH), f"families={FAMILY}", *flags],
                             script=WORKER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
@@ -43,7 +61,7 @@ def _pipeline(tmp_path, layouts: list[str], *flags: str) -> dict:
 def test_pp2_gpipe_and_1f1b_match_single_process(tmp_path, reference):
     results = _pipeline(tmp_path, ["1x1x1:pp2-gpipe", "1x1x1:pp2-1f1b"])
     for key in (GPIPE, ONE_F_ONE_B):
-        assert_equivalent(results[key], reference)
+        assert_pipeline_equivalent(results[key], reference)
 
 
 @pytest.mark.slow
@@ -62,3 +80,75 @@ def test_schedule_gradient_scaling_fails_the_equivalence(tmp_path, reference):
 def test_pp2_with_activation_checkpointing_matches_single_process(tmp_path, reference):
     """Recomputing each stage's decoder layers in backward changes nothing (the reference keeps its activations)."""
     assert_equivalent(_pipeline(tmp_path, ["1x1x1:pp2-1f1b"], "ac")[ONE_F_ONE_B], reference)
+
+
+def _with(degrees: list[str], schedules=("1f1b", "gpipe")) -> dict:
+    """{worker layout: results key} of PP 2 beside the given dp_replicate x dp_shard x tp degrees."""
+    return {f"{layout}:pp2-{schedule}": (FAMILY, ("pp", 2, schedule, tuple(int(x) for x in layout.split("x"))))
+            for layout in degrees for schedule in schedules}
+
+
+WITH_DP = _with(["1x2x1", "2x1x1", "1x1x2"])  # FSDP2 2, DDP 2, TP 2
+WITH_3D = {**_with(["1x2x2", "2x1x2"], ["1f1b"]), **_with(["2x2x1"], ["gpipe"])}  # FSDP2 × TP, DDP × TP, HSDP
+
+
+@pytest.mark.slow
+def test_pp2_with_fsdp2_ddp_and_tp_matches_single_process(tmp_path, reference):
+    """PP 2 × FSDP2 2, PP 2 × DDP 2 and PP 2 × TP 2, 1F1B and GPipe: counts, losses, gradients and weights of one
+    process."""
+    results = _pipeline(tmp_path, list(WITH_DP), nproc=4)
+    for key in WITH_DP.values():
+        assert_pipeline_equivalent(results[key], reference)
+
+
+@pytest.mark.slow
+def test_pp2_on_3d_meshes_matches_single_process(tmp_path, reference):
+    """8 processes: PP 2 × FSDP2 2 × TP 2 and PP 2 × DDP 2 × TP 2 (1F1B), PP 2 × HSDP 2×2 (GPipe)."""
+    results = _pipeline(tmp_path, list(WITH_3D), nproc=8)
+    for key in WITH_3D.values():
+        assert_pipeline_equivalent(results[key], reference)
+
+
+@pytest.mark.slow
+def test_counts_summed_over_stages_fail_the_equivalence(tmp_path, reference):
+    """The trained-token count summed over DP × PP counts every token twice: half the loss, half every gradient."""
+    key = WITH_DP["1x2x1:pp2-1f1b"]
+    result = _pipeline(tmp_path, ["1x2x1:pp2-1f1b"], "counts_over_pp", nproc=4)[key]
+    with pytest.raises(AssertionError):
+        assert_equivalent(result, reference)
+    broken, single = result[("token", FP64)], reference[("token", FP64)]
+    assert broken["counts"][0] == [2 * count for count in single["counts"][0]]
+    assert broken["losses"][0] == pytest.approx(single["losses"][0] / 2, rel=1e-12)
+    for name, grad in single["grads"].items():
+        torch.testing.assert_close(broken["grads"][name] * 2, grad, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.slow
+def test_a_stage_without_its_dp_reduction_fails_the_equivalence(tmp_path, reference):
+    """PP 2 × DDP 2 without the last stage's gradient sum over its replicas: that stage's gradients are one replica's
+    part (the first stage's stay exact), and the equivalence check fails."""
+    key = WITH_DP["2x1x1:pp2-1f1b"]
+    result = _pipeline(tmp_path, ["2x1x1:pp2-1f1b"], "stage_unreduced", nproc=4)[key]
+    with pytest.raises(AssertionError):
+        assert_equivalent(result, reference)
+    broken, single = result[("token", FP64)], reference[("token", FP64)]
+    assert broken["losses"][0] == pytest.approx(single["losses"][0], rel=1e-12)
+    torch.testing.assert_close(broken["grads"]["model.embed_tokens.weight"], single["grads"]["model.embed_tokens.weight"],
+                               rtol=1e-10, atol=1e-14)
+    assert max_rel_diff(broken, single) > 0.1
+
+
+@pytest.mark.slow
+def test_pp2_tp2_on_qwen3_matches_and_a_missing_tp_sum_stops(tmp_path):
+    """Qwen3's q/k norms see only their TP rank's heads; PP 2 × TP 2 (one layer per stage) matches one process, and
+    without the TP sum of their gradients the replicas drift apart and the run stops naming the parameter."""
+    key = ("qwen3", ("pp", 2, "1f1b", (1, 1, 2)))
+    out = tmp_path / "qwen3.pt"
+    proc = run_forked_ranks(4, [str(out), "1x1x2:pp2-1f1b", str(MICRO_BATCH), "families=qwen3"], script=WORKER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_equivalent(torch.load(out)[key], _single(tmp_path, micro_batch=8, family="qwen3"))
+    out = tmp_path / "unreduced.pt"
+    proc = run_forked_ranks(4, [str(out), "1x1x2:pp2-1f1b", str(MICRO_BATCH), "families=qwen3", "unreduced"],
+                            script=WORKER)
+    assert proc.returncode != 0 and not out.exists()
+    assert "self_attn.q_norm.weight is replicated over tensor-parallel ranks but differs between them" in proc.stderr

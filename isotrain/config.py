@@ -346,14 +346,16 @@ class ParallelConfig(Section):
     cp: int = Field(
         1,
         gt=0,
-        description="Context-parallel degree: each sequence split into this many contiguous pieces, one per rank; "
-        "attention heads are exchanged with all-to-all (Ulysses), so it must divide the attention heads "
-        "(docs/parallelism.md). Takes ranks of its own: world size = dp_replicate × dp_shard × cp × tp.",
+        description="Context-parallel degree: each sequence split into this many pieces, one per rank, which attend "
+        "across the pieces as `cp_style` says (docs/parallelism.md). Takes ranks of its own: world size = "
+        "dp_replicate × dp_shard × cp × tp.",
     )
     cp_style: Literal["ulysses", "ring"] = Field(
         "ulysses",
-        description="How context-parallel ranks attend across pieces: `ulysses` (all-to-all over heads); `ring` "
-        "(KV blocks passed around the ranks, for degrees beyond the head count) is not built yet.",
+        description="How context-parallel ranks attend across pieces: `ulysses` (contiguous pieces; two all-to-alls "
+        "exchange pieces for heads, so `cp` must divide the attention heads) or `ring` (zig-zag pieces for causal "
+        "load balance; key/value blocks passed around the ranks and merged by log-sum-exp, any `cp`, e.g. more "
+        "ranks than heads).",
     )
     pp: int = Field(
         1,

@@ -16,7 +16,8 @@ number of trained tokens (or sequences), so the sum over DP ranks is exactly the
 global-batch mean (invariant 1).
 
 Context parallelism (parallel/cp.py) only swaps the attention function; its ranks join the gradient sum as DP
-ranks do (FSDP2 over dp_shard × cp, DDP over dp_replicate × cp: parallel/mesh.py).
+ranks do (FSDP2 over dp_shard × cp, DDP or, under TP, `sync_replica_grads` over dp_replicate × cp:
+parallel/mesh.py).
 
 Expert parallelism (parallel/ep.py) makes the experts DTensors on the "ep" axis; FSDP2 and DDP leave them
 out (FSDP2's ignored parameters, DDP's ignore list) and `sync_expert_grads` sums their gradients over the
@@ -163,18 +164,19 @@ def wrap_replicas(model: nn.Module, parallel: ParallelState, trainable: bool = T
 
 
 def sync_replica_grads(model: nn.Module, parallel: ParallelState) -> None:
-    """TP × DDP and PP × DDP: sum every gradient over the dp_replicate axis (what DDP's SUM hook does for plain
-    tensors), where no DDP wrapper does.
+    """TP × DDP, TP × CP and PP × DDP: sum every gradient over the dp_replicate (× cp) axes (what DDP's SUM hook
+    does for plain tensors), where no DDP wrapper does.
 
     Under TP gradients are DTensors on the tp mesh; their local parts are what each replica computed for the
     same shard, so a plain all-reduce of the local parts over dp_replicate is the data-parallel sum. Under PP the
     dp_replicate group of a rank is that of its stage (the mesh's "dp_replicate" axis at its "pp" coordinate).
     Expert-parallel gradients are summed over their replicas here too (`sync_expert_grads`)."""
     sync_expert_grads(model, parallel.ep_mesh)
-    unwrapped = parallel.dims.tp > 1 or parallel.dims.pp > 1  # wrap_replicas put no DDP around the model
-    if parallel.mesh is None or not unwrapped or parallel.dims.fsdp or parallel.dims.dp_replicate == 1:
+    dims = parallel.dims
+    unwrapped = dims.tp > 1 or dims.pp > 1  # wrap_replicas put no DDP around the model
+    if parallel.mesh is None or not unwrapped or dims.fsdp or dims.dp_replicate * dims.cp == 1:
         return
-    group = parallel.mesh["dp_replicate"].get_group()
+    group = parallel.replica_group()  # dp_replicate, × cp: each CP rank's gradient is its pieces' part
     # Not the experts: under EP the dp_replicate ranks hold different experts (summed above over their copies).
     experts = {id(p) for p in expert_parameters(model)}
     grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]

@@ -1,21 +1,33 @@
-"""Context parallelism, Ulysses style: each of the `cp` ranks of a DP rank runs one contiguous piece of every
-sequence of a micro-batch, and attention exchanges heads for sequence with two all-to-alls.
+"""Context parallelism: each of the `cp` ranks of a DP rank runs one piece of every sequence of a micro-batch, and
+attention reaches across the pieces in one of two styles (parallel.cp_style).
+
+Ulysses (`ulysses`): contiguous pieces, heads exchanged for sequence with two all-to-alls.
 
     piece r of a row of L tokens (padded to a multiple of cp): tokens [r·L/cp, (r+1)·L/cp)
     attention on rank r:  q, k, v [B, H, L/cp, D]  --all-to-all-->  [B, H/cp, L, D]  (heads r·H/cp ...)
                           causal SDPA over the whole sequence for those heads (per document when packed)
                           out [B, H/cp, L, D]  --all-to-all-->  [B, H, L/cp, D]
 
-Everything outside attention is per token (embeddings, norms, MLP, RoPE with the piece's own position ids, the
-head and the cross-entropy of pre-shifted labels), so a contiguous split changes no token's computation: every
-rank sees the whole sequence for its heads, which is what makes the math that of one process. (A causal load
-balance of the pieces matters for ring attention, not for Ulysses, whose SDPA covers the whole sequence.)
-Key/value heads fewer than `cp` are repeated first (`cp` a multiple of them, checked in parallel/dims.py), so
-each rank receives the KV head its query heads use; autograd sums the copies' gradients back.
+Ring (`ring`, parallel/ring.py): zig-zag pieces, key/value blocks passed around the ranks.
 
-The backward of an all-to-all is the reverse all-to-all (`_AllToAll`); it also carries the gradient of the
-other ranks' losses into this rank's q/k/v, so a replicated weight's gradient is the sum over the CP ranks of
-their parts (parallel/mesh.py: CP joins the data-parallel gradient reduction).
+    rows padded to a multiple of 2·cp and cut into 2·cp chunks; rank r holds chunks r and 2·cp-1-r
+    attention on rank r:  its q [B, H, L/cp, D] against every rank's k, v block in turn (cp - 1 sends),
+                          the blocks' partial softmaxes merged by log-sum-exp; masks from global token indices
+
+Everything outside attention is per token (embeddings, norms, MLP, RoPE with the piece's own position ids, the
+head and the cross-entropy of pre-shifted labels), so any split changes no token's computation as long as input
+ids, labels, position ids and loss weights are cut alike (`local_piece`, `piece_indices`). Ulysses sees the whole
+sequence for its heads, so a contiguous split costs it nothing; ring attention skips the blocks in a rank's causal
+future, so contiguous pieces would leave the last rank with cp blocks and the first with one, hence the zig-zag
+(each rank pairs an early chunk with a late one: the same work on every rank). Under Ulysses, key/value heads
+fewer than `cp` are repeated first (`cp` a multiple of them, checked in parallel/dims.py), so each rank receives
+the KV head its query heads use; autograd sums the copies' gradients back. Ring attention keeps every head, so
+any `cp` works (more ranks than heads included). Under TP, both run on the heads of their TP rank.
+
+The backward of an all-to-all is the reverse all-to-all (`_AllToAll`), and ring attention sends each block's
+dK, dV around the ring back home; both carry the gradient of the other ranks' losses into this rank's q/k/v, so a
+replicated weight's gradient is the sum over the CP ranks of their parts (parallel/mesh.py: CP joins the
+data-parallel gradient reduction).
 
 The exchange happens only inside `context_parallel_attention(...)`, which the step enters around each micro-batch's
 forward and backward (the recompute of activation checkpointing runs in the backward). Outside it, the registered
@@ -31,7 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-NAME = "isotrain_ulysses"  # the transformers attention implementation a CP model runs
+from isotrain.parallel.ring import ring_attention
+
+NAME = "isotrain_ulysses"  # the transformers attention implementation a CP model runs (either style: a stable name)
 
 IGNORE_INDEX = -100
 _SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
@@ -39,7 +53,9 @@ _SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
 class _Active(threading.local):
     group = None  # the CP group while a CP micro-batch runs
-    mask = None  # [B, 1, L, L] per-document causal mask of the whole rows, or None: plain causal
+    mask = None  # Ulysses: [B, 1, L, L] per-document causal mask of the whole rows, or None: plain causal
+    pieces = None  # ring: [cp, L/cp] the global token indices of every rank's piece, on the CPU (None: Ulysses)
+    segments = None  # ring: [cp, B, L/cp] the document of every token of every rank's piece, or None: plain causal
 
 
 _active = _Active()
@@ -104,7 +120,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    out = ulysses_attention(query, key, value, _active.group, _active.mask, dropout, scaling)
+    if _active.pieces is not None:  # dropout: refused with the ring style (parallel/dims.py)
+        out = ring_attention(query, key, value, _active.group, _active.pieces, _active.segments, scaling)
+    else:
+        out = ulysses_attention(query, key, value, _active.group, _active.mask, dropout, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -124,17 +143,36 @@ def apply_cp(model: torch.nn.Module) -> None:
     model.config._attn_implementation = register()
 
 
-def padded_length(length: int, cp: int) -> int:
-    return -(-length // cp) * cp
+def padded_length(length: int, cp: int, style: str = "ulysses") -> int:
+    """Rows are padded to a multiple of cp (Ulysses: cp pieces) or 2·cp (ring: 2·cp chunks, two per rank)."""
+    chunks = 2 * cp if style == "ring" else cp
+    return -(-length // chunks) * chunks
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """[B, 1, L, L] causal mask within documents of whole rows (a document starts wherever a position id does not
-    go up by 1, transformers' rule), or None when no row holds more than one document (plain causal)."""
+def piece_indices(length: int, cp: int, style: str = "ulysses") -> torch.Tensor:
+    """[cp, length / cp]: the positions in the (padded) rows of every rank's piece, increasing within a piece.
+    Ulysses: contiguous pieces. Ring: zig-zag, rank r holds chunks r and 2·cp-1-r of 2·cp, so that every rank
+    attends causally to as many keys as every other (an early chunk paired with a late one)."""
+    if style != "ring":
+        return torch.arange(length).view(cp, length // cp)
+    chunks = torch.arange(length).view(2 * cp, length // (2 * cp))
+    return torch.stack([torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)])
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """[B, L] the index of every token's document in its row (a document starts wherever a position id does not go
+    up by 1, transformers' rule), or None when no row holds more than one document (plain causal)."""
     starts = torch.diff(position_ids, dim=-1) != 1
     if not bool(starts.any()):
         return None
-    segments = torch.cat([torch.zeros_like(position_ids[:, :1]), starts.cumsum(-1)], dim=-1)
+    return torch.cat([torch.zeros_like(position_ids[:, :1]), starts.cumsum(-1)], dim=-1)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """[B, 1, L, L] causal mask within the documents of whole rows (`document_ids`), or None (plain causal)."""
+    segments = document_ids(position_ids)
+    if segments is None:
+        return None
     length = position_ids.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
     return ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
@@ -166,31 +204,42 @@ def pad_micro_batch(mb: dict, length: int) -> dict:
     return padded
 
 
-def local_piece(mb: dict, cp_rank: int, cp: int, weights: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
-    """This rank's piece of micro-batch `mb` (its sequence tensors padded to a multiple of `cp`, then cut) and of
-    its per-token loss `weights`, which the caller computed on the whole rows (a sequence-mean weight 1/n_s counts
-    the document's tokens in every piece). Padding trains nothing (label -100, weight 0) and, at the end of a
-    row, is attended by no real token. Other entries of `mb` are kept as they are (counts of the whole rows)."""
-    length = padded_length(mb["input_ids"].shape[1], cp)
-    size = length // cp
+def local_piece(mb: dict, cp_rank: int, cp: int, weights: torch.Tensor | None = None,
+                style: str = "ulysses") -> tuple[dict, torch.Tensor]:
+    """This rank's piece of micro-batch `mb` (its sequence tensors padded by `padded_length`, then cut by
+    `piece_indices`) and of its per-token loss `weights`, which the caller computed on the whole rows (a
+    sequence-mean weight 1/n_s counts the document's tokens in every piece). Input ids, labels (pre-shifted),
+    position ids and weights are cut alike, so every token keeps its own label and position. Padding trains nothing
+    (label -100, weight 0) and, at the end of a row, is attended by no real token. Other entries of `mb` are kept as
+    they are (counts of the whole rows)."""
+    length = padded_length(mb["input_ids"].shape[1], cp, style)
+    index = piece_indices(length, cp, style)[cp_rank]
     piece = dict(mb)
     for key in _SEQUENCE_KEYS:
-        piece[key] = pad_rows(mb[key], length, _FILL[key])[:, cp_rank * size:(cp_rank + 1) * size]
+        tensor = pad_rows(mb[key], length, _FILL[key])
+        piece[key] = tensor.index_select(1, index.to(tensor.device))
     if weights is not None:
-        weights = pad_rows(weights, length, 0)[:, cp_rank * size:(cp_rank + 1) * size]
+        weights = pad_rows(weights, length, 0).index_select(1, index.to(weights.device))
     return piece, weights
 
 
 @contextlib.contextmanager
-def context_parallel_attention(group, position_ids: torch.Tensor | None):
-    """Inside: NAME attention exchanges heads over `group`, attending causally within the documents of the whole
-    rows whose position ids are `position_ids` [B, L] (already padded to a multiple of cp). group None: nothing."""
+def context_parallel_attention(group, position_ids: torch.Tensor | None, style: str = "ulysses"):
+    """Inside: NAME attention runs over `group` in `style` (Ulysses exchanges heads, ring passes key/value blocks),
+    attending causally within the documents of the whole rows whose position ids are `position_ids` [B, L]
+    (already padded by `padded_length`). group None: nothing."""
     if group is None:
         yield
         return
-    previous = (_active.group, _active.mask)
-    _active.group, _active.mask = group, document_mask(position_ids)
+    previous = (_active.group, _active.mask, _active.pieces, _active.segments)
+    if style == "ring":
+        pieces = piece_indices(position_ids.shape[1], dist.get_world_size(group), style)
+        documents = document_ids(position_ids)
+        _active.group, _active.mask, _active.pieces = group, None, pieces
+        _active.segments = None if documents is None else documents[:, pieces.to(documents.device)].transpose(0, 1)
+    else:
+        _active.group, _active.mask, _active.pieces, _active.segments = group, document_mask(position_ids), None, None
     try:
         yield
     finally:
-        _active.group, _active.mask = previous
+        _active.group, _active.mask, _active.pieces, _active.segments = previous

@@ -6,9 +6,10 @@
 divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every MoE layer's experts
 (parallel/ep.py); with tensor parallelism there is one such group per TP coordinate (ep × tp composes).
 `cp` (context parallel) takes ranks of its own, like `tp`: the `cp` ranks of a DP rank hold the same micro-batches
-and each runs one contiguous piece of every sequence (parallel/cp.py); Ulysses exchanges attention heads, so `cp`
-must divide the heads, and the key/value heads or be a multiple of them (KV heads are then repeated). CP is not
-combined with TP or EP yet (`check_cp`), and `cp_style=ring` is refused until it is built.
+and each runs one piece of every sequence (parallel/cp.py); Ulysses exchanges attention heads, so `cp` must divide
+the heads, and the key/value heads or be a multiple of them (KV heads are then repeated); ring attention passes
+key/value blocks around the ranks and has no condition on the heads. With TP, the CP ranks of a TP rank attend
+over its heads. CP is not combined with EP yet (`check_cp`).
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
@@ -52,6 +53,7 @@ class ParallelDims:
     shard_one_rank: bool = False  # dp_shard=-1 on a one-process torchrun launch: FSDP2 over that rank
     pp: int = 1
     pp_schedule: str = "1f1b"
+    cp_style: str = "ulysses"
 
     @property
     def fsdp(self) -> bool:
@@ -85,7 +87,7 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
             f"parallel.{auto[0]} and parallel.{auto[1]} are both -1; at most one degree can take the remaining ranks"
         )
     cp = getattr(cfg, "cp", 1)
-    check_cp(cp, getattr(cfg, "cp_style", "ulysses"), degrees["tp"], getattr(cfg, "ep", 1))
+    check_cp(cp, getattr(cfg, "ep", 1))
     pp, schedule = getattr(cfg, "pp", 1), getattr(cfg, "pp_schedule", "1f1b")
     check_pp(pp, schedule, {"cp": cp, "ep": getattr(cfg, "ep", 1)})
     fixed = cp * pp
@@ -105,7 +107,7 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     # One torchrun process joins a process group of one (parallel/dist.py), so dp_shard=-1 can shard over it.
     one_rank = cfg.dp_shard == -1 and degrees["dp_shard"] == 1 and launched_by_torchrun()
     dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1), cp=cp, shard_one_rank=one_rank, pp=pp,
-                        pp_schedule=schedule)
+                        pp_schedule=schedule, cp_style=getattr(cfg, "cp_style", "ulysses"))
     if dims.world_size != world_size:
         names = [n for n in WORLD_NAMES if n not in ("cp", "pp") or getattr(dims, n) > 1]
         product = " × ".join(str(getattr(dims, n)) for n in names)
@@ -119,17 +121,11 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     return dims
 
 
-def check_cp(cp: int, style: str, tp: int, ep: int) -> None:
-    """What context parallelism is built for: Ulysses, without TP (both would split the heads) and without EP
-    (its token all-to-all and global router terms are not written for split sequences)."""
+def check_cp(cp: int, ep: int) -> None:
+    """What context parallelism is built for: either style, with or without TP (each TP rank's heads attend over the
+    CP ranks), without EP (its token all-to-all and global router terms are not written for split sequences)."""
     if cp == 1:
         return
-    if style == "ring":
-        raise ConfigError(f"parallel.cp_style=ring is not built yet; set parallel.cp_style=ulysses with a "
-                          f"parallel.cp (now {cp}) that divides the model's attention heads")
-    if tp > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.tp={tp} is not supported yet (both split the attention "
-                          "heads); set parallel.tp=1 and use parallel.dp_shard for the other ranks, or parallel.cp=1")
     if ep > 1:
         raise ConfigError(f"parallel.cp={cp} with parallel.ep={ep} is not supported yet; set parallel.ep=1 or "
                           "parallel.cp=1")
@@ -222,11 +218,13 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
     experts into `ep` parts; refuse a model whose numbers do not divide, naming them (config: a transformers
     PretrainedConfig)."""
     _check_experts_fit(dims.ep, config)
-    check_cp_fits(dims.cp, config)
     check_pp_fits(dims.pp, config)
-    if dims.tp == 1:
-        return
-    tp = dims.tp
+    if dims.tp > 1:
+        _check_tp_fits(dims.tp, config, check_vocab)
+    check_cp_fits(dims.cp, config, dims.cp_style, dims.tp)  # after TP's: Ulysses splits each TP rank's heads
+
+
+def _check_tp_fits(tp: int, config, check_vocab: bool) -> None:
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     checks = [
@@ -250,23 +248,55 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
         )
 
 
-def check_cp_fits(cp: int, config) -> None:
+def check_cp_fits(cp: int, config, style: str = "ulysses", tp: int = 1) -> None:
     """Ulysses gives each of the `cp` ranks heads / cp whole query heads over the whole sequence: `cp` divides the
-    heads; the KV heads are split the same way, or repeated up to `cp` when there are fewer (then `cp` must be a
-    multiple of them, so that each rank's query heads share one KV head). Attention over whole sequences knows no
-    sliding window, and MoE router terms are not split over pieces: both refused."""
+    heads (with TP, the heads / tp of a TP rank, checked divisible by TP before); the KV heads are split the same
+    way, or repeated up to `cp` when there are fewer (then `cp` must be a multiple of them, so that each rank's
+    query heads share one KV head). Ring attention keeps every head of its TP rank on every CP rank (any `cp`), and
+    computes its blocks without dropout. Attention over whole sequences knows no sliding window, and MoE router
+    terms are not split over pieces: both refused."""
     if cp == 1:
+        return
+    if style == "ring":
+        dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+        if dropout > 0:
+            raise ConfigError(f"parallel.cp_style=ring computes attention without dropout, and this model has "
+                              f"attention_dropout={dropout}; set model.config.attention_dropout=0 or "
+                              "parallel.cp_style=ulysses")
+        _check_cp_model(cp, config)
         return
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads is not None and heads % cp:
+    if tp > 1:
+        _check_ulysses_tp_heads(cp, tp, heads, kv_heads)
+    elif heads is not None and heads % cp:
         raise ConfigError(f"parallel.cp={cp} does not divide the model's attention heads (num_attention_heads="
                           f"{heads}), which Ulysses splits over the context-parallel ranks; use a parallel.cp that "
-                          f"divides {heads}")
-    if kv_heads is not None and kv_heads % cp and cp % kv_heads:
+                          f"divides {heads}, or parallel.cp_style=ring")
+    elif kv_heads is not None and kv_heads % cp and cp % kv_heads:
         raise ConfigError(f"parallel.cp={cp} neither divides nor is a multiple of the model's key/value heads "
                           f"(num_key_value_heads={kv_heads}); use a parallel.cp that divides {kv_heads} or is a "
-                          f"multiple of it")
+                          f"multiple of it, or parallel.cp_style=ring")
+    _check_cp_model(cp, config)
+
+
+def _check_ulysses_tp_heads(cp: int, tp: int, heads: int | None, kv_heads: int | None) -> None:
+    """Under TP, Ulysses splits the heads of one TP rank (heads / tp, KV heads / tp) over the CP ranks."""
+    if heads is not None and (heads // tp) % cp:
+        raise ConfigError(f"parallel.cp={cp} does not divide the attention heads of a tensor-parallel rank "
+                          f"(num_attention_heads={heads} / parallel.tp={tp} = {heads // tp}), which Ulysses splits "
+                          f"over the context-parallel ranks; use a parallel.cp that divides {heads // tp} or "
+                          "parallel.cp_style=ring")
+    local_kv = kv_heads // tp if kv_heads is not None else None
+    if local_kv is not None and local_kv % cp and cp % local_kv:
+        raise ConfigError(f"parallel.cp={cp} neither divides nor is a multiple of the key/value heads of a "
+                          f"tensor-parallel rank (num_key_value_heads={kv_heads} / parallel.tp={tp} = {local_kv}); "
+                          f"use a parallel.cp that divides {local_kv} or is a multiple of it, or "
+                          "parallel.cp_style=ring")
+
+
+def _check_cp_model(cp: int, config) -> None:
+    """What neither CP style is built for: a sliding window, mixture-of-experts routers."""
     if getattr(config, "sliding_window", None):
         raise ConfigError(f"parallel.cp={cp} attends over whole sequences, and this {config.model_type} model has a "
                           f"sliding window of {config.sliding_window} tokens; set parallel.cp=1")

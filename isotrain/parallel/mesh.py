@@ -22,11 +22,12 @@ the loss, computed on the last stage only, is summed over "pp", and the gradient
 once (train/step.py). The "dp" group, the sub-meshes FSDP2 shards over and the "tp" axis of a rank are those of its
 "pp" coordinate: a stage's gradients are reduced over the DP ranks of that stage alone.
 
-Gradients under CP: every CP rank backpropagates the loss of its own tokens, and the all-to-all's backward carries
-into its activations the gradient of the other ranks' losses, so a replicated weight's whole gradient is the SUM
-over the CP ranks of their parts, exactly as over DP ranks. That is why CP joins the data-parallel axes of the
-gradient reduction: FSDP2 shards over dp_shard × cp (its reduce-scatter sums over both, and each rank keeps
-1/(dp_shard·cp) of the weights and AdamW state), DDP sums over dp_replicate × cp.
+Gradients under CP: every CP rank backpropagates the loss of its own tokens, and the attention's backward (the
+reverse all-to-all, or ring attention's dK/dV sent around the ring) carries into its activations the gradient of
+the other ranks' losses, so a replicated weight's whole gradient is the SUM over the CP ranks of their parts,
+exactly as over DP ranks. That is why CP joins the data-parallel axes of the gradient reduction: FSDP2 shards over
+dp_shard × cp (its reduce-scatter sums over both, and each rank keeps 1/(dp_shard·cp) of the weights and AdamW
+state), DDP sums over dp_replicate × cp, and so does sync_replica_grads under TP without FSDP2.
 """
 
 from __future__ import annotations

@@ -185,8 +185,8 @@ def _context_parallel(options: StepOptions, mb: dict, device: torch.device):
     if parallel is None or parallel.dims.cp == 1:
         return contextlib.nullcontext()
     positions = mb["position_ids"]
-    positions = pad_rows(positions, padded_length(positions.shape[1], parallel.dims.cp), None)
-    return context_parallel_attention(parallel.cp_group, positions.to(device))
+    positions = pad_rows(positions, padded_length(positions.shape[1], parallel.dims.cp, parallel.dims.cp_style), None)
+    return context_parallel_attention(parallel.cp_group, positions.to(device), parallel.dims.cp_style)
 
 
 def _cp_piece(mb: dict, weights: torch.Tensor, options: StepOptions) -> tuple[dict, torch.Tensor]:
@@ -195,7 +195,7 @@ def _cp_piece(mb: dict, weights: torch.Tensor, options: StepOptions) -> tuple[di
     parallel = options.parallel
     if parallel is None or parallel.dims.cp == 1:
         return mb, weights
-    return local_piece(mb, parallel.cp_rank, parallel.dims.cp, weights)
+    return local_piece(mb, parallel.cp_rank, parallel.dims.cp, weights, parallel.dims.cp_style)
 
 
 def _sft_forward(model: nn.Module, mb: dict, options: StepOptions, device: torch.device):

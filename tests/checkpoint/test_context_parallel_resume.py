@@ -1,9 +1,10 @@
-"""Context parallelism end to end, through `isotrain train`: a CP 2 run logs the metrics of one process (the same
-exact counts, the loss and gradient norm to fp32 rounding), its checkpoints hold the one process's weights, and
-a run resumes across CP 2 <-> 1 process with the same data order.
+"""Context parallelism end to end, through `isotrain train`, Ulysses and ring attention: a CP 2 run logs the metrics
+of one process (the same exact counts, the loss and gradient norm to fp32 rounding), its checkpoints hold the one
+process's weights, and a run resumes across CP 2 <-> 1 process with the same data order.
 
 Packed rows (data.packing=true) of the bundled addition example: the packing probe runs on whole rows, every step's
-documents are cut by the CP pieces and masked per document over the whole rows (parallel/cp.py).
+documents are cut by the CP pieces (contiguous for Ulysses, zig-zag for ring) and masked per document over the
+whole rows (parallel/cp.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ TINY = [
     "logging.progress=false",
 ]
 CP2 = ["parallel.cp=2", "parallel.dp_replicate=1"]
+STYLES = ("ulysses", "ring")
+
+
+def cp2(style: str) -> list[str]:
+    return [*CP2, f"parallel.cp_style={style}"]
 EXACT = ("tokens_seen", "trained_tokens", "samples_seen", "lr")
 
 
@@ -71,11 +77,11 @@ def assert_same_weights(got_dir, expected_dir) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """8 uninterrupted steps on one process and on CP 2, checkpoints at 4 and 8."""
+    """8 uninterrupted steps on one process and on CP 2 of each style, checkpoints at 4 and 8:
+    (single run dir, {style: (run dir, process)})."""
     root = tmp_path_factory.mktemp("cp-runs")
     train(1, root / "single")
-    proc = train(2, root / "cp2", *CP2)
-    return root / "single", root / "cp2", proc
+    return root / "single", {style: (root / style, train(2, root / style, *cp2(style))) for style in STYLES}
 
 
 def _from_step_4(source, run_dir):
@@ -86,8 +92,10 @@ def _from_step_4(source, run_dir):
 
 
 @pytest.mark.slow
-def test_cp2_run_logs_the_metrics_and_saves_the_weights_of_one_process(runs):
-    single, cp2, proc = runs
+@pytest.mark.parametrize("style", STYLES)
+def test_cp2_run_logs_the_metrics_and_saves_the_weights_of_one_process(runs, style):
+    single, styles = runs
+    cp2, proc = styles[style]
     assert re.search(r"│ cp +│ 2 +│", proc.stdout), proc.stdout[:2000]  # the start-up table of degrees and sizes
     assert_same_run(metrics(cp2), metrics(single))
     for step in ("step-00000004", "step-00000008"):
@@ -95,12 +103,24 @@ def test_cp2_run_logs_the_metrics_and_saves_the_weights_of_one_process(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("saved_on, resumed_on", [("cp2", 1), ("single", 2)], ids=["cp2-to-1", "1-to-cp2"])
-def test_resume_across_cp_continues_the_same_run(tmp_path, runs, saved_on, resumed_on):
-    single, cp2, _ = runs
+def test_resume_across_cp_continues_the_same_run(tmp_path, runs, saved_on, resumed_on, style):
+    single, styles = runs
     run_dir = tmp_path / "resumed"
-    _from_step_4(cp2 if saved_on == "cp2" else single, run_dir)
-    proc = train(resumed_on, run_dir, *(CP2 if resumed_on == 2 else []))
+    _from_step_4(styles[style][0] if saved_on == "cp2" else single, run_dir)
+    proc = train(resumed_on, run_dir, *(cp2(style) if resumed_on == 2 else []))
     assert "resumed from" in proc.stdout
     assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
     assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")
+
+
+@pytest.mark.slow
+def test_tp2_x_ring_cp2_run_logs_the_metrics_and_saves_the_weights_of_one_process(tmp_path, runs):
+    """4 ranks, TP 2 × ring CP 2: each TP rank's heads attend around the CP ring (the vocabulary-parallel loss on
+    each piece); the same metrics rows and checkpoint weights as one process."""
+    single, _ = runs
+    train(4, tmp_path / "tp2-cp2", *cp2("ring"), "parallel.tp=2")
+    assert_same_run(metrics(tmp_path / "tp2-cp2"), metrics(single))
+    for step in ("step-00000004", "step-00000008"):
+        assert_same_weights(tmp_path / "tp2-cp2" / "checkpoints" / step, single / "checkpoints" / step)

@@ -4,7 +4,8 @@ Launched by test_equivalence.py with torchrun (real processes, gloo) or in-proce
     equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive|ac] [chunk=N]
 LAYOUTS: e.g. 2x1x1,1x2x1,1x1x2 = DDP, FSDP2, TP (dp_replicate x dp_shard x tp), with an optional 4th degree
 for expert parallelism (1x2x1x2 = FSDP2 2 with EP 2, for the MoE families) and an optional 5th for context
-parallelism (1x1x1x1x2 = CP 2 alone, 1x2x1x1x2 = FSDP2 2 × CP 2: ParallelDims' field order), and a pipeline-parallel
+parallelism (1x1x1x1x2 = CP 2 alone, 1x2x1x1x2 = FSDP2 2 × CP 2: ParallelDims' field order; Ulysses, or ring attention
+with `:ring`, 1x1x1x1x2:ring keyed (1, 1, 1, 1, 2, "ring")), and a pipeline-parallel
 degree and schedule after a colon (1x1x1:pp2-gpipe = PP 2 with GPipe, keyed ("pp", 2, "gpipe"); 1x2x1:pp2-1f1b = PP 2 ×
 FSDP2 2, keyed ("pp", 2, "1f1b", (1, 2, 1))); `ac` checkpoints every
 decoder layer's activations. One launch covers every given layout (a mesh and a model each), both loss
@@ -71,6 +72,8 @@ FAMILIES = {
     "llama_4layers": {"num_hidden_layers": 4},
     # One KV head: fewer than any context-parallel degree, so Ulysses repeats it (multi-query attention).
     "llama_mqa": {"num_key_value_heads": 1},
+    # Two heads and one KV head: fewer than a ring of 4 context-parallel ranks (Ulysses could not split them).
+    "llama_2heads": {"num_attention_heads": 2, "num_key_value_heads": 1},
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 8},
     "mistral": {"model_type": "mistral", "sliding_window": None},
@@ -164,11 +167,14 @@ def _all_stages(tensors: dict, parallel) -> dict:
 
 
 def _parse_layout(text: str):
-    """'1x1x1' -> (1, 1, 1); '1x1x1:pp2-gpipe' -> ((1, 1, 1), 2, 'gpipe')."""
+    """'1x1x1' -> (1, 1, 1); '1x1x1:pp2-gpipe' -> ((1, 1, 1), 2, 'gpipe');
+    '1x1x1x1x2:ring' -> (1, 1, 1, 1, 2, 'ring')."""
     layout, _, pipeline = text.partition(":")
     degrees = tuple(int(x) for x in layout.split("x"))
     if not pipeline:
         return degrees
+    if pipeline == "ring":
+        return (*degrees, "ring")
     pp, schedule = pipeline.removeprefix("pp").split("-")
     return degrees, int(pp), schedule
 
@@ -179,6 +185,8 @@ def _dims(layout) -> tuple[ParallelDims, tuple]:
         degrees, pp, schedule = layout
         key = ("pp", pp, schedule) if degrees == (1, 1, 1) else ("pp", pp, schedule, degrees)
         return ParallelDims(*degrees, pp=pp, pp_schedule=schedule), key
+    if layout[-1] == "ring":
+        return ParallelDims(*layout[:-1], cp_style="ring"), layout
     return ParallelDims(*layout), layout
 
 
@@ -208,8 +216,9 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
                 for dtype in (torch.float32, torch.float64)
             }
     for layout in layouts if chunk_tokens else []:
-        if layout[2] == 1:  # the chunked loss refuses TP
-            parallel = build_parallel(ParallelDims(*layout), info.device, info.rank)
+        dims, layout = _dims(layout)
+        if dims.tp == 1 and dims.pp == 1:  # the chunked loss refuses TP and PP
+            parallel = build_parallel(dims, info.device, info.rank)
             results[("chunked", layout)] = {
                 (reduction, str(dtype)): run_layout(info, parallel, micro_batch, reduction, dtype, naive,
                                                     checkpointing, chunk_tokens=chunk_tokens)

@@ -47,10 +47,17 @@ def _single(tmp_path, micro_batch: int, naive: bool = False, checkpointing: bool
 def _multi(tmp_path, nproc: int, layouts: list[tuple[int, int, int]], micro_batch: int, *flags: str) -> dict:
     """One launch of `nproc` processes runs every layout in turn: {layout: results}."""
     out = tmp_path / f"multi-{nproc}-{micro_batch}-{'-'.join(flags)}.pt"
-    proc = run_forked_ranks(nproc, [str(out), ",".join("x".join(map(str, lay)) for lay in layouts), str(micro_batch),
+    proc = run_forked_ranks(nproc, [str(out), ",".join(_layout_text(lay) for lay in layouts), str(micro_batch),
                             *flags], script=WORKER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
+
+
+def _layout_text(layout: tuple) -> str:
+    """(1, 1, 1, 1, 2) -> '1x1x1x1x2'; a ring-attention layout (1, 1, 1, 1, 2, 'ring') -> '1x1x1x1x2:ring'."""
+    if layout[-1] == "ring":
+        return _layout_text(layout[:-1]) + ":ring"
+    return "x".join(map(str, layout))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-30) -> float:

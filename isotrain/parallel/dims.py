@@ -15,7 +15,7 @@ launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as 
 even share of the decoder layers (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not
 change with it. It composes with data and tensor parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the
 ranks of each stage, TP inside it); CP and EP beside it and the interleaved schedule are refused (`check_pp`), and it
-needs a dense model without tied embeddings that has at least `pp` decoder layers (`check_pp_fits`).
+needs a dense model that has at least `pp` decoder layers (`check_pp_fits`).
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -276,17 +276,14 @@ def check_cp_fits(cp: int, config) -> None:
 
 
 def check_pp_fits(pp: int, config) -> None:
-    """Each stage needs at least one decoder layer; tied input and output embeddings would live on the first and the
-    last stage at once, and MoE router terms pool every layer's routing: both refused for now."""
+    """Each stage needs at least one decoder layer; MoE router terms pool every layer's routing: refused for now.
+    (Tied input and output embeddings are kept on the first and the last stage, one copy each: parallel/pp.py.)"""
     if pp == 1:
         return
     layers = getattr(config, "num_hidden_layers", None)
     if layers is not None and layers < pp:
         raise ConfigError(f"parallel.pp={pp} needs at least {pp} decoder layers, one per stage, but the model has "
                           f"{layers} (num_hidden_layers={layers}); use a parallel.pp of at most {layers}")
-    if getattr(config, "tie_word_embeddings", False):
-        raise ConfigError(f"parallel.pp={pp} puts the input embedding on the first stage and the LM head on the last, "
-                          "but this model ties them (tie_word_embeddings=true); set parallel.pp=1 for this model")
     if is_moe(config):
         raise ConfigError(f"parallel.pp={pp} is not supported for mixture-of-experts models yet (their router terms "
                           "pool every layer's routing); set parallel.pp=1")

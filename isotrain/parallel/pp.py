@@ -16,6 +16,14 @@ its gradients are reduce-scattered over the stage's DP ranks at every micro-batc
 is not wrapped around a stage (a schedule bypasses its forward): the stage's gradients are summed over its DP
 replicas once, after the schedule (parallel/apply.py `sync_replica_grads`).
 
+Tied embeddings (`tie_word_embeddings`, one weight for the input embedding and the LM head): the first stage looks
+tokens up in it and the last stage computes the logits with it, so each of the two keeps a copy, under the input
+embedding's name as one process names it (the last stage keeps its `embed_tokens` module, unused by its forward, whose
+weight is the head's). The copies start equal, and their gradients, each stage's part of the one gradient, are summed
+over the two stages (`sync_tied_grads`, over the group of the first and last stage ranks of each pipeline, as
+Megatron's embedding group) before the norm and the update, so that both take the same step and stay identical; the
+gradient norm counts the weight once (`tied_parameters`) and a checkpoint holds it once (checkpoint/state.py).
+
 Math (invariant 1). The schedule runs the batch plan's gradient-accumulation micro-batches m = 1..M; the loss of
 each is
 
@@ -68,6 +76,11 @@ def _base(model: nn.Module) -> nn.Module:
     return getattr(model, getattr(model, "base_model_prefix", "model"))
 
 
+def ties_embeddings(model: nn.Module) -> bool:
+    """Whether the model's input embedding and LM head are one weight (its config's `tie_word_embeddings`)."""
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
 def apply_pp(model: nn.Module, stage: int, pp: int) -> None:
     """Keep only this stage's part of a causal LM (on meta or materialised), under the full model's names."""
     base = _base(model)
@@ -75,11 +88,32 @@ def apply_pp(model: nn.Module, stage: int, pp: int) -> None:
     for index in range(len(base.layers)):
         if index not in own:
             base.layers[index] = PassThrough()
-    if stage > 0:
+    if stage > 0 and not (stage == pp - 1 and ties_embeddings(model)):  # a tied head keeps its weight's first name
         base.embed_tokens = None
     if stage < pp - 1:  # the top-level forward still runs on every stage (module docstring): identities, not None
         base.norm = nn.Identity()
         model.lm_head = HandOff()
+
+
+def tied_parameters(model: nn.Module, stage: int, pp: int) -> list[nn.Parameter]:
+    """The parameters of this stage that another stage holds a copy of: the tied embedding, on the first and the last
+    stage (`model`: the Hugging Face model, FSDP2's or not)."""
+    if pp == 1 or stage not in (0, pp - 1) or not ties_embeddings(model):
+        return []
+    return [model.get_input_embeddings().weight]
+
+
+def sync_tied_grads(model: nn.Module, stage: int, pp: int, group) -> None:
+    """Sum the tied embedding's gradient over its two copies (`group`: this pipeline's first and last stage ranks),
+    so that each holds the whole gradient. Both copies have the same layout (replicated, or the same FSDP2 or TP boxes
+    on each stage's mesh), so the local parts are summed as they are."""
+    import torch.distributed as dist
+
+    for param in tied_parameters(model, stage, pp):
+        if param.grad is None:  # (both stages use it in every micro-batch; zeros keep the collective matched)
+            param.grad = torch.zeros_like(param)
+        grad = param.grad
+        dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
 
 
 class StageModule(nn.Module):

@@ -76,8 +76,6 @@ def test_unbuilt_combinations_are_refused(settings, sentence):
 @pytest.mark.parametrize("sizes, pp, sentence", [
     (dict(num_hidden_layers=2), 3, "parallel.pp=3 needs at least 3 decoder layers, one per stage, but the model has 2 "
      "(num_hidden_layers=2); use a parallel.pp of at most 2"),
-    (dict(tie_word_embeddings=True), 2, "parallel.pp=2 puts the input embedding on the first stage and the LM head on "
-     "the last, but this model ties them (tie_word_embeddings=true); set parallel.pp=1 for this model"),
     (dict(model_type="qwen3_moe", num_experts=4), 2, "parallel.pp=2 is not supported for mixture-of-experts models "
      "yet (their router terms pool every layer's routing); set parallel.pp=1"),
 ])

@@ -152,3 +152,67 @@ def test_pp2_tp2_on_qwen3_matches_and_a_missing_tp_sum_stops(tmp_path):
                             script=WORKER)
     assert proc.returncode != 0 and not out.exists()
     assert "self_attn.q_norm.weight is replicated over tensor-parallel ranks but differs between them" in proc.stderr
+
+
+TIED = "llama_tied"  # tie_word_embeddings: one weight for the input embedding (first stage) and the head (last)
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory):
+    return _single(tmp_path_factory.mktemp("pp-tied-ref"), micro_batch=8, family=TIED)
+
+
+def _tied(tmp_path, layouts: list[str], *flags: str, nproc: int = 2) -> dict:
+    out = tmp_path / f"tied-{nproc}-{'-'.join(flags)}.pt"
+    proc = run_forked_ranks(nproc, [str(out), ",".join(layouts), str(MICRO_BATCH), f"families={TIED}", *flags],
+                            script=WORKER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+def assert_same_norms(result: dict, reference: dict) -> None:
+    """The gradient norm of every step, the tied weight counted once (1e-6 fp32, 1e-12 fp64)."""
+    for (reduction, dtype), run in result.items():
+        tolerance = 1e-12 if dtype == FP64 else 1e-6
+        assert run["norms"] == pytest.approx(reference[(reduction, dtype)]["norms"], rel=tolerance), (reduction, dtype)
+
+
+TIED_LAYOUTS = {"1x1x1:pp2-1f1b": (TIED, ("pp", 2, "1f1b")), "1x1x1:pp2-gpipe": (TIED, ("pp", 2, "gpipe"))}
+TIED_WITH_DP = {"1x2x1:pp2-1f1b": (TIED, ("pp", 2, "1f1b", (1, 2, 1))),
+                "2x1x1:pp2-gpipe": (TIED, ("pp", 2, "gpipe", (2, 1, 1)))}
+
+
+@pytest.mark.slow
+def test_pp2_with_tied_embeddings_matches_single_process(tmp_path, tied_reference):
+    """Tied embeddings under PP 2 (1F1B and GPipe; one decoder layer per stage): the first stage's copy of the weight
+    and the last stage's, their gradients summed over the two stages, equal one process's one weight (gradient after
+    step 1, weights after 3 steps), stay bitwise equal to each other, and the gradient norm counts the weight once."""
+    results = _tied(tmp_path, list(TIED_LAYOUTS))
+    for key in TIED_LAYOUTS.values():
+        assert_pipeline_equivalent(results[key], tied_reference)
+        assert_same_norms(results[key], tied_reference)
+        for run in results[key].values():
+            assert run["tied_copies_equal"] == [True, True], run["tied_copies_equal"]
+
+
+@pytest.mark.slow
+def test_pp2_with_tied_embeddings_beside_fsdp2_and_ddp_matches_single_process(tmp_path, tied_reference):
+    """PP 2 × FSDP2 2 (1F1B) and PP 2 × DDP 2 (GPipe) with tied embeddings: each copy's gradient summed over its
+    stage's DP ranks and over the two stages."""
+    results = _tied(tmp_path, list(TIED_WITH_DP), nproc=4)
+    for key in TIED_WITH_DP.values():
+        assert_pipeline_equivalent(results[key], tied_reference)
+        assert_same_norms(results[key], tied_reference)
+        for run in results[key].values():
+            assert run["tied_copies_equal"] == [True, True], run["tied_copies_equal"]
+
+
+@pytest.mark.slow
+def test_tied_copies_without_their_gradient_sum_fail_the_equivalence(tmp_path, tied_reference):
+    """Without the sum over the two stages each copy keeps its own stage's part of the gradient (the lookup's on the
+    first, the head's on the last): the copies differ and the equivalence check fails."""
+    key = TIED_LAYOUTS["1x1x1:pp2-1f1b"]
+    result = _tied(tmp_path, ["1x1x1:pp2-1f1b"], "tied_unsummed")[key]
+    with pytest.raises(AssertionError):
+        assert_equivalent(result, tied_reference)
+    assert all(run["tied_copies_equal"] == [False, False] for run in result.values())

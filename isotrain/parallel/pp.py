@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 SCALE_GRADS = False  # never rescale: each micro-batch's loss already carries the global normalisation
 
@@ -106,14 +107,17 @@ def tied_parameters(model: nn.Module, stage: int, pp: int) -> list[nn.Parameter]
 def sync_tied_grads(model: nn.Module, stage: int, pp: int, group) -> None:
     """Sum the tied embedding's gradient over its two copies (`group`: this pipeline's first and last stage ranks),
     so that each holds the whole gradient. Both copies have the same layout (replicated, or the same FSDP2 or TP boxes
-    on each stage's mesh), so the local parts are summed as they are."""
+    on each stage's mesh, once a gradient is laid out as its weight), so the local parts are summed as they are."""
     import torch.distributed as dist
 
     for param in tied_parameters(model, stage, pp):
         if param.grad is None:  # (both stages use it in every micro-batch; zeros keep the collective matched)
             param.grad = torch.zeros_like(param)
         grad = param.grad
-        dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            # TP: the vocabulary-parallel lookup's gradient comes back replicated (or partial): the weight's rows first
+            grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
 
 class StageModule(nn.Module):

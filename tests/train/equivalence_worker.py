@@ -69,6 +69,7 @@ FAMILIES = {
     "llama_tied": {"model_type": "llama", "tie_word_embeddings": True},
     # Four decoder layers: two per stage under pipeline parallelism 2.
     "llama_4layers": {"num_hidden_layers": 4},
+    "llama_tied_4layers": {"model_type": "llama", "tie_word_embeddings": True, "num_hidden_layers": 4},
     # One KV head: fewer than any context-parallel degree, so Ulysses repeats it (multi-query attention).
     "llama_mqa": {"num_key_value_heads": 1},
     "qwen2": {"model_type": "qwen2"},

@@ -41,6 +41,7 @@ and it trains nothing), and a stage and its schedule are built once for each sha
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -82,18 +83,48 @@ def ties_embeddings(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
 
-def apply_pp(model: nn.Module, stage: int, pp: int) -> None:
-    """Keep only this stage's part of a causal LM (on meta or materialised), under the full model's names."""
+def rank_stages(rank: int, pp: int, per_rank: int = 1) -> list[int]:
+    """The stages of the pipeline rank `rank`: `per_rank` of the pp·per_rank stages, in torch's loop order (rank r
+    holds stages r, r + pp, r + 2·pp, ...), so that consecutive stages sit on consecutive ranks."""
+    return [rank + k * pp for k in range(per_rank)]
+
+
+def apply_pp(model: nn.Module, rank: int, pp: int, per_rank: int = 1) -> None:
+    """Keep only this rank's stages of a causal LM (on meta or materialised), under the full model's names: the layers
+    of each of its `per_rank` stages (parallel.pp_stages_per_rank), the input embedding on the rank of the first
+    stage (rank 0) and the final norm and head on the rank of the last (rank pp - 1)."""
     base = _base(model)
-    own = stage_layers(len(base.layers), pp, stage)
+    num_stages = pp * per_rank
+    own = {index for stage in rank_stages(rank, pp, per_rank)
+           for index in stage_layers(len(base.layers), num_stages, stage)}
     for index in range(len(base.layers)):
         if index not in own:
             base.layers[index] = PassThrough()
-    if stage > 0 and not (stage == pp - 1 and ties_embeddings(model)):  # a tied head keeps its weight's first name
+    if rank > 0 and not (rank == pp - 1 and ties_embeddings(model)):  # a tied head keeps its weight's first name
         base.embed_tokens = None
-    if stage < pp - 1:  # the top-level forward still runs on every stage (module docstring): identities, not None
+    if rank < pp - 1:  # the top-level forward still runs on every stage (module docstring): identities, not None
         base.norm = nn.Identity()
         model.lm_head = HandOff()
+
+
+def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """The model as stage `stage` runs it when its rank holds several stages (interleaved schedules): a shallow copy
+    whose module tables are its own, sharing every parameter and layer with `model`, in which the rank's other
+    stages' layers pass through, a stage after the first has no input embedding and a stage before the last hands
+    its hidden states on (no final norm, no head): each parameter belongs to the view of one stage."""
+    base = _base(model)
+    view, view_base = copy.copy(model), copy.copy(base)
+    view._modules, view_base._modules = dict(model._modules), dict(base._modules)
+    view._modules[getattr(model, "base_model_prefix", "model")] = view_base
+    own = stage_layers(len(base.layers), num_stages, stage)
+    view_base._modules["layers"] = nn.ModuleList(
+        [layer if index in own else PassThrough() for index, layer in enumerate(base.layers)])
+    if stage > 0:  # (a later stage is given hidden states)
+        view_base._modules["embed_tokens"] = None
+    if stage < num_stages - 1:
+        view_base._modules["norm"] = nn.Identity()
+        view._modules["lm_head"] = HandOff()
+    return view
 
 
 def tied_parameters(model: nn.Module, stage: int, pp: int) -> list[nn.Parameter]:
@@ -126,9 +157,9 @@ class StageModule(nn.Module):
     mask) are the micro-batch's own, given to every stage by the schedule; transformers builds the causal mask and
     the rotary embeddings from them on each stage."""
 
-    def __init__(self, model: nn.Module, stage: int):
+    def __init__(self, model: nn.Module, stage: int, num_stages: int, per_rank: int = 1):
         super().__init__()
-        self.model = model
+        self.model = model if per_rank == 1 else stage_view(model, stage, num_stages)
         self.first = stage == 0
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -152,8 +183,8 @@ class Pipeline:
 
     KEPT = 2
 
-    def __init__(self, stage: int, pp: int, group, schedule: str):
-        self.stage, self.pp, self.group, self.schedule = stage, pp, group, schedule
+    def __init__(self, stage: int, pp: int, group, schedule: str, per_rank: int = 1):
+        self.stage, self.pp, self.group, self.schedule, self.per_rank = stage, pp, group, schedule, per_rank
         self.num_builds = 0  # how many stages and schedules this rank has built (tests read it)
         self._model: nn.Module | None = None
         self._kept: dict[tuple, object] = {}  # (micro-batches, their shape) -> schedule, the newest last
@@ -163,12 +194,18 @@ class Pipeline:
         return self._loss_fn(logits, target)
 
     def _build(self, model: nn.Module, num_microbatches: int, device: torch.device):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
 
-        schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
         self.num_builds += 1
-        pipeline_stage = PipelineStage(StageModule(model, self.stage), self.stage, self.pp, device, group=self.group)
-        return schedules[self.schedule](pipeline_stage, n_microbatches=num_microbatches, loss_fn=self._loss,
+        num_stages = self.pp * self.per_rank
+        stages = [PipelineStage(StageModule(model, stage, num_stages, self.per_rank), stage, num_stages, device,
+                                group=self.group) for stage in rank_stages(self.stage, self.pp, self.per_rank)]
+        if self.schedule == "interleaved_1f1b":
+            return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=self._loss,
+                                           scale_grads=SCALE_GRADS)
+        schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+        return schedules[self.schedule](stages[0], n_microbatches=num_microbatches, loss_fn=self._loss,
                                         scale_grads=SCALE_GRADS)
 
     def backward(self, model: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], targets: list[torch.Tensor],

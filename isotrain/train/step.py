@@ -260,7 +260,7 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
     shape); padding weighs 0."""
     parallel = options.parallel
     pipeline = options.pipeline or Pipeline(parallel.pp_rank, parallel.dims.pp, parallel.pp_group,
-                                            parallel.dims.pp_schedule)
+                                            parallel.dims.pp_schedule, parallel.dims.pp_stages_per_rank)
     # One length on every DP rank, so that a stage's DP ranks build their schedules (torch's shape inference runs the
     # stage, FSDP2's collectives included) at the same steps and reuse them at the same steps (parallel/pp.py).
     length = all_reduce_max(max(mb["input_ids"].shape[1] for mb in micro_batches), options.dp_group, device)

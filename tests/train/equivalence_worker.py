@@ -189,7 +189,8 @@ def _dims(layout) -> tuple[ParallelDims, tuple]:
     if isinstance(layout[0], tuple):
         degrees, pp, schedule = layout
         key = ("pp", pp, schedule) if degrees == (1, 1, 1) else ("pp", pp, schedule, degrees)
-        return ParallelDims(*degrees, pp=pp, pp_schedule=schedule), key
+        per_rank = 2 if schedule == "interleaved_1f1b" else 1  # 2 stages per rank
+        return ParallelDims(*degrees, pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank), key
     return ParallelDims(*layout), layout
 
 

@@ -237,3 +237,52 @@ def test_pp4_with_tied_embeddings_matches_single_process(tmp_path):
     assert_same_norms(result, reference)
     for run in result.values():
         assert run["tied_copies_equal"] == [True, True], run["tied_copies_equal"]
+
+
+INTERLEAVED = (FAMILY, ("pp", 2, "interleaved_1f1b"))
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_matches_single_process(tmp_path, reference):
+    """Interleaved 1F1B, 2 stages per rank (4 stages of one decoder layer: rank 0 holds stages 0 and 2, rank 1 stages
+    1 and 3), the 4 micro-batches in one round of 2."""
+    assert_pipeline_equivalent(_pipeline(tmp_path, ["1x1x1:pp2-interleaved_1f1b"])[INTERLEAVED], reference)
+
+
+@pytest.mark.slow
+def test_interleaved_schedule_gradient_scaling_fails_the_equivalence(tmp_path, reference):
+    """The interleaved schedule's own scaling (scale_grads=True) divides every gradient by the 4 micro-batches too."""
+    result = _pipeline(tmp_path, ["1x1x1:pp2-interleaved_1f1b"], "scaled")[INTERLEAVED]
+    with pytest.raises(AssertionError):
+        assert_equivalent(result, reference)
+    scaled, single = result[("token", FP64)], reference[("token", FP64)]
+    for name, grad in single["grads"].items():
+        torch.testing.assert_close(scaled["grads"][name] * GRAD_ACCUM, grad, rtol=1e-10, atol=1e-14)
+
+
+INTERLEAVED_WITH = {"2x1x1:pp2-interleaved_1f1b": (FAMILY, ("pp", 2, "interleaved_1f1b", (2, 1, 1))),
+                    "1x1x2:pp2-interleaved_1f1b": (FAMILY, ("pp", 2, "interleaved_1f1b", (1, 1, 2)))}
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_with_ddp_and_tp_matches_single_process(tmp_path, reference):
+    """Interleaved 1F1B (2 stages per rank) beside DDP 2 and beside TP 2 (4 processes)."""
+    results = _pipeline(tmp_path, list(INTERLEAVED_WITH), nproc=4)
+    for key in INTERLEAVED_WITH.values():
+        assert_pipeline_equivalent(results[key], reference)
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_with_tied_embeddings_matches_single_process(tmp_path):
+    """Interleaved 1F1B with tied embeddings: the copies on rank 0 (stage 0 of 4) and rank 1 (stage 3)."""
+    family = "llama_tied_4layers"
+    out = tmp_path / "tied-interleaved.pt"
+    proc = run_forked_ranks(2, [str(out), "1x1x1:pp2-interleaved_1f1b", str(MICRO_BATCH), f"families={family}"],
+                            script=WORKER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = torch.load(out)[(family, ("pp", 2, "interleaved_1f1b"))]
+    reference = _single(tmp_path, micro_batch=8, family=family)
+    assert_pipeline_equivalent(result, reference)
+    assert_same_norms(result, reference)
+    for run in result.values():
+        assert run["tied_copies_equal"] == [True, True], run["tied_copies_equal"]

@@ -177,3 +177,28 @@ def test_tied_resume_across_pp_continues_the_same_run(tmp_path, tied_runs, saved
     single = tied_runs["single"]
     assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
     assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")
+
+
+FOUR_LAYERS = [*TIED, "model.config.num_hidden_layers=4"]
+INTERLEAVED = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"]
+
+
+@pytest.mark.slow
+def test_interleaved_pp2_run_matches_one_process_and_resumes_on_it(tmp_path):
+    """isotrain train with interleaved 1F1B (4 stages of one layer, 2 per rank; the recipe's tied embeddings) logs one
+    process's metrics and saves its weights, and its checkpoint resumes on one process and continues the same run."""
+    runs = {}
+    for name, nproc, flags in (("single", 1, []), ("interleaved", 2, INTERLEAVED)):
+        proc = run_forked_ranks(nproc, ["train", *FOUR_LAYERS, f"output_dir={tmp_path / name}", *flags])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = tmp_path / name
+    single, interleaved = runs["single"], runs["interleaved"]
+    assert_same_run(metrics(interleaved), metrics(single))
+    for step in ("step-00000004", "step-00000008"):
+        assert_same_weights(interleaved / "checkpoints" / step, single / "checkpoints" / step)
+    run_dir = tmp_path / "resumed"
+    _from_step_4(interleaved, run_dir)
+    proc = run_forked_ranks(1, ["train", *FOUR_LAYERS, f"output_dir={run_dir}"])
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
+    assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")

@@ -252,7 +252,7 @@ def pipeline_items(items: list[Item], group, shared: frozenset[str] = frozenset(
         for b in by_holders:
             if len(a) > len(b) and set(a) & set(b) and not all(_of_shared(key, shared) for key in by_holders[a]):
                 raise CheckpointError(f"two pipeline stages hold {by_holders[a][0]!r}; each tensor must belong to one "
-                                      "stage (a tied embedding is refused under parallel.pp)")
+                                      "stage (only a tied embedding's copies are held by two)")
     return merged
 
 

@@ -136,6 +136,13 @@ def test_config_show_refuses_more_interleaved_stages_than_layers(capsys):
                           "parallel.pp_schedule=1f1b with parallel.pp_stages_per_rank=1")
 
 
+def test_estimate_memory_refuses_pipeline_stages(capsys):
+    proc = cli(capsys, ["estimate-memory", *TINY, "parallel.pp=2", "train.global_batch_size=8",
+                        "train.micro_batch_size=2", "--world-size", "2"])
+    assert_error_sentence(proc, "isotrain estimate-memory does not estimate pipeline stages yet (parallel.pp=2: each "
+                          "stage's tensors and the schedule's activations in flight); estimate with parallel.pp=1")
+
+
 def test_config_show_refuses_more_stages_than_layers(capsys):
     proc = cli(capsys, ["config", "show", *TINY, "parallel.pp=3", "train.global_batch_size=6",
                         "train.micro_batch_size=2", "--world-size", "3"])

@@ -250,6 +250,12 @@ def test_pp2_interleaved_matches_single_process(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_pp2_interleaved_with_activation_checkpointing_matches_single_process(tmp_path, reference):
+    """Each stage's view recomputes its own layers in backward (the layers are the rank's model's, shared)."""
+    assert_equivalent(_pipeline(tmp_path, ["1x1x1:pp2-interleaved_1f1b"], "ac")[INTERLEAVED], reference)
+
+
+@pytest.mark.slow
 def test_interleaved_schedule_gradient_scaling_fails_the_equivalence(tmp_path, reference):
     """The interleaved schedule's own scaling (scale_grads=True) divides every gradient by the 4 micro-batches too."""
     result = _pipeline(tmp_path, ["1x1x1:pp2-interleaved_1f1b"], "scaled")[INTERLEAVED]

@@ -18,6 +18,11 @@ the last stage's gradients left unsummed over its DDP replicas.
 Each rank builds its stage and schedule once for each padded shape of the micro-batches (the longest of the step
 over DP) and reuses it: the 3 steps here have 2 shapes, and every equivalence test also checks that only 2 were built.
 
+Tied embeddings (a copy of the weight on the first and on the last stage, their gradients summed over the two) on PP
+2 (1F1B, GPipe), PP 2 × FSDP2 2, × DDP 2, × TP 2 and PP 4 compare the gradient norms too and check that the two copies
+stay bitwise equal; without the sum the equivalence fails. Interleaved 1F1B (2 stages per rank: 4 one-layer stages)
+alone, with activation checkpointing, beside DDP 2 and TP 2, and with tied embeddings.
+
 The control: torch's schedules divide every gradient by the number of micro-batches unless built with
 `scale_grads=False`. With that scaling on, the losses stay those of one process but every gradient is a quarter of
 it, and the equivalence check fails.

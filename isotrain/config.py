@@ -368,8 +368,16 @@ class ParallelConfig(Section):
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
         "1f1b",
         description="Order in which the stages run the micro-batches' forward and backward passes: `1f1b` (one "
-        "forward, one backward; activations of at most `pp` micro-batches in flight) or `gpipe` (all forwards, then "
-        "all backwards); `interleaved_1f1b` (several stages per rank) is not built yet.",
+        "forward, one backward; activations of at most `pp` micro-batches in flight), `gpipe` (all forwards, then "
+        "all backwards) or `interleaved_1f1b` (parallel.pp_stages_per_rank stages on each rank, which shrinks the "
+        "bubble by that factor; the micro-batches a multiple of `pp`; not with FSDP2 yet).",
+    )
+    pp_stages_per_rank: int = Field(
+        1,
+        gt=0,
+        description="Stages each pipeline rank holds (interleaved_1f1b only, 2 or more; 1 otherwise): the decoder "
+        "layers split evenly into pp × pp_stages_per_rank stages, rank r holding stages r, r + pp, r + 2·pp, ...; "
+        "the model needs at least that many decoder layers.",
     )
     pp_microbatches: int | None = Field(
         None,
@@ -991,8 +999,8 @@ _VALID = {
     "rl.rollout_is_cap": "a finite number > 0, e.g. 2.0",
     "rl.rollout_mask_low": "a finite number >= 0 and <= 1, e.g. 0.5",
     "rl.rollout_mask_high": "a finite number >= 1, e.g. 2.0",
-    "parallel.pp_schedule": "parallel.pp_schedule=1f1b or parallel.pp_schedule=gpipe (interleaved_1f1b is not "
-                            "built yet)",
+    "parallel.pp_schedule": "parallel.pp_schedule=1f1b, parallel.pp_schedule=gpipe or parallel.pp_schedule="
+                            "interleaved_1f1b (with parallel.pp_stages_per_rank=2 or more)",
     "parallel.timeout_s": "a finite number of seconds > 0, e.g. 600 (longer than a step or a save takes)",
     "checkpoint.preempt_grace_s": "a finite number of seconds > 0, e.g. 90, or null to always save after a signal",
 }

@@ -43,6 +43,7 @@ from isotrain.config import RunConfig, dump_config
 from isotrain.errors import CheckpointError, ConfigError
 from isotrain.models.unwrap import hf_model, is_lora, model_tensors
 from isotrain.parallel.dims import restart_count
+from isotrain.parallel.pp import ties_embeddings
 
 MODEL_DIR = "model"
 SFT_COUNTERS = ("tokens_seen", "trained_tokens", "samples_seen")
@@ -284,6 +285,15 @@ class CheckpointManager:
             reader.close()
         return state, weights_only, problem
 
+    def _shared_tensors(self) -> frozenset[str]:
+        """Under pipeline parallelism, the names of this stage's model tensors of which another stage holds a copy
+        (a tied embedding, on the first and last stage)."""
+        model = hf_model(self.model)
+        embedding = model.get_input_embeddings()  # (none on a stage in between: parallel/pp.py)
+        if not ties_embeddings(model) or embedding is None:
+            return frozenset()
+        return frozenset(name for name, t in model_tensors(self.model).items() if t is embedding.weight)
+
     def _other_stages_tensors(self) -> frozenset[str]:
         """Under pipeline parallelism, the names of the tensors the other stages hold (gathered from every rank)."""
         if self.cfg.parallel.pp == 1:
@@ -350,7 +360,7 @@ class CheckpointManager:
         """The tensors a save of this kind writes, each with its owner rank."""
         items = collect_items(self.model, self.optimizer, self.save_dtype)
         if self.cfg.parallel.pp > 1:  # every stage's tensors, each written by a rank of its stage
-            items = pipeline_items(items, self.group)
+            items = pipeline_items(items, self.group, self._shared_tensors())
         if kind == "model":
             items = [item for item in items if item.kind == "model"]
         else:

@@ -217,19 +217,22 @@ def component_items(prefix: str, model: nn.Module, optimizer: torch.optim.Optimi
     return items + _optimizer_items(optimizer, params, f"{prefix}.", master=False)
 
 
-def pipeline_items(items: list[Item], group) -> list[Item]:
+def pipeline_items(items: list[Item], group, shared: frozenset[str] = frozenset()) -> list[Item]:
     """Under pipeline parallelism each rank holds its stage's tensors only, under the full model's names: every
     stage's items, stage after stage (one order all ranks share), each held, and so written, by the ranks of its own
     stage alone; another stage's item is a name, a shape and a dtype here (`local` is never read on a rank that does
     not hold it). With data parallelism beside the pipeline, a stage's DP ranks hold its tensors whole (DDP) or in
     boxes (FSDP2), and the other stages' ranks hold an empty box of them (`_within`). The files and their index are
-    then those of one process. `group`: every rank of the run."""
+    then those of one process. `group`: every rank of the run. `shared`: the model tensors of this stage that another holds copies of
+    (a tied embedding, on the first and last stage: parallel/pp.py), each held by both stages' ranks, written once
+    from either copy, with its optimizer state."""
     mine = [(item.key, item.kind, item.shape, item.dtype, item.shard) for item in items]
     gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (dist.get_rank(), mine), group=group)
+    dist.all_gather_object(gathered, (dist.get_rank(), mine, sorted(shared)), group=group)
+    shared = frozenset(name for _, _, names in gathered for name in names)  # (the stages in between hold none)
     own = {item.key: item for item in items}
     described, ranks = {}, {}
-    for rank, listed in sorted(gathered, key=lambda entry: entry[0]):
+    for rank, listed, _ in sorted(gathered, key=lambda entry: entry[0]):
         for key, kind, shape, dtype, shard in listed:
             described.setdefault(key, (kind, shape, dtype, shard))
             ranks.setdefault(key, []).append(rank)
@@ -247,10 +250,15 @@ def pipeline_items(items: list[Item], group) -> list[Item]:
         by_holders.setdefault(item.holders, []).append(item.key)
     for a in by_holders:
         for b in by_holders:
-            if len(a) > len(b) and set(a) & set(b):
+            if len(a) > len(b) and set(a) & set(b) and not all(_of_shared(key, shared) for key in by_holders[a]):
                 raise CheckpointError(f"two pipeline stages hold {by_holders[a][0]!r}; each tensor must belong to one "
-                                      "stage (a tied embedding is refused under parallel.pp)")
+                                      "stage (only a tied embedding's copies are held by two)")
     return merged
+
+
+def _of_shared(key: str, shared: frozenset[str]) -> bool:
+    """Whether a checkpoint key is one of the `shared` model tensors or its optimizer state (`exp_avg.<name>`, ...)."""
+    return key in shared or key.partition(".")[2] in shared
 
 
 def _within(spec: ShardSpec, ranks: tuple[int, ...]) -> ShardSpec:

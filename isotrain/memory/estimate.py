@@ -292,6 +292,10 @@ def estimate_memory(cfg: TrainRunConfig, world_size: int, dtype: str | None = No
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} cannot be estimated; use one of {', '.join(DTYPES)}")
     degrees = resolve_dims(cfg.parallel, world_size)
+    if degrees.pp > 1:  # a whole-model estimate would overstate a stage's tensors and miss the in-flight activations
+        raise ConfigError(f"isotrain estimate-memory does not estimate pipeline stages yet (parallel.pp={degrees.pp}: "
+                          "each stage's tensors and the schedule's activations in flight); estimate with "
+                          "parallel.pp=1")
     config = checked if checked is not None else checked_config(cfg)
     check_layout_fits(cfg.model, degrees)
     how = "given"

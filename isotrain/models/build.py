@@ -76,6 +76,13 @@ def init_fresh(model: nn.Module, skeleton: PreTrainedModel, seed: int, rank: int
     """
     torch.manual_seed(seed)
     live = dict(model.named_modules())
+    # Every slot of each skeleton parameter: a tied weight is initialised (last) by the module of one slot, which on a
+    # pipeline stage may be another's (the head's init reaches the first stage's copy under the embedding's name).
+    slots: dict[int, list[tuple[str, str]]] = {}
+    for name, module in skeleton.named_modules(remove_duplicate=False):
+        for key, param in module._parameters.items():
+            if param is not None:
+                slots.setdefault(id(param), []).append((name, key))
     for name, module in _post_order(skeleton):
         own = [(key, p) for key, p in module._parameters.items() if p is not None]
         if not own or (only is not None and not any(_join(name, key) in only for key, _ in own)):
@@ -85,8 +92,9 @@ def init_fresh(model: nn.Module, skeleton: PreTrainedModel, seed: int, rank: int
                                                    requires_grad=param.requires_grad)
         skeleton._init_weights(module)
         for key, meta_param in own:
-            target = live[name]._parameters.get(key) if name in live else None
-            if target is not None:  # else another pipeline stage's: drawn all the same, so every stage draws alike
+            targets = {id(t): t for t in (live[other]._parameters.get(other_key) if other in live else None
+                                          for other, other_key in slots[id(meta_param)]) if t is not None}
+            for target in targets.values():  # none: another pipeline stage's, drawn all the same (stages draw alike)
                 copy_into(target, module._parameters[key], rank)
             module._parameters[key] = meta_param
 

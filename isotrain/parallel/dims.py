@@ -15,8 +15,9 @@ launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as 
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
 even share of the decoder layers (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not
 change with it. It composes with data and tensor parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the
-ranks of each stage, TP inside it); CP and EP beside it and the interleaved schedule are refused (`check_pp`), and it
-needs a dense model without tied embeddings that has at least `pp` decoder layers (`check_pp_fits`).
+ranks of each stage, TP inside it); CP and EP beside it, and the interleaved schedule beside FSDP2, are refused
+(`check_pp`, `resolve_dims`), and it needs a dense model that has at least `pp` decoder layers, `pp ×
+pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`).
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -30,7 +31,7 @@ from isotrain.errors import ConfigError
 
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp")  # the degrees that may be -1 ("the rest")
 WORLD_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # every degree that takes ranks, in the mesh's order
-PP_SCHEDULES = ("1f1b", "gpipe")  # the pipeline schedules that are built (parallel/pp.py)
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # the pipeline schedules that are built (parallel/pp.py)
 
 
 def launched_by_torchrun() -> bool:
@@ -54,6 +55,12 @@ class ParallelDims:
     pp: int = 1
     pp_schedule: str = "1f1b"
     cp_style: str = "ulysses"
+    pp_stages_per_rank: int = 1  # interleaved_1f1b: the stages each rank of a pipeline holds
+
+    @property
+    def pp_stages(self) -> int:
+        """The stages of a pipeline: pp ranks, each holding pp_stages_per_rank of them."""
+        return self.pp * self.pp_stages_per_rank
 
     @property
     def fsdp(self) -> bool:
@@ -89,7 +96,8 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     cp = getattr(cfg, "cp", 1)
     check_cp(cp, getattr(cfg, "ep", 1))
     pp, schedule = getattr(cfg, "pp", 1), getattr(cfg, "pp_schedule", "1f1b")
-    check_pp(pp, schedule, {"cp": cp, "ep": getattr(cfg, "ep", 1)})
+    per_rank = getattr(cfg, "pp_stages_per_rank", 1)
+    check_pp(pp, schedule, {"cp": cp, "ep": getattr(cfg, "ep", 1)}, per_rank)
     fixed = cp * pp
     for value in degrees.values():
         fixed *= value if value != -1 else 1
@@ -107,7 +115,12 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     # One torchrun process joins a process group of one (parallel/dist.py), so dp_shard=-1 can shard over it.
     one_rank = cfg.dp_shard == -1 and degrees["dp_shard"] == 1 and launched_by_torchrun()
     dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1), cp=cp, shard_one_rank=one_rank, pp=pp,
-                        pp_schedule=schedule, cp_style=getattr(cfg, "cp_style", "ulysses"))
+                        pp_schedule=schedule, cp_style=getattr(cfg, "cp_style", "ulysses"),
+                        pp_stages_per_rank=per_rank)
+    if dims.pp_stages_per_rank > 1 and dims.fsdp:
+        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b with FSDP2 (parallel.dp_shard={cfg.dp_shard}) is "
+                          "not supported yet (a rank's stages share one FSDP2 root); set parallel.dp_shard=1 and use "
+                          "parallel.dp_replicate for the other ranks, or parallel.pp_schedule=1f1b")
     if dims.world_size != world_size:
         names = [n for n in WORLD_NAMES if n not in ("cp", "pp") or getattr(dims, n) > 1]
         product = " × ".join(str(getattr(dims, n)) for n in names)
@@ -131,14 +144,26 @@ def check_cp(cp: int, ep: int) -> None:
                           "parallel.cp=1")
 
 
-def check_pp(pp: int, schedule: str, others: dict[str, int]) -> None:
-    """What pipeline parallelism is built for: the `1f1b` and `gpipe` schedules, one stage per rank, beside data and
-    tensor parallelism (`others`: the degrees that would need their reductions and meshes carved per stage)."""
+def check_pp(pp: int, schedule: str, others: dict[str, int], per_rank: int = 1) -> None:
+    """What pipeline parallelism is built for: the `1f1b` and `gpipe` schedules with one stage per rank,
+    `interleaved_1f1b` with several (`per_rank`, parallel.pp_stages_per_rank), beside data and tensor parallelism
+    (`others`: the degrees that would need their reductions and meshes carved per stage)."""
     if pp == 1:
+        if per_rank != 1:
+            raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} needs a pipeline; set parallel.pp to 2 or "
+                              "more, or parallel.pp_stages_per_rank=1")
         return
     if schedule not in PP_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={schedule} is not built yet (it needs several stages per rank); "
-                          f"set parallel.pp_schedule to one of {', '.join(PP_SCHEDULES)}")
+        raise ConfigError(f"parallel.pp_schedule={schedule} is not built yet; set parallel.pp_schedule to one of "
+                          f"{', '.join(PP_SCHEDULES)}")
+    if schedule == "interleaved_1f1b" and per_rank < 2:
+        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b runs several stages on each rank, but "
+                          f"parallel.pp_stages_per_rank={per_rank}; set parallel.pp_stages_per_rank=2 or more, or "
+                          "parallel.pp_schedule=1f1b")
+    if schedule != "interleaved_1f1b" and per_rank != 1:
+        raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} needs parallel.pp_schedule=interleaved_1f1b "
+                          f"(parallel.pp_schedule={schedule} runs one stage per rank); set parallel.pp_schedule="
+                          "interleaved_1f1b or parallel.pp_stages_per_rank=1")
     for name, value in others.items():
         if value not in (1, -1):
             raise ConfigError(f"parallel.pp={pp} with parallel.{name}={value} is not supported yet (pipeline "
@@ -218,7 +243,7 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
     experts into `ep` parts; refuse a model whose numbers do not divide, naming them (config: a transformers
     PretrainedConfig)."""
     _check_experts_fit(dims.ep, config)
-    check_pp_fits(dims.pp, config)
+    check_pp_fits(dims.pp, config, dims.pp_stages_per_rank)
     if dims.tp > 1:
         _check_tp_fits(dims.tp, config, check_vocab)
     check_cp_fits(dims.cp, config, dims.cp_style, dims.tp)  # after TP's: Ulysses splits each TP rank's heads
@@ -305,18 +330,22 @@ def _check_cp_model(cp: int, config) -> None:
                           "are formed from whole sequences); set parallel.cp=1")
 
 
-def check_pp_fits(pp: int, config) -> None:
-    """Each stage needs at least one decoder layer; tied input and output embeddings would live on the first and the
-    last stage at once, and MoE router terms pool every layer's routing: both refused for now."""
+def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:
+    """Each stage needs at least one decoder layer; MoE router terms pool every layer's routing: refused for now.
+    (Tied input and output embeddings are kept on the first and the last stage, one copy each: parallel/pp.py.)"""
     if pp == 1:
         return
     layers = getattr(config, "num_hidden_layers", None)
     if layers is not None and layers < pp:
         raise ConfigError(f"parallel.pp={pp} needs at least {pp} decoder layers, one per stage, but the model has "
                           f"{layers} (num_hidden_layers={layers}); use a parallel.pp of at most {layers}")
-    if getattr(config, "tie_word_embeddings", False):
-        raise ConfigError(f"parallel.pp={pp} puts the input embedding on the first stage and the LM head on the last, "
-                          "but this model ties them (tie_word_embeddings=true); set parallel.pp=1 for this model")
+    stages = pp * per_rank
+    if layers is not None and layers < stages:
+        fix = (f"use a parallel.pp_stages_per_rank of at most {layers // pp}" if layers // pp >= 2
+               else "use parallel.pp_schedule=1f1b with parallel.pp_stages_per_rank=1")
+        raise ConfigError(f"parallel.pp={pp} × parallel.pp_stages_per_rank={per_rank} = {stages} stages need at "
+                          f"least {stages} decoder layers, one per stage, but the model has {layers} "
+                          f"(num_hidden_layers={layers}); {fix}")
     if is_moe(config):
         raise ConfigError(f"parallel.pp={pp} is not supported for mixture-of-experts models yet (their router terms "
                           "pool every layer's routing); set parallel.pp=1")

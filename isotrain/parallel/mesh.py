@@ -59,6 +59,9 @@ class ParallelState:
     cp_group: object = None  # the ranks that split one micro-batch's sequences; None when cp == 1
     pp_rank: int = 0  # this rank's pipeline stage
     pp_group: object = None  # the ranks that hold the stages of one model; None when pp == 1
+    # The first and last stage ranks of this rank's pipeline (they hold the copies of a tied embedding, parallel/pp.py);
+    # the pp group itself when pp == 2, None when pp == 1 or this rank's stage is in between.
+    embed_group: object = None
 
     @property
     def world_size(self) -> int:
@@ -113,8 +116,10 @@ def build_parallel(dims: ParallelDims, device: torch.device, rank: int,
     if dims.cp > 1:
         cp_meshes = [mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
                      mesh["dp_replicate", "cp"]._flatten("dp_replicate_cp")]
+    embed_group = _embed_group(dims, mesh, rank)
     set_timeouts([*mesh.get_all_groups(), dp.get_group(), *(ep_mesh.get_all_groups() if ep_mesh else []),
-                  *(m.get_group() for m in cp_meshes)], timeout_s)
+                  *(m.get_group() for m in cp_meshes), *([embed_group] if embed_group is not None else [])],
+                 timeout_s)
     return ParallelState(
         dims=dims,
         mesh=mesh,
@@ -128,4 +133,20 @@ def build_parallel(dims: ParallelDims, device: torch.device, rank: int,
         cp_group=mesh["cp"].get_group() if dims.cp > 1 else None,
         pp_rank=mesh["pp"].get_local_rank(),
         pp_group=mesh["pp"].get_group() if dims.pp > 1 else None,
+        embed_group=embed_group,
     )
+
+
+def _embed_group(dims: ParallelDims, mesh: DeviceMesh, rank: int):
+    """The group of the first and last stage ranks of this rank's pipeline (every rank creates every pipeline's, as
+    torch.distributed.new_group requires); None for a rank of a stage in between, or without pipeline parallelism."""
+    if dims.pp == 1:
+        return None
+    if dims.pp == 2:
+        return mesh["pp"].get_group()
+    mine = None
+    for pipeline in mesh.mesh.reshape(dims.pp, -1).T.tolist():  # each column: one pipeline's ranks, stage by stage
+        group = torch.distributed.new_group([pipeline[0], pipeline[-1]])
+        if rank in (pipeline[0], pipeline[-1]):
+            mine = group
+    return mine

@@ -1,5 +1,5 @@
-"""Pipeline parallelism (parallel.pp): a Hugging Face causal LM split into stages, one per rank, run by the schedules
-of `torch.distributed.pipelining` (1F1B, GPipe).
+"""Pipeline parallelism (parallel.pp): a Hugging Face causal LM split into stages, one per rank (1F1B, GPipe) or
+several (interleaved 1F1B), run by the schedules of `torch.distributed.pipelining`.
 
 Stages. Stage s of `pp` holds the decoder layers `stage_layers(L, pp, s)`, an even split in order (the first
 L mod pp stages take one more); the first stage also holds the input embedding, the last the final norm and the LM
@@ -9,12 +9,24 @@ later stage's embedding is removed and an earlier stage's final norm is the iden
 `named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one
 process uses, and a model built on meta materialises only them (models/build.py).
 
+Several stages per rank (`interleaved_1f1b`, parallel.pp_stages_per_rank = V): the layers split into pp·V stages and
+rank r holds stages r, r + pp, ... (`rank_stages`), all in its one model as above; each of its stages runs a
+`stage_view` of that model, which shares its parameters and lets the rank's other stages' layers pass through.
+
 Data parallelism beside it (a `pp × dp` mesh, parallel/mesh.py): the DP ranks of one stage hold the same stage and
 run different micro-batches. Every stage runs the Hugging Face model's own top-level forward, so that FSDP2, which
 wraps it as its root, gathers the root's tensors (embedding, final norm, head) there as it does without a pipeline;
 its gradients are reduce-scattered over the stage's DP ranks at every micro-batch's backward (a sum of sums). DDP
 is not wrapped around a stage (a schedule bypasses its forward): the stage's gradients are summed over its DP
 replicas once, after the schedule (parallel/apply.py `sync_replica_grads`).
+
+Tied embeddings (`tie_word_embeddings`, one weight for the input embedding and the LM head): the first stage looks
+tokens up in it and the last stage computes the logits with it, so each of the two keeps a copy, under the input
+embedding's name as one process names it (the last stage keeps its `embed_tokens` module, unused by its forward, whose
+weight is the head's). The copies start equal, and their gradients, each stage's part of the one gradient, are summed
+over the two stages (`sync_tied_grads`, over the group of the first and last stage ranks of each pipeline, as
+Megatron's embedding group) before the norm and the update, so that both take the same step and stay identical; the
+gradient norm counts the weight once (`tied_parameters`) and a checkpoint holds it once (checkpoint/state.py).
 
 Math (invariant 1). The schedule runs the batch plan's gradient-accumulation micro-batches m = 1..M; the loss of
 each is
@@ -33,10 +45,12 @@ and it trains nothing), and a stage and its schedule are built once for each sha
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 SCALE_GRADS = False  # never rescale: each micro-batch's loss already carries the global normalisation
 
@@ -68,18 +82,77 @@ def _base(model: nn.Module) -> nn.Module:
     return getattr(model, getattr(model, "base_model_prefix", "model"))
 
 
-def apply_pp(model: nn.Module, stage: int, pp: int) -> None:
-    """Keep only this stage's part of a causal LM (on meta or materialised), under the full model's names."""
+def ties_embeddings(model: nn.Module) -> bool:
+    """Whether the model's input embedding and LM head are one weight (its config's `tie_word_embeddings`)."""
+    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+def rank_stages(rank: int, pp: int, per_rank: int = 1) -> list[int]:
+    """The stages of the pipeline rank `rank`: `per_rank` of the pp·per_rank stages, in torch's loop order (rank r
+    holds stages r, r + pp, r + 2·pp, ...), so that consecutive stages sit on consecutive ranks."""
+    return [rank + k * pp for k in range(per_rank)]
+
+
+def apply_pp(model: nn.Module, rank: int, pp: int, per_rank: int = 1) -> None:
+    """Keep only this rank's stages of a causal LM (on meta or materialised), under the full model's names: the layers
+    of each of its `per_rank` stages (parallel.pp_stages_per_rank), the input embedding on the rank of the first
+    stage (rank 0) and the final norm and head on the rank of the last (rank pp - 1)."""
     base = _base(model)
-    own = stage_layers(len(base.layers), pp, stage)
+    num_stages = pp * per_rank
+    own = {index for stage in rank_stages(rank, pp, per_rank)
+           for index in stage_layers(len(base.layers), num_stages, stage)}
     for index in range(len(base.layers)):
         if index not in own:
             base.layers[index] = PassThrough()
-    if stage > 0:
+    if rank > 0 and not (rank == pp - 1 and ties_embeddings(model)):  # a tied head keeps its weight's first name
         base.embed_tokens = None
-    if stage < pp - 1:  # the top-level forward still runs on every stage (module docstring): identities, not None
+    if rank < pp - 1:  # the top-level forward still runs on every stage (module docstring): identities, not None
         base.norm = nn.Identity()
         model.lm_head = HandOff()
+
+
+def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """The model as stage `stage` runs it when its rank holds several stages (interleaved schedules): a shallow copy
+    whose module tables are its own, sharing every parameter and layer with `model`, in which the rank's other
+    stages' layers pass through, a stage after the first has no input embedding and a stage before the last hands
+    its hidden states on (no final norm, no head): each parameter belongs to the view of one stage."""
+    base = _base(model)
+    view, view_base = copy.copy(model), copy.copy(base)
+    view._modules, view_base._modules = dict(model._modules), dict(base._modules)
+    view._modules[getattr(model, "base_model_prefix", "model")] = view_base
+    own = stage_layers(len(base.layers), num_stages, stage)
+    view_base._modules["layers"] = nn.ModuleList(
+        [layer if index in own else PassThrough() for index, layer in enumerate(base.layers)])
+    if stage > 0:  # (a later stage is given hidden states)
+        view_base._modules["embed_tokens"] = None
+    if stage < num_stages - 1:
+        view_base._modules["norm"] = nn.Identity()
+        view._modules["lm_head"] = HandOff()
+    return view
+
+
+def tied_parameters(model: nn.Module, stage: int, pp: int) -> list[nn.Parameter]:
+    """The parameters of this stage that another stage holds a copy of: the tied embedding, on the first and the last
+    stage (`model`: the Hugging Face model, FSDP2's or not)."""
+    if pp == 1 or stage not in (0, pp - 1) or not ties_embeddings(model):
+        return []
+    return [model.get_input_embeddings().weight]
+
+
+def sync_tied_grads(model: nn.Module, stage: int, pp: int, group) -> None:
+    """Sum the tied embedding's gradient over its two copies (`group`: this pipeline's first and last stage ranks),
+    so that each holds the whole gradient. Both copies have the same layout (replicated, or the same FSDP2 or TP boxes
+    on each stage's mesh, once a gradient is laid out as its weight), so the local parts are summed as they are."""
+    import torch.distributed as dist
+
+    for param in tied_parameters(model, stage, pp):
+        if param.grad is None:  # (both stages use it in every micro-batch; zeros keep the collective matched)
+            param.grad = torch.zeros_like(param)
+        grad = param.grad
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            # TP: the vocabulary-parallel lookup's gradient comes back replicated (or partial): the weight's rows first
+            grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
 
 class StageModule(nn.Module):
@@ -88,9 +161,9 @@ class StageModule(nn.Module):
     mask) are the micro-batch's own, given to every stage by the schedule; transformers builds the causal mask and
     the rotary embeddings from them on each stage."""
 
-    def __init__(self, model: nn.Module, stage: int):
+    def __init__(self, model: nn.Module, stage: int, num_stages: int, per_rank: int = 1):
         super().__init__()
-        self.model = model
+        self.model = model if per_rank == 1 else stage_view(model, stage, num_stages)
         self.first = stage == 0
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -114,8 +187,8 @@ class Pipeline:
 
     KEPT = 2
 
-    def __init__(self, stage: int, pp: int, group, schedule: str):
-        self.stage, self.pp, self.group, self.schedule = stage, pp, group, schedule
+    def __init__(self, stage: int, pp: int, group, schedule: str, per_rank: int = 1):
+        self.stage, self.pp, self.group, self.schedule, self.per_rank = stage, pp, group, schedule, per_rank
         self.num_builds = 0  # how many stages and schedules this rank has built (tests read it)
         self._model: nn.Module | None = None
         self._kept: dict[tuple, object] = {}  # (micro-batches, their shape) -> schedule, the newest last
@@ -125,12 +198,18 @@ class Pipeline:
         return self._loss_fn(logits, target)
 
     def _build(self, model: nn.Module, num_microbatches: int, device: torch.device):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
 
-        schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
         self.num_builds += 1
-        pipeline_stage = PipelineStage(StageModule(model, self.stage), self.stage, self.pp, device, group=self.group)
-        return schedules[self.schedule](pipeline_stage, n_microbatches=num_microbatches, loss_fn=self._loss,
+        num_stages = self.pp * self.per_rank
+        stages = [PipelineStage(StageModule(model, stage, num_stages, self.per_rank), stage, num_stages, device,
+                                group=self.group) for stage in rank_stages(self.stage, self.pp, self.per_rank)]
+        if self.schedule == "interleaved_1f1b":
+            return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=self._loss,
+                                           scale_grads=SCALE_GRADS)
+        schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+        return schedules[self.schedule](stages[0], n_microbatches=num_microbatches, loss_fn=self._loss,
                                         scale_grads=SCALE_GRADS)
 
     def backward(self, model: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], targets: list[torch.Tensor],

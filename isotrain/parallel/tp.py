@@ -154,13 +154,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> nn.M
     """Shard `model` (a Hugging Face causal LM, or a base model with a head) over `tp_mesh` in place."""
     prefix = getattr(model, "base_model_prefix", "model")
     base_prefix = f"{prefix}." if hasattr(model, prefix) else ""
-    tied = bool(getattr(model.config, "tie_word_embeddings", False)) and model.get_output_embeddings() is not None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # Under pipeline parallelism the first stage's head is a parameterless hand-off: its copy of a tied weight is
+    # the embedding alone (parallel/pp.py).
+    tied = (bool(getattr(model.config, "tie_word_embeddings", False)) and head is not None
+            and next(head.parameters(), None) is not None and model.get_input_embeddings() is not None)
     module_names = {module: name for name, module in model.named_modules()}
     plan = _expand(model, base_prefix, layer_plan(model.config))
     embedding = model.get_input_embeddings()
     if embedding is not None:  # (a later pipeline stage has none, and an earlier stage no head: parallel/pp.py)
         plan[module_names[embedding]] = RowwiseParallel(input_layouts=Replicate())  # vocabulary-parallel lookup
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None and next(head.parameters(), None) is not None:
         plan[module_names[head]] = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
                                     if loss_parallel else ColwiseParallel(output_layouts=Replicate()))

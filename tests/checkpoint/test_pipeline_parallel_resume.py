@@ -20,7 +20,7 @@ TINY = [
     "model.config.intermediate_size=128",
     "model.config.num_hidden_layers=2",
     "model.config.num_key_value_heads=2",
-    "model.config.tie_word_embeddings=false",  # the bundled example ties them; PP refuses tied embeddings
+    "model.config.tie_word_embeddings=false",  # untied here; the bundled example ties them (the tied tests below)
     "train.global_batch_size=16",
     "train.micro_batch_size=4",
     "train.max_steps=8",
@@ -122,5 +122,83 @@ def test_resume_across_pp_fsdp_and_tp_continues_the_same_run(tmp_path, runs, run
     nproc, flags = LAYOUTS[resumed_on]
     proc = train(nproc, run_dir, *flags)
     assert "resumed from" in proc.stdout
+    assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
+    assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")
+
+
+TIED = [arg for arg in TINY if not arg.startswith("model.config.tie_word_embeddings")]  # the bundled recipe ties them
+
+
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory):
+    """The bundled recipe's tied embeddings: 8 steps on one process, on PP 2 and on PP 2 × FSDP2 2."""
+    root = tmp_path_factory.mktemp("pp-tied-runs")
+    runs = {}
+    for layout in ("single", "pp2", "pp2-fsdp2"):
+        nproc, flags = LAYOUTS[layout]
+        proc = run_forked_ranks(nproc, ["train", *TIED, f"output_dir={root / layout}", *flags])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[layout] = root / layout
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2", "pp2-fsdp2"])
+def test_tied_pp2_run_saves_the_weight_once_and_matches_one_process(tied_runs, layout):
+    """Each end stage holds a copy of the tied weight; the checkpoint holds it once, under the input embedding's name
+    as one process saves it, and transformers loads it tied."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    single, run_dir = tied_runs["single"], tied_runs[layout]
+    assert_same_run(metrics(run_dir), metrics(single))
+    for step in ("step-00000004", "step-00000008"):
+        checkpoint = run_dir / "checkpoints" / step
+        assert_same_weights(checkpoint, single / "checkpoints" / step)
+        keys = [key for path in checkpoint.glob("*.safetensors") for key in safe_open(path, "pt").keys()]
+        assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys and len(keys) == len(set(keys))
+        verified = run_forked_ranks(1, ["ckpt", "verify", str(checkpoint)])
+        assert verified.returncode == 0 and verified.stdout.startswith("valid: "), verified.stderr
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "step-00000008")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_on, resumed_on", [("pp2", "single"), ("single", "pp2"), ("pp2-fsdp2", "pp2"),
+                                                  ("pp2", "pp2-fsdp2")])
+def test_tied_resume_across_pp_continues_the_same_run(tmp_path, tied_runs, saved_on, resumed_on):
+    """A tied checkpoint loads into both copies of a PP run and into the one weight of one process."""
+    run_dir = tmp_path / "resumed"
+    _from_step_4(tied_runs[saved_on], run_dir)
+    nproc, flags = LAYOUTS[resumed_on]
+    proc = run_forked_ranks(nproc, ["train", *TIED, f"output_dir={run_dir}", *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    single = tied_runs["single"]
+    assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
+    assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")
+
+
+FOUR_LAYERS = [*TIED, "model.config.num_hidden_layers=4"]
+INTERLEAVED = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"]
+
+
+@pytest.mark.slow
+def test_interleaved_pp2_run_matches_one_process_and_resumes_on_it(tmp_path):
+    """isotrain train with interleaved 1F1B (4 stages of one layer, 2 per rank; the recipe's tied embeddings) logs one
+    process's metrics and saves its weights, and its checkpoint resumes on one process and continues the same run."""
+    runs = {}
+    for name, nproc, flags in (("single", 1, []), ("interleaved", 2, INTERLEAVED)):
+        proc = run_forked_ranks(nproc, ["train", *FOUR_LAYERS, f"output_dir={tmp_path / name}", *flags])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = tmp_path / name
+    single, interleaved = runs["single"], runs["interleaved"]
+    assert_same_run(metrics(interleaved), metrics(single))
+    for step in ("step-00000004", "step-00000008"):
+        assert_same_weights(interleaved / "checkpoints" / step, single / "checkpoints" / step)
+    run_dir = tmp_path / "resumed"
+    _from_step_4(interleaved, run_dir)
+    proc = run_forked_ranks(1, ["train", *FOUR_LAYERS, f"output_dir={run_dir}"])
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
     assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
     assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")

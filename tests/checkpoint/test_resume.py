@@ -35,8 +35,10 @@ LAYOUTS = {
     "hsdp4": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=2"]),
     "tp2": (2, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.tp=2"]),
     "fsdp2tp2": (4, ["train.micro_batch_size=4", "parallel.dp_replicate=1", "parallel.dp_shard=2", "parallel.tp=2"]),
-    # Pipeline parallel (untied embeddings: PP refuses tied ones): 2 stages, and 2 stages × FSDP2 2.
+    # Pipeline parallel: 2 stages (untied, and the bundled recipe's tied embeddings: a copy on each end stage), and
+    # 2 stages × FSDP2 2.
     "pp2": (2, ["train.micro_batch_size=4", "parallel.pp=2", "model.config.tie_word_embeddings=false"]),
+    "pp2tied": (2, ["train.micro_batch_size=4", "parallel.pp=2"]),
     "pp2fsdp2": (4, ["train.micro_batch_size=4", "parallel.pp=2", "parallel.dp_replicate=1", "parallel.dp_shard=2",
                      "model.config.tie_word_embeddings=false"]),
     # MoE models only (tests/checkpoint/test_moe.py): experts split over 2 ranks, dense parts by DDP or FSDP2.
@@ -83,7 +85,7 @@ def kill_after_checkpoint(layout: str, run_dir, step: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["single", "ddp2", "fsdp2", "tp2", "pp2", "pp2fsdp2"])
+@pytest.mark.parametrize("layout", ["single", "ddp2", "fsdp2", "tp2", "pp2", "pp2tied", "pp2fsdp2"])
 def test_sigkill_then_resume_is_byte_identical(tmp_path, layout):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # Independent runs: side by side, one per core.

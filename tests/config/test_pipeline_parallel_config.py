@@ -58,8 +58,17 @@ def test_layers_split_evenly_in_order():
 
 
 @pytest.mark.parametrize("settings, sentence", [
-    (dict(pp=2, pp_schedule="interleaved_1f1b"), "parallel.pp_schedule=interleaved_1f1b is not built yet (it needs "
-     "several stages per rank); set parallel.pp_schedule to one of 1f1b, gpipe"),
+    (dict(pp=2, pp_schedule="interleaved_1f1b"), "parallel.pp_schedule=interleaved_1f1b runs several stages on each "
+     "rank, but parallel.pp_stages_per_rank=1; set parallel.pp_stages_per_rank=2 or more, or parallel.pp_schedule=1f1b"),
+    (dict(pp=2, pp_stages_per_rank=2), "parallel.pp_stages_per_rank=2 needs parallel.pp_schedule=interleaved_1f1b "
+     "(parallel.pp_schedule=1f1b runs one stage per rank); set parallel.pp_schedule=interleaved_1f1b or "
+     "parallel.pp_stages_per_rank=1"),
+    (dict(pp_stages_per_rank=2), "parallel.pp_stages_per_rank=2 needs a pipeline; set parallel.pp to 2 or more, or "
+     "parallel.pp_stages_per_rank=1"),
+    (dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, dp_shard=2, dp_replicate=1),
+     "parallel.pp_schedule=interleaved_1f1b with FSDP2 (parallel.dp_shard=2) is not supported yet (a rank's stages "
+     "share one FSDP2 root); set parallel.dp_shard=1 and use parallel.dp_replicate for the other ranks, or "
+     "parallel.pp_schedule=1f1b"),
     (dict(pp=2, cp=2), "parallel.pp=2 with parallel.cp=2 is not supported yet (pipeline parallelism composes with data "
      "and tensor parallelism only); set parallel.cp=1 and use parallel.dp_shard, parallel.dp_replicate or "
      "parallel.tp for the other ranks, or parallel.pp=1"),
@@ -76,8 +85,6 @@ def test_unbuilt_combinations_are_refused(settings, sentence):
 @pytest.mark.parametrize("sizes, pp, sentence", [
     (dict(num_hidden_layers=2), 3, "parallel.pp=3 needs at least 3 decoder layers, one per stage, but the model has 2 "
      "(num_hidden_layers=2); use a parallel.pp of at most 2"),
-    (dict(tie_word_embeddings=True), 2, "parallel.pp=2 puts the input embedding on the first stage and the LM head on "
-     "the last, but this model ties them (tie_word_embeddings=true); set parallel.pp=1 for this model"),
     (dict(model_type="qwen3_moe", num_experts=4), 2, "parallel.pp=2 is not supported for mixture-of-experts models "
      "yet (their router terms pool every layer's routing); set parallel.pp=1"),
 ])
@@ -95,8 +102,13 @@ def test_models_that_do_not_split_are_refused(sizes, pp, sentence):
     (["parallel.pp_microbatches=2"], "parallel.pp_microbatches=2 differs from the batch plan's 4 gradient-accumulation "
      "micro-batches, which the pipeline runs; set train.micro_batch_size=4 or leave parallel.pp_microbatches unset"),
     (["parallel.pp_schedule=zbv"], "config value parallel.pp_schedule='zbv' is invalid: Input should be '1f1b', "
-     "'gpipe' or 'interleaved_1f1b'; use parallel.pp_schedule=1f1b or parallel.pp_schedule=gpipe (interleaved_1f1b is "
-     "not built yet)"),
+     "'gpipe' or 'interleaved_1f1b'; use parallel.pp_schedule=1f1b, parallel.pp_schedule=gpipe or "
+     "parallel.pp_schedule=interleaved_1f1b (with parallel.pp_stages_per_rank=2 or more)"),
+    (["model.config.num_hidden_layers=4", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
+      "train.micro_batch_size=8",
+      "train.global_batch_size=24"], "parallel.pp_schedule=interleaved_1f1b runs the micro-batches in rounds of "
+     "parallel.pp=2, but the batch plan has 3; choose train.micro_batch_size so that train.global_batch_size / "
+     "(train.micro_batch_size × DP size) is a multiple of 2"),
     (["train.micro_batch_size=8"], "parallel.pp_schedule=1f1b needs at least one micro-batch per stage, but the batch "
      "plan has 1 for parallel.pp=2; lower train.micro_batch_size to at most 4 or use parallel.pp_schedule=gpipe"),
 ])
@@ -111,8 +123,24 @@ def test_config_show_prints_the_pp_degree_and_accepts_matching_microbatches(caps
                         "parallel.pp_microbatches=4", "train.global_batch_size=8", "train.micro_batch_size=2",
                         "--world-size", "2"])
     assert proc.returncode == 0, proc.stderr
-    assert "  pp: 2\n  pp_schedule: gpipe\n  pp_microbatches: 4\n" in proc.stdout
+    assert "  pp: 2\n  pp_schedule: gpipe\n  pp_stages_per_rank: 1\n  pp_microbatches: 4\n" in proc.stdout
     assert "# pp: 2\n" in proc.stdout and "# grad_accum_steps: 4\n" in proc.stdout
+
+
+def test_config_show_refuses_more_interleaved_stages_than_layers(capsys):
+    proc = cli(capsys, ["config", "show", *TINY, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                        "parallel.pp_stages_per_rank=2", "train.global_batch_size=8", "train.micro_batch_size=2",
+                        "--world-size", "2"])
+    assert_error_sentence(proc, "parallel.pp=2 × parallel.pp_stages_per_rank=2 = 4 stages need at least 4 decoder "
+                          "layers, one per stage, but the model has 2 (num_hidden_layers=2); use "
+                          "parallel.pp_schedule=1f1b with parallel.pp_stages_per_rank=1")
+
+
+def test_estimate_memory_refuses_pipeline_stages(capsys):
+    proc = cli(capsys, ["estimate-memory", *TINY, "parallel.pp=2", "train.global_batch_size=8",
+                        "train.micro_batch_size=2", "--world-size", "2"])
+    assert_error_sentence(proc, "isotrain estimate-memory does not estimate pipeline stages yet (parallel.pp=2: each "
+                          "stage's tensors and the schedule's activations in flight); estimate with parallel.pp=1")
 
 
 def test_config_show_refuses_more_stages_than_layers(capsys):

@@ -36,7 +36,7 @@ from isotrain.train.loss import token_losses
 from isotrain.train.optim import build_optimizer
 from isotrain.config import TrainConfig
 from isotrain.train.setup import step_options
-from isotrain.train.step import forward_backward, optimizer_step
+from isotrain.train.step import forward_backward, optimizer_step, shared_parameters
 
 VOCAB = 64
 GLOBAL_BATCH = 8
@@ -70,6 +70,7 @@ FAMILIES = {
     "llama_tied": {"model_type": "llama", "tie_word_embeddings": True},
     # Four decoder layers: two per stage under pipeline parallelism 2.
     "llama_4layers": {"num_hidden_layers": 4},
+    "llama_tied_4layers": {"model_type": "llama", "tie_word_embeddings": True, "num_hidden_layers": 4},
     # One KV head: fewer than any context-parallel degree, so Ulysses repeats it (multi-query attention).
     "llama_mqa": {"num_key_value_heads": 1},
     # Two heads and one KV head: fewer than a ring of 4 context-parallel ranks (Ulysses could not split them).
@@ -129,6 +130,7 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
     options = step_options(cfg, parallel)
     params = [p for p in model.parameters()]
     losses, first_grads, counts, norms, shapes = [], None, [], [], []
+    copies = []  # under PP with tied embeddings: whether the two stages' copies were equal (grads, then weights)
     for step in range(NUM_STEPS):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
@@ -139,30 +141,39 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
         else:
             loss, step_counts = forward_backward(model, micro_batches, options, info.device)
         if step == 0:
-            first_grads = _all_stages({n: full(p.grad) for n, p in unwrap(model).named_parameters()}, parallel)
+            first_grads = _all_stages({n: full(p.grad) for n, p in unwrap(model).named_parameters()}, parallel, copies)
         losses.append(loss)
         counts.append(step_counts)
-        norms.append(optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0, loss=loss, stages=parallel.dims.pp))
+        norms.append(optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0, loss=loss, stages=parallel.dims.pp,
+                                    shared=shared_parameters(model, options)))
         if step == 0:
             check_replicated(model, parallel.tp_group)
-    weights = _all_stages({n: full(p) for n, p in unwrap(model).named_parameters()}, parallel)
+    weights = _all_stages({n: full(p) for n, p in unwrap(model).named_parameters()}, parallel, copies)
     # Expert parallelism: how many experts this rank holds of each expert tensor (E / ep, not E).
     local_rows = {n: p.to_local().shape[0] for n, p in unwrap(model).named_parameters()
                   if ".experts." in n and isinstance(p, DTensor)}
     # Under PP: the stages and schedules this rank built, and the padded micro-batch shapes of the 3 steps.
     pipeline = {"builds": options.pipeline.num_builds, "shapes": len(set(shapes))} if options.pipeline else None
     return {"local_expert_rows": local_rows, "losses": losses, "grads": first_grads, "weights": weights, "counts": counts,
-            "norms": norms, "pipeline": pipeline}
+            "norms": norms, "pipeline": pipeline, "tied_copies_equal": copies}
 
 
-def _all_stages(tensors: dict, parallel) -> dict:
-    """Under pipeline parallelism each rank holds its stage's tensors: every stage's, by name (one process's set)."""
+def _all_stages(tensors: dict, parallel, copies: list) -> dict:
+    """Under pipeline parallelism each rank holds its stage's tensors: every stage's, by name (one process's set). A
+    tied embedding is held by the first and the last stage: the first stage's copy is kept, and whether the two are
+    bitwise equal is appended to `copies`."""
     if parallel.dims.pp == 1:
         return tensors
     gathered = [None] * parallel.dims.pp
     torch.distributed.all_gather_object(gathered, tensors, group=parallel.pp_group)
-    merged = {name: t for stage in gathered for name, t in stage.items()}
-    assert len(merged) == sum(len(stage) for stage in gathered), "two stages hold the same tensor"
+    merged = {}
+    for stage in gathered:
+        for name, t in stage.items():
+            if name in merged:
+                assert name == "model.embed_tokens.weight", f"two stages hold {name}"
+                copies.append(torch.equal(merged[name], t))
+            else:
+                merged[name] = t
     return merged
 
 
@@ -184,7 +195,8 @@ def _dims(layout) -> tuple[ParallelDims, tuple]:
     if isinstance(layout[0], tuple):
         degrees, pp, schedule = layout
         key = ("pp", pp, schedule) if degrees == (1, 1, 1) else ("pp", pp, schedule, degrees)
-        return ParallelDims(*degrees, pp=pp, pp_schedule=schedule), key
+        per_rank = 2 if schedule == "interleaved_1f1b" else 1  # 2 stages per rank
+        return ParallelDims(*degrees, pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank), key
     if layout[-1] == "ring":
         return ParallelDims(*layout[:-1], cp_style="ring"), layout
     return ParallelDims(*layout), layout
@@ -232,7 +244,7 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
 
 if __name__ == "__main__":
     # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive] [ac] [families=qwen3,...] [unreduced] [scaled] [chunk=N]
-    #     [counts_over_pp] [stage_unreduced]
+    #     [counts_over_pp] [stage_unreduced] [tied_unsummed]
     # LAYOUTS: RxSxT[xE][,...], e.g. 2x1x1,1x1x2,2x1x1x2; `unreduced` removes the TP gradient sum of Qwen3's q/k norms
     # on purpose, to show that the replicated-parameter check catches a missing reduction.
     out, layouts, micro, *rest = sys.argv[1:]
@@ -258,6 +270,10 @@ if __name__ == "__main__":
         counts = step._global_counts
         step._global_counts = lambda micro_batches, reduction, device, group=None: counts(
             micro_batches, reduction, device, None)
+    if "tied_unsummed" in rest:  # on purpose: a tied embedding's copies each keep their own stage's gradient part
+        import isotrain.train.step as step
+
+        step.sync_tied_grads = lambda model, stage, pp, group: None
     if "stage_unreduced" in rest:  # on purpose: PP × DDP without the DP sum of the last stage's gradients
         import isotrain.train.step as step
 

@@ -18,6 +18,11 @@ the last stage's gradients left unsummed over its DDP replicas.
 Each rank builds its stage and schedule once for each padded shape of the micro-batches (the longest of the step
 over DP) and reuses it: the 3 steps here have 2 shapes, and every equivalence test also checks that only 2 were built.
 
+Tied embeddings (a copy of the weight on the first and on the last stage, their gradients summed over the two) on PP
+2 (1F1B, GPipe), PP 2 × FSDP2 2, × DDP 2, × TP 2 and PP 4 compare the gradient norms too and check that the two copies
+stay bitwise equal; without the sum the equivalence fails. Interleaved 1F1B (2 stages per rank: 4 one-layer stages)
+alone, with activation checkpointing, beside DDP 2 and TP 2, and with tied embeddings.
+
 The control: torch's schedules divide every gradient by the number of micro-batches unless built with
 `scale_grads=False`. With that scaling on, the losses stay those of one process but every gradient is a quarter of
 it, and the equivalence check fails.
@@ -152,3 +157,143 @@ def test_pp2_tp2_on_qwen3_matches_and_a_missing_tp_sum_stops(tmp_path):
                             script=WORKER)
     assert proc.returncode != 0 and not out.exists()
     assert "self_attn.q_norm.weight is replicated over tensor-parallel ranks but differs between them" in proc.stderr
+
+
+TIED = "llama_tied"  # tie_word_embeddings: one weight for the input embedding (first stage) and the head (last)
+
+
+@pytest.fixture(scope="module")
+def tied_reference(tmp_path_factory):
+    return _single(tmp_path_factory.mktemp("pp-tied-ref"), micro_batch=8, family=TIED)
+
+
+def _tied(tmp_path, layouts: list[str], *flags: str, nproc: int = 2) -> dict:
+    out = tmp_path / f"tied-{nproc}-{'-'.join(flags)}.pt"
+    proc = run_forked_ranks(nproc, [str(out), ",".join(layouts), str(MICRO_BATCH), f"families={TIED}", *flags],
+                            script=WORKER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+def assert_same_norms(result: dict, reference: dict) -> None:
+    """The gradient norm, the tied weight counted once: of every step in fp64 (1e-12), of the first in fp32 (1e-6; as
+    assert_equivalent compares fp32 gradients of the first step only, AdamW's g/√v magnifies fp32 rounding after it)."""
+    for (reduction, dtype), run in result.items():
+        expected = reference[(reduction, dtype)]["norms"]
+        if dtype == FP64:
+            assert run["norms"] == pytest.approx(expected, rel=1e-12), reduction
+        else:
+            assert run["norms"][0] == pytest.approx(expected[0], rel=1e-6), reduction
+
+
+TIED_LAYOUTS = {"1x1x1:pp2-1f1b": (TIED, ("pp", 2, "1f1b")), "1x1x1:pp2-gpipe": (TIED, ("pp", 2, "gpipe"))}
+TIED_WITH_DP = {"1x2x1:pp2-1f1b": (TIED, ("pp", 2, "1f1b", (1, 2, 1))),
+                "2x1x1:pp2-gpipe": (TIED, ("pp", 2, "gpipe", (2, 1, 1))),
+                "1x1x2:pp2-1f1b": (TIED, ("pp", 2, "1f1b", (1, 1, 2)))}
+
+
+@pytest.mark.slow
+def test_pp2_with_tied_embeddings_matches_single_process(tmp_path, tied_reference):
+    """Tied embeddings under PP 2 (1F1B and GPipe; one decoder layer per stage): the first stage's copy of the weight
+    and the last stage's, their gradients summed over the two stages, equal one process's one weight (gradient after
+    step 1, weights after 3 steps), stay bitwise equal to each other, and the gradient norm counts the weight once."""
+    results = _tied(tmp_path, list(TIED_LAYOUTS))
+    for key in TIED_LAYOUTS.values():
+        assert_pipeline_equivalent(results[key], tied_reference)
+        assert_same_norms(results[key], tied_reference)
+        for run in results[key].values():
+            assert run["tied_copies_equal"] == [True, True], run["tied_copies_equal"]
+
+
+@pytest.mark.slow
+def test_pp2_with_tied_embeddings_beside_fsdp2_ddp_and_tp_matches_single_process(tmp_path, tied_reference):
+    """PP 2 × FSDP2 2 (1F1B), PP 2 × DDP 2 (GPipe) and PP 2 × TP 2 (1F1B) with tied embeddings: each copy's gradient
+    summed over its stage's DP ranks and over the two stages (under TP both copies are split by vocabulary rows
+    alike, and their local parts are summed)."""
+    results = _tied(tmp_path, list(TIED_WITH_DP), nproc=4)
+    for key in TIED_WITH_DP.values():
+        assert_pipeline_equivalent(results[key], tied_reference)
+        assert_same_norms(results[key], tied_reference)
+        for run in results[key].values():
+            assert run["tied_copies_equal"] == [True, True], run["tied_copies_equal"]
+
+
+@pytest.mark.slow
+def test_tied_copies_without_their_gradient_sum_fail_the_equivalence(tmp_path, tied_reference):
+    """Without the sum over the two stages each copy keeps its own stage's part of the gradient (the lookup's on the
+    first, the head's on the last): the copies differ and the equivalence check fails."""
+    key = TIED_LAYOUTS["1x1x1:pp2-1f1b"]
+    result = _tied(tmp_path, ["1x1x1:pp2-1f1b"], "tied_unsummed")[key]
+    with pytest.raises(AssertionError):
+        assert_equivalent(result, tied_reference)
+    assert all(run["tied_copies_equal"] == [False, False] for run in result.values())
+
+
+@pytest.mark.slow
+def test_pp4_with_tied_embeddings_matches_single_process(tmp_path):
+    """PP 4 (one decoder layer per stage): the tied weight's copies are on stages 0 and 3, summed over a group of the
+    two alone (the middle stages hold none)."""
+    family = "llama_tied_4layers"
+    out = tmp_path / "pp4.pt"
+    proc = run_forked_ranks(4, [str(out), "1x1x1:pp4-1f1b", str(MICRO_BATCH), f"families={family}"], script=WORKER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result, reference = torch.load(out)[(family, ("pp", 4, "1f1b"))], _single(tmp_path, micro_batch=8, family=family)
+    assert_pipeline_equivalent(result, reference)
+    assert_same_norms(result, reference)
+    for run in result.values():
+        assert run["tied_copies_equal"] == [True, True], run["tied_copies_equal"]
+
+
+INTERLEAVED = (FAMILY, ("pp", 2, "interleaved_1f1b"))
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_matches_single_process(tmp_path, reference):
+    """Interleaved 1F1B, 2 stages per rank (4 stages of one decoder layer: rank 0 holds stages 0 and 2, rank 1 stages
+    1 and 3), the 4 micro-batches in one round of 2."""
+    assert_pipeline_equivalent(_pipeline(tmp_path, ["1x1x1:pp2-interleaved_1f1b"])[INTERLEAVED], reference)
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_with_activation_checkpointing_matches_single_process(tmp_path, reference):
+    """Each stage's view recomputes its own layers in backward (the layers are the rank's model's, shared)."""
+    assert_equivalent(_pipeline(tmp_path, ["1x1x1:pp2-interleaved_1f1b"], "ac")[INTERLEAVED], reference)
+
+
+@pytest.mark.slow
+def test_interleaved_schedule_gradient_scaling_fails_the_equivalence(tmp_path, reference):
+    """The interleaved schedule's own scaling (scale_grads=True) divides every gradient by the 4 micro-batches too."""
+    result = _pipeline(tmp_path, ["1x1x1:pp2-interleaved_1f1b"], "scaled")[INTERLEAVED]
+    with pytest.raises(AssertionError):
+        assert_equivalent(result, reference)
+    scaled, single = result[("token", FP64)], reference[("token", FP64)]
+    for name, grad in single["grads"].items():
+        torch.testing.assert_close(scaled["grads"][name] * GRAD_ACCUM, grad, rtol=1e-10, atol=1e-14)
+
+
+INTERLEAVED_WITH = {"2x1x1:pp2-interleaved_1f1b": (FAMILY, ("pp", 2, "interleaved_1f1b", (2, 1, 1))),
+                    "1x1x2:pp2-interleaved_1f1b": (FAMILY, ("pp", 2, "interleaved_1f1b", (1, 1, 2)))}
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_with_ddp_and_tp_matches_single_process(tmp_path, reference):
+    """Interleaved 1F1B (2 stages per rank) beside DDP 2 and beside TP 2 (4 processes)."""
+    results = _pipeline(tmp_path, list(INTERLEAVED_WITH), nproc=4)
+    for key in INTERLEAVED_WITH.values():
+        assert_pipeline_equivalent(results[key], reference)
+
+
+@pytest.mark.slow
+def test_pp2_interleaved_with_tied_embeddings_matches_single_process(tmp_path):
+    """Interleaved 1F1B with tied embeddings: the copies on rank 0 (stage 0 of 4) and rank 1 (stage 3)."""
+    family = "llama_tied_4layers"
+    out = tmp_path / "tied-interleaved.pt"
+    proc = run_forked_ranks(2, [str(out), "1x1x1:pp2-interleaved_1f1b", str(MICRO_BATCH), f"families={family}"],
+                            script=WORKER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = torch.load(out)[(family, ("pp", 2, "interleaved_1f1b"))]
+    reference = _single(tmp_path, micro_batch=8, family=family)
+    assert_pipeline_equivalent(result, reference)
+    assert_same_norms(result, reference)
+    for run in result.values():
+        assert run["tied_copies_equal"] == [True, True], run["tied_copies_equal"]

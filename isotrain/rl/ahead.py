@@ -80,7 +80,6 @@ class RolloutsAhead:
         self.next_step = 0  # the first step whose rollout is not queued yet
         self._next_round = 0  # the worker's: the first generation round of the next rollout it generates
         self.engine_version: int | None = None
-        self.busy_s = 0.0  # worker time spent generating, over the run
 
     def start(self, step: int, first_round: int, engine_version: int, restored: list[Generated]) -> None:
         """Continue at `step` (generation round `first_round`), the engine holding `engine_version`; `restored` are
@@ -162,9 +161,7 @@ class RolloutsAhead:
                 failure = err
                 future.set_exception(err)
                 continue
-            elapsed = time.perf_counter() - start
-            self.busy_s += elapsed
-            future.set_result(Generated(step, version, self._next_round, batch, stats, elapsed))
+            future.set_result(Generated(step, version, self._next_round, batch, stats, time.perf_counter() - start))
             self._next_round += stats.rounds
 
 

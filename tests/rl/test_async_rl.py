@@ -24,7 +24,8 @@ DATA = REPO / "isotrain" / "recipes" / "data" / "addition_train.jsonl"
 REWARD = f"rl.reward={Path(__file__).with_name('rl_e2e_rewards.py')}:leading_one"
 CAP = 2.0
 ASYNC = [
-    "model.name_or_path=null", "model.config.model_type=llama", "model.config.hidden_size=32", "model.config.intermediate_size=64",
+    "model.name_or_path=null", "model.config.model_type=llama", "model.config.hidden_size=32",
+    "model.config.intermediate_size=64",
     "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
     "model.config.max_position_embeddings=64", "tokenizer.type=char", f"data.path={DATA}",
     "data.format=prompt_completion", "data.max_seq_len=16", "eval.path=null", "logging.progress=false",
@@ -76,7 +77,7 @@ def response_logprobs(model_dir, batch) -> list[torch.Tensor]:
 
 def hand_loss(batch, trainer: list[torch.Tensor], behaviour: list[torch.Tensor], group_size: int) -> float:
     """dr_grpo with the token mean, one optimizer step (ratio 1) and truncated IS against the behaviour policy:
-    loss = -Σ_i Σ_t A_i · min(exp(log π_θ - log π_behaviour), cap) / Σ_i |y_i|,  A_i = r_i - mean of its group."""
+    loss = -Σ_i Σ_t A_i · min(exp(log π_θ - log π_behaviour), cap) / Σ_i |y_i|, A_i = r_i - mean of its group."""
     rewards = torch.tensor(batch.rewards, dtype=torch.float64).view(-1, group_size)
     advantages = (rewards - rewards.mean(1, keepdim=True)).flatten()
     total = sum(-(a * torch.exp(t - b).clamp(max=CAP)).sum() for a, t, b in zip(advantages, trainer, behaviour))

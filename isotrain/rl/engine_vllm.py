@@ -55,6 +55,23 @@ _RESERVED_ARGS = {"model", "skip_tokenizer_init", "load_format", "dtype", "seed"
 BUILD_HINT = "build the CPU one with `python scripts/build_vllm_cpu_env.py`, or `pip install 'isotrain[vllm]'` on GPU"
 
 
+class RequestSeeds:
+    """vLLM's per-request seeds of successive generate calls, one definition for both vLLM engines so that the same
+    call samples the same on either: a call's seed is params.seed, else (sampling) the engine's seed + the number of
+    unseeded sampling calls so far; prompt i's request gets base(seed) + i * n (vLLM adds j for its sample j)."""
+
+    def __init__(self, seed: int):
+        self._seed, self._num_calls = seed, 0
+
+    def of_call(self, params: SamplingParams, num_prompts: int) -> list[int]:
+        call_seed = params.seed
+        if call_seed is None and not params.greedy:
+            call_seed = self._seed + self._num_calls
+            self._num_calls += 1
+        base = int.from_bytes(hashlib.sha256(f"isotrain-vllm-{call_seed or 0}".encode()).digest()[:7], "big")
+        return [base + i * params.n for i in range(num_prompts)]
+
+
 def logprobs_mode_for(temperature: float, top_p: float) -> str:
     """The vLLM logprobs_mode whose numbers are log_softmax(logits / T)[y] before top-p, for this run."""
     if temperature == 1.0:
@@ -120,7 +137,7 @@ class VLLMEngine:
                  max_lora_rank: int | None = None):
         python = check_settings(python, temperature, top_p, engine_args)
         self.python, self._eos_id, self._seed, self.timeout_s = python, eos_id, seed, timeout_s
-        self._bucket_bytes, self._num_generate_calls, self._checksums = bucket_bytes, 0, {}
+        self._bucket_bytes, self._request_seeds, self._checksums = bucket_bytes, RequestSeeds(seed), {}
         self._process, self._buffer, self._log, self.failed = None, b"", None, False
         self._max_lora_rank, self.adapter_version, self._adapter_checksums = max_lora_rank, 0, {}
         # The directory of the engine's config.json and of the weight buckets; removed by close().
@@ -228,16 +245,10 @@ class VLLMEngine:
             raise RuntimeError("the vLLM engine has no weights yet; call update_weights first")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate got an empty prompt; every prompt needs at least one token (e.g. bos)")
-        call_seed = params.seed
-        if call_seed is None and not params.greedy:
-            call_seed = self._seed + self._num_generate_calls
-            self._num_generate_calls += 1
-        call_seed = call_seed or 0
-        base = int.from_bytes(hashlib.sha256(f"isotrain-vllm-{call_seed}".encode()).digest()[:7], "big")
         prompts = [list(map(int, p)) for p in prompt_ids]
         out = self._call("generate", prompts=prompts, n=params.n, max_new_tokens=params.max_new_tokens,
                          temperature=params.temperature, top_p=params.top_p, greedy=params.greedy,
-                         seeds=[base + i * params.n for i in range(len(prompts))], eos_id=self._eos_id)
+                         seeds=self._request_seeds.of_call(params, len(prompts)), eos_id=self._eos_id)
         rows = [p for p in prompts for _ in range(params.n)]  # prompt-major, like HFEngine
         return Rollout(rows, out["responses"], out["logprobs"], out["truncated"])
 

@@ -25,7 +25,6 @@ weights once, as above, then after every update only the adapter, a peft directo
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import http.client
 import json
 import os
@@ -41,7 +40,7 @@ from urllib.parse import urlsplit
 import torch
 
 from isotrain.errors import ConfigError, TrainingError
-from isotrain.rl.engine_vllm import logprobs_mode_for
+from isotrain.rl.engine_vllm import RequestSeeds, logprobs_mode_for
 from isotrain.rl.rollout import Rollout, SamplingParams
 
 SERVER_HINT = ("start it with VLLM_SERVER_DEV_MODE=1, isotrain/rl on PYTHONPATH and --worker-extension-cls "
@@ -77,8 +76,8 @@ class VLLMServerEngine:
         writes and loads the weights; `share(value)` returns the writer's value on every process (a broadcast,
         rl/policy.py passes parallel/dist.py's broadcast_from_main), so every process learns the writer's
         checksums, adapter name or failure, and none samples before the writer's load is answered."""
-        self.url, self._eos_id, self._seed, self.timeout_s = url.rstrip("/"), eos_id, seed, timeout_s
-        self._bucket_bytes, self._num_generate_calls, self._checksums = bucket_bytes, 0, {}
+        self.url, self._eos_id, self.timeout_s = url.rstrip("/"), eos_id, timeout_s
+        self._bucket_bytes, self._request_seeds, self._checksums = bucket_bytes, RequestSeeds(seed), {}
         self._max_concurrency, self._num_syncs, self.failed = max_concurrency, 0, False
         self._writer, self._share = writer, share or (lambda value: value)
         self.adapter_version, self._lora_rank, self._adapter = 0, lora_rank, None  # _adapter: (name, directory)
@@ -179,13 +178,7 @@ class VLLMServerEngine:
             raise RuntimeError("the vLLM server has no weights from this trainer yet; call update_weights first")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate got an empty prompt; every prompt needs at least one token (e.g. bos)")
-        call_seed = params.seed
-        if call_seed is None and not params.greedy:
-            call_seed = self._seed + self._num_generate_calls
-            self._num_generate_calls += 1
-        call_seed = call_seed or 0
-        # VLLMEngine's seeds: sample j of prompt i gets base + i * n + j (vLLM adds j to the request's seed).
-        base = int.from_bytes(hashlib.sha256(f"isotrain-vllm-{call_seed}".encode()).digest()[:7], "big")
+        seeds = self._request_seeds.of_call(params, len(prompt_ids))  # VLLMEngine's, request by request
         prompts = [list(map(int, p)) for p in prompt_ids]
 
         def one(index: int) -> list[dict]:
@@ -196,7 +189,7 @@ class VLLMServerEngine:
                     "stop_token_ids": [self._eos_id], "ignore_eos": False, "return_token_ids": True,
                     "return_tokens_as_token_ids": True, "detokenize": False}
             if not params.greedy:
-                body["seed"] = base + index * params.n
+                body["seed"] = seeds[index]
             return self._call("POST", "/v1/completions", body, "a completion request")["choices"]
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), self._max_concurrency))) as pool:

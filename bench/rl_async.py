@@ -31,32 +31,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from rl_engines import isotrain, vllm_python  # the same run and vLLM lookup as the engines' bench
+
 MODES = {"sync": 0, "k=1": 1, "k=2": 2}
-
-
-def isotrain(args: list[str], cwd: Path, threads: int) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads)}
-    done = subprocess.run([sys.executable, "-m", "isotrain", *args, "logging.progress=false"], cwd=cwd, env=env,
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"isotrain {' '.join(args)} failed:\n{done.stderr[-3000:]}")
-    return done.stdout
-
-
-def vllm_python(given: str | None) -> str:
-    if given or os.environ.get("ISOTRAIN_VLLM_PYTHON"):
-        return given or os.environ["ISOTRAIN_VLLM_PYTHON"]
-    found = subprocess.run([sys.executable, str(REPO / "scripts" / "build_vllm_cpu_env.py"), "--check"],
-                           capture_output=True, text=True)
-    if found.returncode != 0:
-        sys.exit("no vLLM environment: run `python scripts/build_vllm_cpu_env.py` or pass --vllm-python")
-    return found.stdout.strip()
 
 
 def main() -> None:
@@ -71,6 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # every run's processes: trainer and engine
     engines = {"process": ["rollout.engine=process"]}
     if args.vllm:
         engines["vllm"] = ["rollout.engine=vllm", f"rollout.vllm.python={vllm_python(args.vllm_python)}",
@@ -91,7 +72,7 @@ def summary(rows: list[dict], asynchronous: bool) -> dict:
 
 def run(args, engines: dict[str, list[str]], work: Path) -> None:
     isotrain(["train", "train.max_steps=50", f"output_dir={work / 'sft'}", "eval.path=null",
-              "checkpoint.every_steps=0"], work, args.threads)
+              "checkpoint.every_steps=0"], work)
     common = [f"model.name_or_path={work / 'sft' / 'model'}", f"rl.prompts_per_step={args.prompts}",
               f"rl.group_size={args.group}", f"train.micro_batch_size={args.prompts * args.group}",
               f"rl.max_new_tokens={args.max_new_tokens}", f"train.max_steps={args.steps}", "eval.path=null",
@@ -103,7 +84,7 @@ def run(args, engines: dict[str, list[str]], work: Path) -> None:
         for engine, mode in (runs if round_index % 2 == 0 else list(reversed(runs))):
             run_dir = work / f"{engine}-{mode}-{round_index}"
             isotrain(["rl", *common, *engines[engine], f"rl.max_off_policy_steps={MODES[mode]}",
-                      f"output_dir={run_dir}"], work, args.threads)
+                      f"output_dir={run_dir}"], work)
             lines = (run_dir / "metrics.jsonl").read_text().splitlines()
             rows[engine, mode] += [json.loads(line) for line in lines][args.warmup:]
     print(f"RL step, P={args.prompts} x n={args.group}, max_new_tokens={args.max_new_tokens}, {args.threads} "

@@ -69,6 +69,15 @@ def init_distributed(timeout_s: float | None = None) -> DistInfo:
 _collective_timeout = default_pg_timeout  # the default group's, as init_distributed set it
 
 
+def _set_timeout(timeout: timedelta, group=None) -> None:
+    """A group's collective timeout from now on: torch.distributed.set_timeout, or on a torch without it (2.11,
+    found by the CUDA check) the same function under its older name, _set_pg_timeout."""
+    setter = getattr(dist, "set_timeout", None)
+    if setter is None:
+        from torch.distributed.distributed_c10d import _set_pg_timeout as setter
+    setter(timeout, group)
+
+
 @contextlib.contextmanager
 def _patient():
     """The default group waits at least torch's 30 minutes inside the block: for a first rank's download or data
@@ -76,11 +85,11 @@ def _patient():
     if _collective_timeout >= default_pg_timeout:
         yield
         return
-    dist.set_timeout(default_pg_timeout)
+    _set_timeout(default_pg_timeout)
     try:
         yield
     finally:
-        dist.set_timeout(_collective_timeout)
+        _set_timeout(_collective_timeout)
 
 
 def set_timeouts(groups, timeout_s: float | None) -> None:
@@ -88,7 +97,7 @@ def set_timeouts(groups, timeout_s: float | None) -> None:
     if timeout_s is None or not dist.is_initialized():
         return
     for group in groups:
-        dist.set_timeout(timedelta(seconds=timeout_s), group)
+        _set_timeout(timedelta(seconds=timeout_s), group)
 
 
 # How a gloo collective fails when a peer does not take part: it times out, or the peer that timed out first

@@ -13,7 +13,8 @@ what it needs:
   with flash's variable-length kernel (`model.attn_implementation=varlen`, bf16);
 - `train.compile=true` gives the eager losses;
 - a one-process torchrun joins an `nccl` group, shards with FSDP2 (`parallel.dp_shard=-1`), and resumes;
-- the bundled RL recipe runs a few steps.
+- the bundled RL recipe runs a few steps, also asynchronously (`rl.max_off_policy_steps=1`: a worker thread
+  generates with the process engine while the trainer steps on the GPU).
 """
 
 from __future__ import annotations
@@ -75,11 +76,15 @@ def _killed_then_resumed(run_dir, *overrides: str, nproc: int = 0):
     return proc, run_dir
 
 
-def _rl(root):
+def _rl(root, *overrides: str):
     """The bundled RL recipe from an empty directory: its SFT warm start (400 steps), then 3 RL steps."""
     root.mkdir()
-    proc = isotrain_cli(["rl", "train.max_steps=3", "logging.progress=false"], timeout=LONG_S, cwd=root)
+    proc = isotrain_cli(["rl", "train.max_steps=3", "logging.progress=false", *overrides], timeout=LONG_S, cwd=root)
     return proc, root / "runs" / "rl-default"
+
+
+RL_ASYNC = ["rl.max_off_policy_steps=1", "rollout.engine=process", "rl.rollout_correction=token_tis",
+            "rl.rollout_is_cap=2.0"]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +95,7 @@ def runs(tmp_path_factory):
     packing = _packing_args(data)
     jobs = {  # the longest first
         "rl": functools.partial(_rl, root / "rl"),
+        "rl async": functools.partial(_rl, root / "rl-async", *RL_ASYNC),
         "default float32": functools.partial(_train, root / "default-fp32", "logging.progress=false", cwd=root),
         "default bfloat16": functools.partial(_train, root / "default-bf16", "logging.progress=false",
                                               "model.dtype=bfloat16", cwd=root),
@@ -275,6 +281,17 @@ def test_bundled_rl_recipe_runs_on_the_gpu(runs):
         for key in ("loss", "reward_mean", "kl", "entropy", "grad_norm"):
             assert row[key] == row[key] and abs(row[key]) < 1e6, (key, row)  # finite
     assert "held-out" in proc.stdout or "accuracy" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_async_rl_trains_one_version_behind_on_the_gpu(runs):
+    _, run_dir = finished(runs, "rl async")
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["behaviour_version"] for r in rows] == [0, 0, 1]
+    assert [r["staleness"] for r in rows] == [0, 1, 1]
+    for row in rows:
+        for key in ("loss", "reward_mean", "grad_norm", "wait_s"):
+            assert row[key] == row[key] and abs(row[key]) < 1e6, (key, row)  # finite
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])

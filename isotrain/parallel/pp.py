@@ -46,6 +46,7 @@ and it trains nothing), and a stage and its schedule are built once for each sha
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -229,7 +230,19 @@ class Pipeline:
             self._kept.pop(next(iter(self._kept)))
         self._loss_fn = loss_fn
         try:
-            runner.step(arg_mbs=[(x.to(device),) if self.stage == 0 else () for x in inputs], kwarg_mbs=kwargs,
-                        target_mbs=targets, return_outputs=False)
+            _step_split(runner, [(x.to(device),) if self.stage == 0 else () for x in inputs], kwargs, targets)
         finally:
             self._loss_fn = None
+
+
+def _step_split(runner, arg_mbs: list[tuple], kwarg_mbs: list[dict], target_mbs: list) -> None:
+    """One schedule step over micro-batches already split. A newer torch (2.14 here) takes them in `step`; torch 2.11
+    (the GPU machine's) only splits whole batches there, so the micro-batches go to the schedule's
+    `_step_microbatches` after what its `step` does first: the backward flag on each stage, the stage state cleared."""
+    if "arg_mbs" in inspect.signature(runner.step).parameters:
+        runner.step(arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, return_outputs=False)
+        return
+    for stage in getattr(runner, "_stages", None) or [runner._stage]:
+        stage.has_backward = runner._has_backward
+        stage.clear_runtime_states()
+    runner._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, None, False)

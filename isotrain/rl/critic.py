@@ -9,7 +9,8 @@ return from there. Its loss per token is the clipped value loss
     ½ · max((V − R)², (clip(V, V_old ± rl.value_clip) − R)²)
 
 aggregated exactly like the policy loss (same `rl.loss_agg` weights, same global denominator), so
-it too does not depend on the layout. The critic has its own AdamW (`rl.critic_lr`).
+it too does not depend on the layout. The critic has its own AdamW (`rl.critic_lr`). Under context parallelism
+its forwards run on each CP rank's piece of every row like the policy's (rl/pieces.py).
 """
 
 from __future__ import annotations

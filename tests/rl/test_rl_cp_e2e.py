@@ -2,7 +2,8 @@
 one-process run's (a tiny Llama from its config, the character tokenizer, 3 steps of GRPO with a KL term against
 the frozen reference, so the rollout's log-probs, the reference's and the update all run on pieces of the rows).
 Both runs sample the same rollouts (the CP ranks of the one DP rank share the first one's samples); counts match
-exactly and every other field within fp32 rounding."""
+exactly and every other field within fp32 rounding. Also PPO (the critic's values and update on pieces) and
+asynchronous RL (the process engine, rollouts generated ahead and shared over a twin of the CP group; slow: ~45 s)."""
 
 from __future__ import annotations
 
@@ -38,11 +39,23 @@ def _rows(nproc: int, run_dir, overrides: list[str], cp: int) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.endswith("_s") and k != "tokens_per_s"} for row in rows]
 
 
-def test_rl_with_cp2_logs_the_metrics_of_one_process(tmp_path):
-    single = _rows(1, tmp_path / "one", [], cp=1)
-    split = _rows(2, tmp_path / "cp2", ["parallel.cp=2", "parallel.dp_replicate=1"], cp=2)
+VARIANTS = {
+    "grpo": [],
+    # PPO: the critic's values of the rollout and its update on pieces too
+    "ppo": ["rl.algorithm=ppo"],
+    # asynchronous: the rollouts generated ahead on a worker thread, shared over a twin of the CP group
+    "async": ["rollout.engine=process", "rl.max_off_policy_steps=1", "rl.rollout_correction=token_tis",
+              "rl.rollout_is_cap=2.0"],
+}
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.slow) if v == "async" else v for v in VARIANTS])
+def test_rl_with_cp2_logs_the_metrics_of_one_process(tmp_path, variant):
+    single = _rows(1, tmp_path / "one", VARIANTS[variant], cp=1)
+    split = _rows(2, tmp_path / "cp2", [*VARIANTS[variant], "parallel.cp=2", "parallel.dp_replicate=1"], cp=2)
     assert len(single) == len(split) == 3
     assert all(row["kl"] > 0 for row in single[1:]) and all(row["entropy"] > 0 for row in single)
+    assert variant != "ppo" or all(row["critic_loss"] > 0 for row in single)
     for one, cp in zip(single, split):
         assert one.keys() == cp.keys()
         for key, value in one.items():

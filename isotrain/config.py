@@ -842,9 +842,6 @@ class RLRunConfig(RunConfig):
         if self.parallel.pp > 1:
             raise ValueError(f"parallel.pp={self.parallel.pp} is built for isotrain train only; the RL trainer's "
                              "rollouts and losses run the whole model on one rank: set parallel.pp=1")
-        if self.parallel.cp > 1:
-            raise ValueError(f"parallel.cp={self.parallel.cp} is built for isotrain train only; the RL trainer's "
-                             "forwards do not split sequences yet: set parallel.cp=1")
         off_policy = self.rl.max_off_policy_steps
         if off_policy and self.rollout.engine == "hf":
             raise ValueError(f"rl.max_off_policy_steps={off_policy} overlaps generation with training, which needs "

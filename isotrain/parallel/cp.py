@@ -212,15 +212,33 @@ def local_piece(mb: dict, cp_rank: int, cp: int, weights: torch.Tensor | None = 
     position ids and weights are cut alike, so every token keeps its own label and position. Padding trains nothing
     (label -100, weight 0) and, at the end of a row, is attended by no real token. Other entries of `mb` are kept as
     they are (counts of the whole rows)."""
-    length = padded_length(mb["input_ids"].shape[1], cp, style)
-    index = piece_indices(length, cp, style)[cp_rank]
     piece = dict(mb)
     for key in _SEQUENCE_KEYS:
-        tensor = pad_rows(mb[key], length, _FILL[key])
-        piece[key] = tensor.index_select(1, index.to(tensor.device))
+        piece[key] = cut_rows(mb[key], cp_rank, cp, style, _FILL[key])
     if weights is not None:
-        weights = pad_rows(weights, length, 0).index_select(1, index.to(weights.device))
+        weights = cut_rows(weights, cp_rank, cp, style, 0)
     return piece, weights
+
+
+def cut_rows(tensor: torch.Tensor, cp_rank: int, cp: int, style: str, fill) -> torch.Tensor:
+    """[B, L, ...] -> [B, padded_length(L) / cp, ...]: rank `cp_rank`'s piece of whole rows, padded with `fill` first
+    (None: position ids, which continue each row's count)."""
+    length = padded_length(tensor.shape[1], cp, style)
+    index = piece_indices(length, cp, style)[cp_rank]
+    return pad_rows(tensor, length, fill).index_select(1, index.to(tensor.device))
+
+
+def whole_rows(piece: torch.Tensor, group, length: int, style: str) -> torch.Tensor:
+    """The inverse of `cut_rows` for values without gradient: every CP rank's piece [B, S, ...] gathered over
+    `group` and put back in place, the padding dropped -> [B, length, ...], the same on every rank of the group."""
+    cp = dist.get_world_size(group)
+    pieces = [torch.empty_like(piece) for _ in range(cp)]
+    dist.all_gather(pieces, piece.contiguous(), group=group)
+    index = piece_indices(piece.shape[1] * cp, cp, style).flatten().to(piece.device)
+    rows = torch.empty((piece.shape[0], piece.shape[1] * cp, *piece.shape[2:]), dtype=piece.dtype,
+                       device=piece.device)
+    rows[:, index] = torch.cat(pieces, dim=1)
+    return rows[:, :length]
 
 
 @contextlib.contextmanager

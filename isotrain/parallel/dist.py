@@ -261,3 +261,13 @@ def broadcast_from_main(value):
     box = [value if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def broadcast_in_group(value, group):
+    """The `value` (any picklable object) of the first rank of `group` on every rank of it; the value itself when
+    `group` is None (no such group) or a group of one."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    box = [value if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]

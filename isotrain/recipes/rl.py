@@ -37,6 +37,7 @@ from isotrain.rl.experience import all_gather_lists, response_logprobs
 from isotrain.rl.generate import collect, evaluate
 from isotrain.rl.metrics import rl_metrics_row
 from isotrain.rl.packing import row_layout
+from isotrain.rl.pieces import Pieces
 from isotrain.rl.policy import build_policy, make_engine, start_fingerprint
 from isotrain.rl.prompts import PromptStream, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
@@ -107,7 +108,8 @@ class RL(Recipe):
                                router=router_settings(cfg.moe, hf_model(self.model).config))
         # before_update is looked up at each step: the checkpoint manager exists only after build.
         self.ctx = UpdateContext(cfg, plan, parallel.dp_rank, info.device, options, self.tokenizer.pad_token_id,
-                                 layout, lambda: session.checkpoints.before_update(), critic, critic_optimizer)
+                                 layout, lambda: session.checkpoints.before_update(), critic, critic_optimizer,
+                                 Pieces.of(parallel))
         self.engine = make_engine(cfg, model_config(cfg.model, self.tokenizer), self.tokenizer, session.output_dir,
                                   info.rank)
         if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.url is not None:
@@ -127,10 +129,11 @@ class RL(Recipe):
         """The worker thread's rollouts: the synchronous loop's `collect`, its exchanges on a twin of the DP group."""
         cfg, plan, ctx = self.cfg, self.plan, self.ctx
         group = twin_group(ctx.options.dp_group, cfg.parallel.timeout_s)
+        cp_group = twin_group(ctx.pieces.group, cfg.parallel.timeout_s) if ctx.pieces.group is not None else None
 
         def collect_from(first_round: int):
             return collect(self.engine, self.tokenizer, self.prompts, self.stream, first_round, cfg.rl, self.reward_fn,
-                           cfg.train.seed, ctx.dp_rank, plan.dp_size, group)
+                           cfg.train.seed, ctx.dp_rank, plan.dp_size, group, cp_group)
 
         return RolloutsAhead(collect_from, cfg.rl.max_off_policy_steps, cfg.train.max_steps - 1)
 
@@ -203,7 +206,8 @@ class RL(Recipe):
         start = time.perf_counter()
         if self.ahead is None:
             batch, rounds = collect(self.engine, self.tokenizer, self.prompts, self.stream, counters["prompt_rounds"],
-                                    rl, self.reward_fn, cfg.train.seed, ctx.dp_rank, plan.dp_size, ctx.options.dp_group)
+                                    rl, self.reward_fn, cfg.train.seed, ctx.dp_rank, plan.dp_size, ctx.options.dp_group,
+                                    ctx.pieces.group)
             timings, version = {"generate_s": time.perf_counter() - start}, state.step
         else:
             generated, wait_s, sync_s = self.ahead.rollout(
@@ -258,8 +262,8 @@ class RL(Recipe):
             sync_and_verify(self.engine, self.model, *common)
 
     def _trainer_logprobs(self, batch) -> tuple[list | None, list | None, list | None, float]:
-        """Old (pre-update) and reference log-probs, and PPO's values, of every sample: each rank scores its own
-        slice, then all share."""
+        """Old (pre-update) and reference log-probs, and PPO's values, of every sample: each DP rank scores its own
+        slice (its CP ranks each a piece of every row, gathered back), then all share."""
         rl, plan, ctx = self.cfg.rl, self.plan, self.ctx
         start = time.perf_counter()
         per_rank = len(batch) // plan.dp_size
@@ -267,7 +271,8 @@ class RL(Recipe):
         need_old = recomputes_old_logprobs(rl, plan.optimizer_steps_per_rollout)
         score = functools.partial(response_logprobs, batch=mine, pad_id=ctx.pad_id,
                                   micro_batch_size=plan.micro_batch_size, temperature=rl.temperature,
-                                  device=ctx.device, autocast_dtype=ctx.options.autocast_dtype, layout=ctx.layout)
+                                  device=ctx.device, autocast_dtype=ctx.options.autocast_dtype, layout=ctx.layout,
+                                  pieces=ctx.pieces)
         group = ctx.options.dp_group
         old = all_gather_lists(score(self.model), group) if need_old else None
         ref = None
@@ -281,7 +286,7 @@ class RL(Recipe):
         values = None
         if ctx.critic is not None:
             values = all_gather_lists(token_values(ctx.critic, mine, ctx.pad_id, plan.micro_batch_size, ctx.device,
-                                                   ctx.options.autocast_dtype, ctx.layout), group)
+                                                   ctx.options.autocast_dtype, ctx.layout, ctx.pieces), group)
         return old, ref, values, time.perf_counter() - start
 
     def _report_reward_errors(self, step: int, rounds) -> None:

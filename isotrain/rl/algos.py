@@ -296,27 +296,27 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float 
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) per position, [B, T, V] -> [B, T], in fp32.
+    """Entropy of softmax(logits) per position, [B, T, V] -> [B, T], in fp32 (fp64 logits: fp64).
 
     H = -Σ p log p = logsumexp(z) - Σ p z, which never takes log of a tiny probability. H does not
     change when z shifts, so z - max(z) keeps both terms small (at logits ~1e4 the fp32 spacing
     of logsumexp alone is 1e-3).
     """
-    z = logits.float()
+    z = logits.to(_compute_dtype(logits))
     z = z - z.amax(-1, keepdim=True).detach()
     probs = torch.softmax(z, dim=-1)
     return torch.logsumexp(z, dim=-1) - (probs * z).sum(-1)
 
 
 def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature) at token_ids; [B, T, V], [B, T] -> [B, T] fp32.
+    """log softmax(logits / temperature) at token_ids; [B, T, V], [B, T] -> [B, T] fp32 (fp64 logits: fp64).
 
     The temperature must be the one the rollout sampled with, or the ratio to the engine's
     log-probs is off from the first step. Computed as z[y] - logsumexp(z): no [B, T, V] log-softmax.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}.")
-    z = logits.float() / temperature
+    z = logits.to(_compute_dtype(logits)) / temperature
     z = z - z.amax(-1, keepdim=True).detach()  # log-softmax is shift-invariant; keeps logsumexp exact
     picked = z.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(z, dim=-1)

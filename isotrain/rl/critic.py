@@ -9,7 +9,8 @@ return from there. Its loss per token is the clipped value loss
     ½ · max((V − R)², (clip(V, V_old ± rl.value_clip) − R)²)
 
 aggregated exactly like the policy loss (same `rl.loss_agg` weights, same global denominator), so
-it too does not depend on the layout. The critic has its own AdamW (`rl.critic_lr`).
+it too does not depend on the layout. The critic has its own AdamW (`rl.critic_lr`). Under context parallelism
+its forwards run on each CP rank's piece of every row like the policy's (rl/pieces.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from isotrain.config import RLRunConfig
 from isotrain.models.build import build
 from isotrain.rl.algos import aggregation_weights, value_loss
 from isotrain.rl.experience import PADDED, RolloutBatch, RowLayout, forward_logits, per_response_token
+from isotrain.rl.pieces import NO_CP, Pieces
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import accumulate_gradients, optimizer_step
 
@@ -40,25 +42,28 @@ def build_critic(cfg: RLRunConfig, tokenizer, device: torch.device, parallel):
 
 
 def _values(critic, mb: dict, device: torch.device) -> torch.Tensor:
-    return forward_logits(critic, mb, device).squeeze(-1).float()
+    values = forward_logits(critic, mb, device).squeeze(-1)
+    return values.to(torch.promote_types(values.dtype, torch.float32))
 
 
 def token_values(critic, batch: RolloutBatch, pad_id: int, micro_batch_size: int, device: torch.device,
-                 autocast_dtype=None, layout: RowLayout = PADDED) -> list[list[float]]:
+                 autocast_dtype=None, layout: RowLayout = PADDED, pieces: Pieces = NO_CP) -> list[list[float]]:
     """V_t of every response token of every sample (response coordinates), before any update."""
     return per_response_token(batch, pad_id, micro_batch_size, device, autocast_dtype,
-                              lambda mb: _values(critic, mb, device), layout)
+                              lambda mb: _values(critic, mb, device), layout, pieces)
 
 
 def critic_step(critic, optimizer, mbs: list[dict], denominator: float, rl, grad_clip: float, options,
-                device: torch.device, lr: float) -> tuple[float, float, torch.Tensor]:
-    """One optimizer step of the critic on the policy's micro-batches; (loss, grad norm, CRITIC_STATS token sums).
-    `rl` is the run's rl section, `options` its StepOptions."""
+                device: torch.device, lr: float, pieces: Pieces = NO_CP) -> tuple[float, float, torch.Tensor]:
+    """One optimizer step of the critic on the policy's micro-batches; (loss, grad norm, CRITIC_STATS token sums
+    of this CP rank's pieces under context parallelism). `rl` is the run's rl section, `options` its StepOptions."""
     stats = torch.zeros(len(CRITIC_STATS), dtype=torch.float64, device=device)
 
     def loss_sum(mb: dict, autocast) -> torch.Tensor:
-        mask = mb["mask"].to(device)
-        weights, _ = aggregation_weights(mask, rl.loss_agg, rl.max_new_tokens, mb["sequence_ids"].to(device))
+        whole_weights, _ = aggregation_weights(mb["mask"].to(device), rl.loss_agg, rl.max_new_tokens,
+                                               mb["sequence_ids"].to(device))
+        mb, cut = pieces.cut(mb, {"weights": whole_weights})  # per sequence: from whole rows, then cut
+        weights, mask = cut["weights"], mb["mask"].to(device)
         with autocast:
             values = _values(critic, mb, device)
         old, returns = mb["old_values"].to(device), mb["returns"].to(device)

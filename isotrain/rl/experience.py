@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from isotrain.models.packing_check import lm_forward, lm_logits
 from isotrain.rl.algos import token_logprobs
+from isotrain.rl.pieces import NO_CP, Pieces
 
 
 @dataclass
@@ -194,24 +195,30 @@ def forward_output(model, mb: dict, device: torch.device, router_logits: bool):
 
 @torch.no_grad()
 def per_response_token(batch: RolloutBatch, pad_id: int, micro_batch_size: int, device: torch.device,
-                       autocast_dtype, score, layout: RowLayout = PADDED) -> list[list[float]]:
+                       autocast_dtype, score, layout: RowLayout = PADDED, pieces: Pieces = NO_CP) -> list[list[float]]:
     """`score(mb)` -> [rows, L] values per position, run micro-batch by micro-batch under the run's autocast;
-    returns each sample's values at its response tokens (response coordinates)."""
+    returns each sample's values at its response tokens (response coordinates). Under context parallelism
+    (`pieces`) each CP rank scores its piece of the rows and the pieces are gathered back into whole rows."""
     out: list[list[float]] = []
     for start in range(0, len(batch), micro_batch_size):
         part = batch.select(range(start, min(start + micro_batch_size, len(batch))))
         mb = make_micro_batch(part, pad_id, False, {}, layout)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            values = score(mb).float().cpu()
-        out += per_sample(mb, values)
+        piece, _ = pieces.cut(mb)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None), \
+                pieces.attention(mb, device):
+            values = score(piece)
+        # (fp64 models keep fp64: the values of any layout then agree to fp64 rounding)
+        values = pieces.whole(values.to(torch.promote_types(values.dtype, torch.float32)), mb["input_ids"].shape[1])
+        out += per_sample(mb, values.cpu())
     return out
 
 
 def response_logprobs(model, batch: RolloutBatch, pad_id: int, micro_batch_size: int, temperature: float,
-                      device: torch.device, autocast_dtype=None, layout: RowLayout = PADDED) -> list[list[float]]:
+                      device: torch.device, autocast_dtype=None, layout: RowLayout = PADDED,
+                      pieces: Pieces = NO_CP) -> list[list[float]]:
     """Each sample's log-prob of every response token under `model` (the sampling distribution at `temperature`)."""
 
     def score(mb: dict) -> torch.Tensor:
         return token_logprobs(forward_logits(model, mb, device), mb["targets"].to(device), temperature)
 
-    return per_response_token(batch, pad_id, micro_batch_size, device, autocast_dtype, score, layout)
+    return per_response_token(batch, pad_id, micro_batch_size, device, autocast_dtype, score, layout, pieces)

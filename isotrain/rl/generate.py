@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from isotrain.config import RLConfig
-from isotrain.parallel.dist import all_reduce_sum
+from isotrain.parallel.dist import all_reduce_sum, broadcast_in_group
 from isotrain.rl.algos import overlong_penalty
 from isotrain.rl.experience import RolloutBatch, all_gather_rollout
 from isotrain.rl.prompts import PromptSet, PromptStream
@@ -48,7 +48,10 @@ def sampling_seed(seed: int, round_index: int, dp_rank: int) -> int:
 
 def generate_round(engine, tokenizer, prompts: PromptSet, stream: PromptStream, round_index: int,
                    rl: RLConfig, reward_fn, seed: int, dp_rank: int, dp_size: int, stats: RoundStats,
-                   dp_group=None) -> RolloutBatch:
+                   dp_group=None, cp_group=None) -> RolloutBatch:
+    """One round's samples of every DP rank. The CP ranks of a DP rank (`cp_group`, parallel.cp) draw the same
+    prompts with the same seed; the first one's samples and scores are then taken by all of them, so they train
+    on the very same samples whatever their engines do."""
     indices = stream.round_indices(round_index, dp_rank, dp_size)
     params = SamplingParams(n=rl.group_size, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
                             top_p=rl.top_p, seed=sampling_seed(seed, round_index, dp_rank))
@@ -57,6 +60,7 @@ def generate_round(engine, tokenizer, prompts: PromptSet, stream: PromptStream, 
     completions = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
     scored = score(reward_fn, [prompts.prompts[i] for i in sample_prompts], completions,
                    [prompts.answers[i] for i in sample_prompts])
+    out, scored = broadcast_in_group((out, scored), cp_group)
     rewards = list(scored.rewards)
     if rl.overlong_buffer > 0:
         lengths = torch.tensor([len(r) for r in out.response_ids])
@@ -78,14 +82,15 @@ def _groups(batch: RolloutBatch, n: int) -> list[RolloutBatch]:
 
 
 def collect(engine, tokenizer, prompts: PromptSet, stream: PromptStream, first_round: int, rl: RLConfig,
-            reward_fn, seed: int, dp_rank: int, dp_size: int, dp_group=None) -> tuple[RolloutBatch, RoundStats]:
+            reward_fn, seed: int, dp_rank: int, dp_size: int, dp_group=None,
+            cp_group=None) -> tuple[RolloutBatch, RoundStats]:
     """The rollout of one RL step (P groups), starting at generation round `first_round`."""
     stats = RoundStats()
     kept: list[RolloutBatch] = []
     dropped: list[RolloutBatch] = []
     while True:
         batch = generate_round(engine, tokenizer, prompts, stream, first_round + stats.rounds, rl, reward_fn,
-                               seed, dp_rank, dp_size, stats, dp_group)
+                               seed, dp_rank, dp_size, stats, dp_group, cp_group)
         stats.rounds += 1
         if not rl.dynamic_sampling:
             return batch, stats

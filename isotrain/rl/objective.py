@@ -11,6 +11,8 @@ and the mini-batch loss is Σ_{ranks, micro-batches} Σ_t a_t ℓ_t / D, where (
 `aggregation_weights` for `rl.loss_agg` and D is summed over every rank and micro-batch *before*
 any backward — the same global normalisation as SFT, so the loss and gradient of every
 aggregation mode do not depend on the DP size or the micro-batch size (invariant 1).
+Under context parallelism (rl/pieces.py) each CP rank computes Σ_t a_t ℓ_t and the statistics of its piece of
+every row, summed over CP; a_t, D and the sequence-level correction weights come from the whole rows.
 Logged statistics are token sums over the same global mini-batch, divided once; the mismatch figures compare
 the engine with the trainer's π_old (with `bypass` and no recomputed π_old: with the policy being updated, which
 is π_old on a rollout's first optimizer step).
@@ -34,6 +36,7 @@ from isotrain.rl.algos import (
 )
 from isotrain.rl.experience import forward_output
 from isotrain.rl.mismatch import correction_weights, logprob_gap
+from isotrain.rl.pieces import NO_CP, Pieces
 
 # Token sums all-reduced with every mini-batch; divided by "tokens" when logged. The last five measure the
 # engine–trainer mismatch (rl/mismatch.py): |Δ|, exp|Δ|, k3, the correction's weight and its dropped tokens.
@@ -44,6 +47,7 @@ STAT_NAMES = ("tokens", "pg_loss", "clipped", "kl", "entropy", "rollout_logprob_
 @dataclass(frozen=True)
 class RLObjective:
     rl: RLConfig
+    pieces: Pieces = NO_CP  # context parallelism: the loss of this rank's piece of every row (rl/pieces.py)
 
     @property
     def norm_length(self) -> int:
@@ -73,30 +77,47 @@ class RLObjective:
         return correction_weights(rl.correction, trainer_old, engine, mask, sequence_ids, rl.correction_cap,
                                   rl.rollout_mask_low, rl.rollout_mask_high)
 
+    def _piece_correction(self, mb: dict, logp: torch.Tensor, device: torch.device):
+        """`correction` of the whole rows of `mb` (a sequence-level weight sums Δ_t over whole sequences), cut to
+        this CP rank's piece. π_old is the rollout's, or (on-policy) the policy's own log-probs `logp` of the
+        piece, gathered over CP."""
+        pieces = self.pieces
+        if self.rl.correction in (None, "bypass"):
+            return None, torch.zeros_like(logp, dtype=torch.bool)
+        length = mb["input_ids"].shape[1]
+        old = mb["old_logprobs"].to(device) if mb.get("old_logprobs") is not None \
+            else pieces.whole(logp.detach(), length)
+        weight, dropped = self.correction(old, mb["engine_logprobs"].to(device), mb["mask"].to(device),
+                                          mb["sequence_ids"].to(device))
+        return pieces.cut_tensor(weight), pieces.cut_tensor(dropped, False)
+
     def loss_sum(self, model, mb: dict, autocast, device: torch.device, stats: torch.Tensor,
                  router: RouterStep | None = None, index: int | None = None):
-        """Σ_t a_t ℓ_t of one micro-batch; adds its token statistics into `stats` (float64, STAT_NAMES order).
-        With `router` (an MoE policy): (that sum, the router term of micro-batch `index`, whose pool is every real
-        prompt + response token), as train/step.py's `_backpropagate` takes them."""
+        """Σ_t a_t ℓ_t of one micro-batch (of this CP rank's piece of its rows under context parallelism: the
+        pieces' sums add up to the rows' over CP); adds its token statistics into `stats` (float64, STAT_NAMES
+        order). With `router` (an MoE policy): (that sum, the router term of micro-batch `index`, whose pool is
+        every real prompt + response token), as train/step.py's `_backpropagate` takes them."""
         rl = self.rl
-        mask = mb["mask"].to(device)
-        weights, _ = self.weights(mb, device)
+        whole_weights, _ = self.weights(mb, device)  # per sequence: from whole rows, then cut
+        piece, cut = self.pieces.cut(mb, {"weights": whole_weights})
+        weights, mask = cut["weights"], piece["mask"].to(device)
         with autocast:
-            output = forward_output(model, mb, device, router_logits=router is not None)
-        logits = output.logits.float() / rl.temperature
-        logp = token_logprobs(logits, mb["targets"].to(device))
+            output = forward_output(model, piece, device, router_logits=router is not None)
+        logits = output.logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / rl.temperature
+        logp = token_logprobs(logits, piece["targets"].to(device))
         # On-policy (one optimizer step per rollout): the old policy is the current one, ratio = 1.
-        trainer_old = mb["old_logprobs"].to(device) if mb.get("old_logprobs") is not None else logp.detach()
-        engine = mb["engine_logprobs"].to(device)
+        trainer_old = piece["old_logprobs"].to(device) if piece.get("old_logprobs") is not None else logp.detach()
+        engine = piece["engine_logprobs"].to(device)
         old = engine if rl.correction == "bypass" else trainer_old
-        pg, clipped = policy_loss(logp, old, mb["advantages"].to(device), rl.clip_low, rl.clip_high, rl.dual_clip)
-        weight, dropped = self.correction(trainer_old, engine, mask, mb["sequence_ids"].to(device))
+        pg, clipped = policy_loss(logp, old, piece["advantages"].to(device), rl.clip_low, rl.clip_high, rl.dual_clip)
+        weight, dropped = self._piece_correction(mb, logp, device)
         if weight is not None:
             pg = pg * weight
         loss = pg
         kl = torch.zeros_like(logp)
-        if mb.get("ref_logprobs") is not None:
-            kl = kl_penalty(logp, mb["ref_logprobs"].to(device), rl.kl_estimator, rl.kl_clip)
+        if piece.get("ref_logprobs") is not None:
+            kl = kl_penalty(logp, piece["ref_logprobs"].to(device), rl.kl_estimator, rl.kl_clip)
             if self.kl_in_loss:
                 loss = loss + rl.kl_coef * kl
         entropy_needed = rl.entropy_coef > 0
@@ -110,7 +131,8 @@ class RLObjective:
         weighted_sum = torch.where(on, loss * weights, 0.0).sum()
         if router is None:
             return weighted_sum
-        return weighted_sum, router.term(output.router_logits, input_token_mask(mb["segment_ids"].to(device)), index)
+        return weighted_sum, router.term(output.router_logits, input_token_mask(piece["segment_ids"].to(device)),
+                                         index)
 
 
 def _token_sums(on: torch.Tensor, pg, clipped, kl, entropy, gap: tuple, weight, dropped) -> torch.Tensor:

@@ -8,7 +8,9 @@ identically everywhere and depend only on (seed, step, epoch) and the rollout:
     rank r: the contiguous slice [r·M·n/DP, (r+1)·M·n/DP), cut into micro-batches
 
 Only the last line depends on the layout, and the loss is normalised globally (objective.py),
-so the update of a mini-batch is the same for any DP size and micro-batch size. An MoE policy adds the
+so the update of a mini-batch is the same for any DP size and micro-batch size. The CP ranks of a DP rank
+(parallel.cp) have the same DP rank, so they take the same slice and micro-batches, and each runs its piece of
+every row (rl/pieces.py). An MoE policy adds the
 router terms of the SFT step (train/step.py, isotrain/moe/), pooled over every real prompt + response token
 of the mini-batch (`global` scope) or of each micro-batch (`micro_batch`); the critic and the frozen
 reference get none.
@@ -36,6 +38,7 @@ from isotrain.rl.algos import (
 from isotrain.rl.critic import CRITIC_STATS, critic_step
 from isotrain.rl.experience import RolloutBatch, RowLayout, forward_output, make_micro_batch
 from isotrain.rl.objective import STAT_NAMES, RLObjective
+from isotrain.rl.pieces import NO_CP, Pieces
 from isotrain.sizes import RLBatchPlan
 from isotrain.train.step import StepOptions, accumulate_objective, optimizer_step
 
@@ -171,13 +174,14 @@ class UpdateContext:
     before_update: Callable[[], None]  # after the backward, before clipping (the checkpoint's staging hook)
     critic: torch.nn.Module | None = None  # PPO: the critic takes one step on every mini-batch too
     critic_optimizer: torch.optim.Optimizer | None = None
+    pieces: Pieces = NO_CP  # parallel.cp: each CP rank runs its piece of every row (rl/pieces.py)
 
 
 def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx: UpdateContext, step: int,
                 lr_of) -> UpdateTotals:
     """Every optimizer step of one rollout; `lr_of(k)` is the learning rate of the k-th step of this rollout."""
     cfg, plan, rl = ctx.cfg, ctx.plan, ctx.cfg.rl
-    objective = RLObjective(rl)
+    objective = RLObjective(rl, ctx.pieces)
     totals = UpdateTotals()
     per_rank = plan.samples_per_optimizer_step // plan.dp_size
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -199,7 +203,7 @@ def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx: Upd
                 model, mbs, functools.partial(_policy_loss_sum, objective, model, ctx.device, stats),
                 lambda mb: forward_output(model, mb, ctx.device, router_logits=True),
                 denominator, ctx.options, ctx.device)
-            totals.stats += all_reduce_sum(stats, ctx.options.dp_group).cpu()
+            totals.stats += all_reduce_sum(ctx.pieces.sum(stats), ctx.options.dp_group).cpu()
             totals.add_router(router)
             ctx.before_update()
             totals.lr = lr_of(totals.num_updates)
@@ -207,9 +211,9 @@ def run_updates(model, optimizer, batch: RolloutBatch, per_token: dict, ctx: Upd
             if ctx.critic is not None:
                 critic_loss, _, critic_stats = critic_step(ctx.critic, ctx.critic_optimizer, mbs, denominator, rl,
                                                            cfg.train.grad_clip, ctx.options, ctx.device,
-                                                           rl.critic_lr or totals.lr)
+                                                           rl.critic_lr or totals.lr, ctx.pieces)
                 totals.critic_loss_sum += critic_loss
-                totals.critic_stats += all_reduce_sum(critic_stats, ctx.options.dp_group).cpu()
+                totals.critic_stats += all_reduce_sum(ctx.pieces.sum(critic_stats), ctx.options.dp_group).cpu()
             totals.loss_sum += loss
             totals.num_updates += 1
             totals.input_tokens += int(input_tokens)

@@ -228,7 +228,124 @@ def _layouts(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(x) for x in layout.split("x")) for layout in text.split(",") if layout]
 
 
+# ----------------------------------------------------------------------------- context parallelism (parallel.cp)
+# results[layout][case][dtype] of `run_cp_layouts`, a layout being (dp_replicate, dp_shard, cp, cp_style). Every
+# case runs 2 optimizer steps (rl.ppo_epochs=2; gradients of the first, weights after both) in fp32 and fp64:
+#   grpo             token-mean (GRPO's aggregation), PPO clip, KL in the loss, entropy, truncated IS
+#   seq-mean         seq-mean-token-mean: per-sequence weights 1/n_s of sequences cut across the pieces
+#   dr-grpo          seq-mean-token-sum-norm (Dr. GRPO)
+#   seq-mis          sequence-level masked IS of the given π_old (whole-row sums of Δ)
+#   seq-mis-policy   the same with π_old the policy's own log-probs (no old_logprobs: gathered over CP per step)
+#   ppo-critic       the critic (PPO's value model) takes its step too: its loss, gradients, values and weights
+CP_CASES = {
+    "grpo": ("token-mean", {}),
+    "seq-mean": ("seq-mean-token-mean", {}),
+    "dr-grpo": ("seq-mean-token-sum-norm", {}),
+    "seq-mis": ("seq-mean-token-mean", CORRECTION),
+    "seq-mis-policy": ("seq-mean-token-mean", CORRECTION),
+    "ppo-critic": ("token-mean", {}),
+}
+CP_DTYPES = (torch.float32, torch.float64)
+
+
+def tiny_critic(dtype: torch.dtype):
+    from transformers import AutoModelForTokenClassification
+
+    torch.manual_seed(1)
+    config = AutoConfig.for_model(**MODEL_CONFIG, num_labels=1, classifier_dropout=0.0)
+    config.use_cache = False
+    return AutoModelForTokenClassification.from_config(config).to(dtype)
+
+
+def _capturing(optimizer, into: dict, model) -> None:
+    """Record the model's gradients of the first time `optimizer` steps (the critic's step has no before_update
+    hook)."""
+    step = optimizer.step
+
+    def capture_then_step(*args, **kwargs):
+        into.setdefault("grads", {n: full(p.grad) for n, p in unwrap(model).named_parameters()})
+        return step(*args, **kwargs)
+
+    optimizer.step = capture_then_step
+
+
+def run_cp_case(info, parallel, case: str, dtype: torch.dtype, micro_batch: int) -> dict:
+    """One CP_CASES case in one layout: the rollout's log-probs (and the critic's values) scored under the layout,
+    then run_updates; the loss, gradients, weights after the steps and statistics."""
+    from isotrain.rl.critic import token_values
+    from isotrain.rl.pieces import Pieces
+
+    loss_agg, correction = CP_CASES[case]
+    degrees = parallel.dims
+    cfg = make_config(loss_agg, False, micro_batch, degrees.dp_replicate, degrees.dp_shard,
+                      correction={**correction, "ppo_epochs": 2})
+    plan = plan_rl_batches(cfg, degrees)
+    pieces = Pieces.of(parallel)
+    batch = make_rollout()
+    per_token = per_token_arrays(batch, cfg)
+    if case == "seq-mis-policy":
+        per_token["old_logprobs"] = None
+    model = wrap_replicas(parallelize(tiny_model(cfg.model.config).to(dtype), parallel), parallel)
+    scored = response_logprobs(model, batch, pad_id=0, micro_batch_size=micro_batch, temperature=1.0,
+                               device=info.device, layout=LAYOUT, pieces=pieces)
+    optimizer = build_optimizer(model, cfg.train)
+    captured, critic_captured = {}, {}
+    critic = critic_optimizer = values = None
+    if case == "ppo-critic":
+        critic = wrap_replicas(parallelize(tiny_critic(dtype), parallel), parallel)
+        critic_optimizer = build_optimizer(critic, cfg.train)
+        _capturing(critic_optimizer, critic_captured, critic)
+        values = token_values(critic, batch, 0, micro_batch, info.device, layout=LAYOUT, pieces=pieces)
+        rng = np.random.default_rng(11)
+        per_token["old_values"] = [[v + float(rng.uniform(-0.1, 0.1)) for v in row] for row in values]
+        per_token["returns"] = [[float(rng.uniform(-1, 1)) for _ in row] for row in values]
+
+    def before_update():  # the first step's gradients
+        captured.setdefault("grads", {n: full(p.grad) for n, p in unwrap(model).named_parameters()})
+
+    ctx = UpdateContext(cfg, plan, parallel.dp_rank, info.device, step_options(cfg, parallel, loss_parallel=False), 0,
+                        LAYOUT, before_update, critic, critic_optimizer, pieces)
+    totals = run_updates(model, optimizer, batch, per_token, ctx, step=0, lr_of=lambda k: LR)
+    result = {"loss": totals.loss_sum, "grads": captured["grads"], "stats": totals.stats.clone(),
+              "grad_norm": totals.grad_norm_sum, "input_tokens": totals.input_tokens, "samples": totals.samples,
+              "num_updates": totals.num_updates, "grad_accum_steps": plan.grad_accum_steps,
+              "weights": {n: full(p) for n, p in unwrap(model).named_parameters()}, "logprobs": scored}
+    if critic is not None:
+        result["critic"] = {"loss": totals.critic_loss_sum, "stats": totals.critic_stats.clone(), "values": values,
+                            "grads": critic_captured["grads"],
+                            "weights": {n: full(p) for n, p in unwrap(critic).named_parameters()}}
+    return result
+
+
+def run_cp_layouts(layouts: list[tuple], micro_batch: int, cases=tuple(CP_CASES)) -> dict | None:
+    """Every (dp_replicate, dp_shard, cp, cp_style) layout in one launch: results[layout][case][str(dtype)] on
+    rank 0, else None."""
+    torch.use_deterministic_algorithms(True)
+    info = init_distributed()
+    results = {}
+    for layout in layouts:
+        dp_replicate, dp_shard, cp, style = layout
+        parallel = build_parallel(ParallelDims(dp_replicate, dp_shard, 1, cp=cp, cp_style=style), info.device,
+                                  info.rank)
+        results[layout] = {case: {str(dtype): run_cp_case(info, parallel, case, dtype, micro_batch)
+                                  for dtype in CP_DTYPES} for case in cases}
+    if info.is_distributed:
+        shutdown_distributed()
+    return results if info.is_main else None
+
+
+def _cp_layouts(text: str) -> list[tuple]:
+    """DP_REPLICATExDP_SHARDxCPxSTYLE[,...], e.g. 1x1x2xulysses,1x1x2xring."""
+    return [tuple(int(x) for x in layout.split("x")[:3]) + (layout.split("x")[3],) for layout in text.split(",")]
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "cp":  # rl_equivalence_worker.py cp OUT.pt CP_LAYOUTS MICRO_BATCH [CASES]
+        out, layouts, micro, *cases = sys.argv[2:]
+        results = run_cp_layouts(_cp_layouts(layouts), int(micro), *([cases[0].split(",")] if cases else []))
+        if results is not None:
+            torch.save(results, out)
+        sys.exit(0)
     # rl_equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [MOE_LAYOUTS]
     # LAYOUTS: DP_REPLICATExDP_SHARD[xTP][,...], e.g. 2x1,1x1x2; MOE_LAYOUTS: DP_REPLICATExDP_SHARDxMICRO_BATCH[xTP][,...]
     out, layouts, micro, *moe_layouts = sys.argv[1:]

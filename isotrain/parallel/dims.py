@@ -9,7 +9,8 @@ divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every Mo
 and each runs one piece of every sequence (parallel/cp.py); Ulysses exchanges attention heads, so `cp` must divide
 the heads, and the key/value heads or be a multiple of them (KV heads are then repeated); ring attention passes
 key/value blocks around the ranks and has no condition on the heads. With TP, the CP ranks of a TP rank attend
-over its heads. CP is not combined with EP yet (`check_cp`).
+over its heads. With EP the EP groups are carved out of the DP ranks of each CP coordinate (CP × EP × TP is
+refused: `check_cp`); an MoE model's router terms sum their loads over DP × CP.
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
@@ -94,7 +95,6 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
             f"parallel.{auto[0]} and parallel.{auto[1]} are both -1; at most one degree can take the remaining ranks"
         )
     cp = getattr(cfg, "cp", 1)
-    check_cp(cp, getattr(cfg, "ep", 1))
     pp, schedule = getattr(cfg, "pp", 1), getattr(cfg, "pp_schedule", "1f1b")
     per_rank = getattr(cfg, "pp_stages_per_rank", 1)
     check_pp(pp, schedule, {"cp": cp, "ep": getattr(cfg, "ep", 1)}, per_rank)
@@ -131,16 +131,16 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
             f"parallel.{' × '.join(names)} = {product} = {dims.world_size} but {launched} launched; {launch}"
         )
     check_ep(dims)
+    check_cp(dims)
     return dims
 
 
-def check_cp(cp: int, ep: int) -> None:
+def check_cp(dims: ParallelDims) -> None:
     """What context parallelism is built for: either style, with or without TP (each TP rank's heads attend over the
-    CP ranks), without EP (its token all-to-all and global router terms are not written for split sequences)."""
-    if cp == 1:
-        return
-    if ep > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.ep={ep} is not supported yet; set parallel.ep=1 or "
+    CP ranks), with EP (one set of EP groups per CP coordinate, parallel/mesh.py) but not EP and TP together."""
+    if dims.cp > 1 and dims.ep > 1 and dims.tp > 1:
+        raise ConfigError(f"parallel.cp={dims.cp} with parallel.ep={dims.ep} and parallel.tp={dims.tp} together is not "
+                          "supported yet; set parallel.tp=1 (context and expert parallelism compose without it), or "
                           "parallel.cp=1")
 
 
@@ -278,8 +278,7 @@ def check_cp_fits(cp: int, config, style: str = "ulysses", tp: int = 1) -> None:
     heads (with TP, the heads / tp of a TP rank, checked divisible by TP before); the KV heads are split the same
     way, or repeated up to `cp` when there are fewer (then `cp` must be a multiple of them, so that each rank's
     query heads share one KV head). Ring attention keeps every head of its TP rank on every CP rank (any `cp`), and
-    computes its blocks without dropout. Attention over whole sequences knows no sliding window, and MoE router
-    terms are not split over pieces: both refused."""
+    computes its blocks without dropout. Attention over whole sequences knows no sliding window: refused."""
     if cp == 1:
         return
     if style == "ring":
@@ -321,13 +320,11 @@ def _check_ulysses_tp_heads(cp: int, tp: int, heads: int | None, kv_heads: int |
 
 
 def _check_cp_model(cp: int, config) -> None:
-    """What neither CP style is built for: a sliding window, mixture-of-experts routers."""
+    """What neither CP style is built for: a sliding window. (A mixture-of-experts model's router terms are summed
+    over the CP ranks' pieces: isotrain/moe/objective.py.)"""
     if getattr(config, "sliding_window", None):
         raise ConfigError(f"parallel.cp={cp} attends over whole sequences, and this {config.model_type} model has a "
                           f"sliding window of {config.sliding_window} tokens; set parallel.cp=1")
-    if is_moe(config):
-        raise ConfigError(f"parallel.cp={cp} is not supported for mixture-of-experts models yet (their router terms "
-                          "are formed from whole sequences); set parallel.cp=1")
 
 
 def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:

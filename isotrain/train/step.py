@@ -10,7 +10,8 @@ Order of a step (the invariant each stage keeps is in brackets):
   3. all-reduce the summed loss values (and router values) over DP [the logged loss is the global objective];
      under context parallelism each CP rank ran one piece of every sequence (parallel/cp.py), so its loss sum
      is summed over CP as well, while the counts of step 1, taken from the whole micro-batches that every CP rank
-     of a DP rank holds alike, are summed over DP only (summed over CP they would count each token cp times);
+     of a DP rank holds alike, are summed over DP only (summed over CP they would count each token cp times); an
+     MoE model's routing loads, counted on the pieces each rank routes, are summed over DP × CP (isotrain/moe/);
      under pipeline parallelism (parallel/pp.py) the micro-batches run through the stages by the run's schedule,
      the last stage computes each micro-batch's Σ_t w_t·ℓ_t / D, the schedule never rescales, and the loss sum is
      summed over the stages (the others hold 0) and DP; the counts of step 1 are summed over DP only (every stage
@@ -153,7 +154,7 @@ def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator,
 
     With `router`, `loss_sum(mb, autocast, index)` returns (weighted token-loss sum, router term); the router term
     is already globally normalised and joins the objective as it is. Its logged values (RouterStep.local_values)
-    come back summed over DP, from the same all-reduce as the loss (else None)."""
+    come back summed over DP (and CP), from the same all-reduces as the loss (else None)."""
     local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
         # Vocabulary-parallel cross-entropy: forward and backward both run inside loss_parallel; so does context
@@ -169,13 +170,13 @@ def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator,
         local_loss_sum += weighted_sum.detach().double()
     if options.parallel is not None:
         sync_replica_grads(model, options.parallel)
+    local = local_loss_sum.reshape(1) if router is None else torch.cat([local_loss_sum.reshape(1),
+                                                                        router.local_values()])
     cp_group = options.parallel.cp_group if options.parallel is not None else None
     if cp_group is not None:  # (a group of None would be the world) the pieces' sums: Σ_t over whole sequences
-        local_loss_sum = all_reduce_sum(local_loss_sum, cp_group)
-    if router is None:
-        return all_reduce_sum(local_loss_sum, options.dp_group), None
-    values = all_reduce_sum(torch.cat([local_loss_sum.reshape(1), router.local_values()]), options.dp_group)
-    return values[0], values[1:]
+        local = all_reduce_sum(local, cp_group)
+    values = all_reduce_sum(local, options.dp_group)
+    return values[0], (None if router is None else values[1:])
 
 
 def _context_parallel(options: StepOptions, mb: dict, device: torch.device):
@@ -238,12 +239,15 @@ def _router_step(micro_batches: list[dict], forward, options: StepOptions,
     `forward(mb)`: the model output of a micro-batch with its router logits, as the gradient pass runs it."""
     if options.router is None:
         return None
+    # Under CP each rank routes its piece of every sequence, inside the attention the gradient pass runs.
+    pieces = [_cp_piece(mb, None, options)[0] for mb in micro_batches]
 
-    def router_forward(mb: dict):
-        with _autocast(options, device):  # routed exactly as the gradient pass will route it
-            return forward(mb).router_logits
+    def router_forward(index: int):
+        with _autocast(options, device), _context_parallel(options, micro_batches[index], device):
+            return forward(pieces[index]).router_logits  # routed exactly as the gradient pass will route it
 
-    return begin_router_step(options.router, micro_batches, router_forward, options.dp_group, device)
+    cp_group = options.parallel.cp_group if options.parallel is not None else None
+    return begin_router_step(options.router, pieces, router_forward, options.dp_group, device, cp_group)
 
 
 def _pipelined(options: StepOptions) -> bool:

@@ -1,11 +1,14 @@
 """Train a tiny MoE model (qwen3_moe, mixtral: 4 experts, top-2) for 2 steps in one layout; rank 0 saves results.
 
 Launched by test_moe_equivalence.py with torchrun (real processes, gloo) or in-process for 1 rank:
-    moe_worker.py OUT.pt RUNS
-RUNS: comma-separated RxSxT:MICRO (dp_replicate x dp_shard x tp, micro-batch size). Every run covers both
-families, both aux-loss scopes, packed and unpacked data, fp32 and fp64:
-results[(family, scope, packed, dtype, layout, micro_batch)] = {losses, aux, z, counts, grads, weights}.
-Gradients are those `train_step` leaves before its first update (taken in `before_update`).
+    moe_worker.py OUT.pt RUNS [scopes=..] [families=..] [packings=0,1] [dtypes=float64] [steps=N] [loads_over_dp_only]
+RUNS: comma-separated RxSxT[xE[xC]][/ring]:MICRO (dp_replicate x dp_shard x tp x ep x cp: ParallelDims' field
+order; `/ring` for parallel.cp_style=ring; micro-batch size). Every run covers both families, both aux-loss scopes,
+packed and unpacked data, fp32 and fp64 unless the flags narrow them:
+results[(family, scope, packed, dtype, layout, micro_batch)] = {losses, aux, z, counts, grads, weights}, layout
+the degrees' tuple (with "ring" appended for ring attention). Gradients are those `train_step` leaves before its
+first update (taken in `before_update`). `loads_over_dp_only` sums the routing loads over DP but not CP, on
+purpose: the control that must fail.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def packed_samples() -> list[Sample]:
 
 
 def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.dtype, micro_batch: int,
-            force_reroute: bool = False, checkpointing: bool = False) -> dict:
+            force_reroute: bool = False, checkpointing: bool = False, steps: int = NUM_STEPS) -> dict:
     model = parallelize(tiny_moe(family, dtype), parallel, activation_checkpointing=checkpointing)
     model = wrap_replicas(model.train(), parallel)
     optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1))
@@ -88,7 +91,7 @@ def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.
     samples = packed_samples() if packed else make_samples()
     sampler = GlobalBatchSampler(len(samples), GLOBAL_BATCH, seed=0)
     out = {"losses": [], "aux": [], "z": [], "counts": [], "norms": []}
-    for step in range(NUM_STEPS):
+    for step in range(steps):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
 
@@ -128,21 +131,28 @@ def _reroute_after_prepass(model, num_micro_batches: int) -> None:
     router.register_forward_hook(hook)
 
 
-def run_all(runs: list[tuple[tuple[int, int, int], int]], families=SUITE_FAMILIES, scopes=("global", "micro_batch"),
+def _dims(layout: tuple) -> ParallelDims:
+    """(1, 1, 1, 1, 2) -> CP 2 with Ulysses; (1, 1, 1, 1, 2, "ring") -> with ring attention."""
+    if layout[-1] == "ring":
+        return ParallelDims(*layout[:-1], cp_style="ring")
+    return ParallelDims(*layout)
+
+
+def run_all(runs: list[tuple[tuple, int]], families=SUITE_FAMILIES, scopes=("global", "micro_batch"),
             packings=(False, True), dtypes=(torch.float32, torch.float64), force_reroute: bool = False,
-            checkpointing: bool = False) -> dict | None:
+            checkpointing: bool = False, steps: int = NUM_STEPS) -> dict | None:
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
     results = {}
     for layout, micro_batch in runs:
-        parallel = build_parallel(ParallelDims(*layout), info.device, info.rank)
+        parallel = build_parallel(_dims(layout), info.device, info.rank)
         for family in families:
             for scope in scopes:
                 for packed in packings:
                     for dtype in dtypes:
                         key = (family, scope, packed, str(dtype), layout, micro_batch)
                         results[key] = run_one(info, parallel, family, scope, packed, dtype, micro_batch,
-                                               force_reroute, checkpointing)
+                                               force_reroute, checkpointing, steps)
     if info.is_distributed:
         shutdown_distributed()
     return results if info.is_main else None
@@ -154,9 +164,23 @@ if __name__ == "__main__":
     parsed = []
     for run in runs.split(","):
         layout, micro = run.split(":")
-        parsed.append((tuple(int(x) for x in layout.split("x")), int(micro)))
-    scopes = next((f.split("=", 1)[1].split(",") for f in flags if f.startswith("scopes=")), ["global", "micro_batch"])
-    families = next((f.split("=", 1)[1].split(",") for f in flags if f.startswith("families=")), SUITE_FAMILIES)
-    results = run_all(parsed, scopes=tuple(scopes), families=tuple(families))
+        degrees, _, style = layout.partition("/")
+        parsed.append((tuple(int(x) for x in degrees.split("x")) + ((style,) if style else ()), int(micro)))
+
+    def flag(name: str, default):
+        return next((f.split("=", 1)[1].split(",") for f in flags if f.startswith(name + "=")), default)
+
+    if "loads_over_dp_only" in flags:  # on purpose: each CP rank's pool misses the other pieces' tokens
+        import isotrain.moe.objective as objective
+        import isotrain.moe.prepass as prepass
+        from isotrain.parallel.dist import all_reduce_sum
+
+        objective.sum_over_pool = prepass.sum_over_pool = lambda values, dp_group, cp_group=None: all_reduce_sum(
+            values, dp_group)
+    results = run_all(parsed, scopes=tuple(flag("scopes", ["global", "micro_batch"])),
+                      families=tuple(flag("families", SUITE_FAMILIES)),
+                      packings=tuple(bool(int(p)) for p in flag("packings", ["0", "1"])),
+                      dtypes=tuple(getattr(torch, d) for d in flag("dtypes", ["float32", "float64"])),
+                      steps=int(flag("steps", [NUM_STEPS])[0]))
     if results is not None:
         torch.save(results, out)

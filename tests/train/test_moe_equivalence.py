@@ -168,3 +168,96 @@ def test_expert_parallel_with_tensor_parallel_and_replicated_experts_matches_one
         assert_equivalent(results, layout, micro, single, fp32_steps=1)
         experts = results[("qwen3_moe", "global", False, FP32, layout, micro)]["experts"]
         assert experts and set(experts.values()) == {((Shard(0), Replicate()), (2, 64, 32))}
+
+
+# Context parallelism, layouts (dp_replicate, dp_shard, tp, ep, cp[, "ring"]): each rank routes its piece of every
+# sequence, so the loads (counts, tokens) of the pool are summed over DP × CP, the pre-pass runs the pieces inside
+# the same CP attention, and the experts' gradients are summed over "cp" beside "ep_replicate". 3 steps against one
+# process (fp32: losses, counts, first-step gradients and norm; fp64: every step's aux, z and norm, gradients and the
+# weights after 3 steps). qwen3_moe only: the router terms are the same code for every family.
+# CP 2 Ulysses with GA 2 (routing pre-pass) on packed rows, ring CP 2 with one micro-batch (loads all-reduced after
+# the forward) on padded rows; CP 2 × EP 2 with FSDP2 2 (4 ranks, GA 2, packed rows).
+CP_STEPS = 3
+CP_RUNS = [((1, 1, 1, 1, 2), 4, True), ((1, 1, 1, 1, 2, "ring"), 8, False)]
+CP_EP_RUNS = [((1, 2, 1, 2, 2), 2, True)]
+
+
+@pytest.fixture(scope="module")
+def cp_reference():
+    from moe_worker import run_all
+
+    return run_all([REFERENCE], families=("qwen3_moe",), scopes=("global",), steps=CP_STEPS)
+
+
+def _launch_cp(tmp_path, nproc: int, runs, *flags: str, scope: str = "global") -> dict:
+    out = tmp_path / f"moe-cp-{nproc}.pt"
+    spec = ",".join("x".join(str(d) for d in layout if d != "ring") + ("/ring" if layout[-1] == "ring" else "")
+                    + f":{micro}" for layout, micro, _ in runs)
+    packings = ",".join(sorted({str(int(packed)) for *_, packed in runs}))
+    proc = run_forked_ranks(nproc, [str(out), spec, f"scopes={scope}", "families=qwen3_moe", f"packings={packings}",
+                                    f"steps={CP_STEPS}", *flags], script=WORKER)
+    assert proc.returncode == 0, failure(proc)
+    return torch.load(out)
+
+
+def cp_differences(results: dict, layout, micro_batch: int, packed: bool, reference: dict, scope: str = "global",
+                   reference_run=REFERENCE) -> dict:
+    """The largest relative differences from one process (`reference_run`: its layout and micro-batch size): fp32
+    (losses and first-step gradients) and fp64 (gradients, weights after 3 steps, every step's aux, z and norm);
+    counts_equal: every step's expert counts."""
+    def pick(source, dtype, lay=layout, micro=micro_batch):
+        return source[("qwen3_moe", scope, packed, dtype, lay, micro)]
+
+    fp32, ref32 = pick(results, FP32), pick(reference, FP32, *reference_run)
+    fp64, ref64 = pick(results, FP64), pick(reference, FP64, *reference_run)
+    scalars = max(abs(a - b) / abs(b) for key in ("aux", "z", "norms")
+                  for a, b in zip(fp64[key], ref64[key], strict=True))
+    return {"counts_equal": fp32["counts"] == ref32["counts"] and fp64["counts"] == ref64["counts"],
+            "fp32": max_rel_diff(fp32, ref32, scale_floor=SCALE_FLOOR),
+            "fp64": max(max_rel_diff(fp64, ref64, keys=("grads", "weights")), scalars)}
+
+
+def assert_cp_equivalent(results: dict, runs, reference: dict, **kwargs) -> None:
+    for layout, micro, packed in runs:
+        diff = cp_differences(results, layout, micro, packed, reference, **kwargs)
+        assert diff["counts_equal"], layout
+        assert diff["fp32"] <= RTOL, (layout, diff)
+        assert diff["fp64"] <= 1e-11, (layout, diff)
+
+
+@pytest.mark.slow
+def test_context_parallel_moe_matches_one_process(tmp_path, cp_reference):
+    assert_cp_equivalent(_launch_cp(tmp_path, 2, CP_RUNS), CP_RUNS, cp_reference)
+
+
+@pytest.mark.slow
+def test_context_parallel_with_expert_parallel_matches_one_process(tmp_path, cp_reference):
+    results = _launch_cp(tmp_path, 4, CP_EP_RUNS)
+    assert_cp_equivalent(results, CP_EP_RUNS, cp_reference)
+    experts = results[("qwen3_moe", "global", True, FP32, *CP_EP_RUNS[0][:2])]["experts"]
+    assert experts and set(experts.values()) == {((Shard(0),), (2, 64, 32))}  # 2 of the 4 experts per CP rank
+
+
+@pytest.mark.slow
+def test_context_parallel_keeps_the_micro_batch_scope(tmp_path):
+    """`micro_batch` scope under CP: a micro-batch's pool is all of its pieces (their loads summed over CP), so the
+    objective is that of one process with the same micro-batches (GA 2); fp64 (the fp32 path is the global scope's)."""
+    from moe_worker import run_all
+
+    layout, micro = (1, 1, 1, 1, 2), 4
+    key = ("qwen3_moe", "micro_batch", True, FP64)
+    reference = run_all([((1, 1, 1), micro)], families=("qwen3_moe",), scopes=("micro_batch",), packings=(True,),
+                        dtypes=(torch.float64,), steps=CP_STEPS)[(*key, (1, 1, 1), micro)]
+    results = _launch_cp(tmp_path, 2, [(layout, micro, True)], "dtypes=float64", scope="micro_batch")
+    got = results[(*key, layout, micro)]
+    assert got["counts"] == reference["counts"]
+    assert max_rel_diff(got, reference, keys=("grads", "weights")) <= 1e-11
+    assert all(abs(a - b) <= 1e-11 * abs(b) for key in ("aux", "z") for a, b in zip(got[key], reference[key]))
+
+
+@pytest.mark.slow
+def test_router_loads_not_summed_over_cp_fail(tmp_path, cp_reference):
+    """The control: each CP rank's pool holds only its pieces' tokens; the aux loss's gradient is then another."""
+    runs = CP_RUNS[:1]
+    diff = cp_differences(_launch_cp(tmp_path, 2, runs, "loads_over_dp_only"), *runs[0], cp_reference)
+    assert diff["fp32"] > 1000 * RTOL and diff["fp64"] > 1000 * RTOL, diff

@@ -4,16 +4,20 @@
 
 A `RouterStep` is made per optimizer step. With `global` scope it holds the global routing counts before the
 first backward: from the routing pre-pass (prepass.py) when a rank has several micro-batches, else they are
-all-reduced over DP right after the rank's one forward. Under context parallelism a rank routes only its piece of
-every sequence (parallel/cp.py), so the tokens and counts of a pool are summed over the CP group as well (over
-DP × CP: the tokens of the global batch, each counted once); `micro_batch` scope pools a micro-batch's pieces
-over CP. Each micro-batch's term is then its exact share of the
+all-reduced over DP right after the rank's one forward. Each micro-batch's term is then its exact share of the
 global aux / z, so the summed gradient is the same for any split. When both coefficients are 0 nothing is
 backpropagated and no pre-pass runs; the values are still logged.
 
-The logged values come from sums kept on the device (summed over DP, and CP, with the loss, fetched in the step's
-one host sync): routed tokens N, Σ_t logsumexp², the counts C_le and the probability sums S_le, from which the
-global aux and z follow on the host; `micro_batch` scope logs the mean of its micro-batches' own values.
+Under context parallelism a rank routes only its piece of every sequence (parallel/cp.py), so the tokens and counts
+of a pool are summed over the CP group as well (over DP × CP: the tokens of the global batch, each counted once);
+`micro_batch` scope pools a micro-batch's pieces over CP. Under pipeline parallelism each stage's RouterStep sees its
+own MoE layers only: the global counts of all layers come from a pre-pass through the pipeline
+(`set_pipeline_pool`, train/step.py), each stage's term is its layers' exact share of the global aux / z, and its
+logged sums fill its layers' rows of [L, E] (summed over the stages).
+
+The logged values come from sums kept on the device (summed over DP, and CP or the stages, with the loss, fetched
+in the step's one host sync): routed tokens N, Σ_t logsumexp², the counts C_le and the probability sums S_le, from
+which the global aux and z follow on the host; `micro_batch` scope logs the mean of its micro-batches' own values.
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ class RouterStep:
     global_counts: torch.Tensor | None = None
     global_tokens: torch.Tensor | None = None
     expected_counts: list[torch.Tensor] = field(default_factory=list)
+    # Under pipeline parallelism a stage routes through its own MoE layers only: their rows among the L MoE layers
+    # of the whole model (the logged sums are laid out over all L, zero elsewhere, and summed over the stages), and
+    # whether this stage counts the tokens N (one stage does: every stage routes the same tokens).
+    layer_rows: list[int] | None = None
+    num_model_layers: int | None = None
+    counts_tokens: bool = True
     _sums: list[torch.Tensor] | None = None  # this rank's logged sums (local_values), built by the first term
 
     def term(self, router_logits, mask: torch.Tensor, index: int) -> torch.Tensor:
@@ -51,7 +61,8 @@ class RouterStep:
         counts = routing_counts(logits, self.settings.top_k, mask)
         tokens, probs, z_total = mask.sum(), prob_sums(logits, mask), z_sum(logits, mask)
         scalars = torch.zeros(5, dtype=torch.float64, device=mask.device)
-        scalars[_TOKENS], scalars[_Z_SUM] = tokens.double(), z_total.detach().double()
+        scalars[_TOKENS] = tokens.double() if self.counts_tokens else 0
+        scalars[_Z_SUM] = z_total.detach().double()
         if self.settings.aux_loss_scope == "micro_batch":
             # Each micro-batch is its own pool (all of its CP pieces); the objective is the mean over the
             # micro-batches of all DP ranks.
@@ -64,10 +75,30 @@ class RouterStep:
             aux = z = torch.zeros((), device=mask.device)  # nothing to backpropagate
         else:
             pool_counts, pool_tokens = self._global_pool(counts, tokens, index, scalars)
+            # pool_counts has a row per MoE layer of the whole model (under PP, more than this stage's logits)
             aux = aux_loss_part(pool_counts, probs, pool_tokens, self.settings.num_experts)
-            z = z_loss_part(z_total, pool_tokens, len(logits))
-        self._record([scalars, counts.double().reshape(-1), probs.detach().double().reshape(-1)])
+            z = z_loss_part(z_total, pool_tokens, pool_counts.shape[0])
+        self._record([scalars, self._model_rows(counts.double()).reshape(-1),
+                      self._model_rows(probs.detach().double()).reshape(-1)])
         return self.settings.aux_loss_coef * aux + self.settings.z_loss_coef * z
+
+    def _model_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """[L_stage, E] -> [L, E]: a stage's rows among all MoE layers of the model (itself without PP)."""
+        if self.layer_rows is None:
+            return values
+        rows = values.new_zeros(self.num_model_layers, values.shape[1])
+        rows[self.layer_rows] = values
+        return rows
+
+    def set_pipeline_pool(self, expected: list[torch.Tensor], masks: list[torch.Tensor], pp_group) -> None:
+        """The global pool of a pipeline's pre-pass: each stage's counts of every local micro-batch (`expected`,
+        [L_stage, E] each), laid out over the model's L MoE layers and summed over DP and the stages; the tokens N
+        summed over DP only (every stage routes the same micro-batches)."""
+        counts = self._model_rows(torch.stack(expected).sum(0)).to(torch.int64)
+        tokens = torch.stack([mask.sum() for mask in masks]).sum().to(torch.int64)
+        self.global_counts = all_reduce_sum(all_reduce_sum(counts, self.group), pp_group)
+        self.global_tokens = all_reduce_sum(tokens, self.group)
+        self.expected_counts = expected
 
     def _global_pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int, scalars: torch.Tensor):
         """(counts [L, E], tokens) of the whole global batch."""

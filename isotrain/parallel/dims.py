@@ -17,8 +17,9 @@ launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as 
 even share of the decoder layers (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not
 change with it. It composes with data and tensor parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the
 ranks of each stage, TP inside it); CP and EP beside it, and the interleaved schedule beside FSDP2, are refused
-(`check_pp`, `resolve_dims`), and it needs a dense model that has at least `pp` decoder layers, `pp ×
-pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`).
+(`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder layers, `pp ×
+pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank, every layer
+sparse).
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -328,7 +329,9 @@ def _check_cp_model(cp: int, config) -> None:
 
 
 def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:
-    """Each stage needs at least one decoder layer; MoE router terms pool every layer's routing: refused for now.
+    """Each stage needs at least one decoder layer. An MoE model's stages each form the router terms of their own
+    layers against the pool of all layers (train/step.py), one stage per rank, every layer sparse (so that every
+    stage routes).
     (Tied input and output embeddings are kept on the first and the last stage, one copy each: parallel/pp.py.)"""
     if pp == 1:
         return
@@ -343,6 +346,11 @@ def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:
         raise ConfigError(f"parallel.pp={pp} × parallel.pp_stages_per_rank={per_rank} = {stages} stages need at "
                           f"least {stages} decoder layers, one per stage, but the model has {layers} "
                           f"(num_hidden_layers={layers}); {fix}")
-    if is_moe(config):
-        raise ConfigError(f"parallel.pp={pp} is not supported for mixture-of-experts models yet (their router terms "
-                          "pool every layer's routing); set parallel.pp=1")
+    if is_moe(config) and per_rank > 1:
+        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b (parallel.pp_stages_per_rank={per_rank}) is not "
+                          "supported for mixture-of-experts models yet; use parallel.pp_schedule=1f1b (or gpipe) with "
+                          "parallel.pp_stages_per_rank=1")
+    if is_moe(config) and has_dense_mlp(config):
+        raise ConfigError(f"parallel.pp={pp} needs every decoder layer of a mixture-of-experts model to route to "
+                          "experts, and this model has dense MLP layers (mlp_only_layers or decoder_sparse_step); "
+                          "set parallel.pp=1")

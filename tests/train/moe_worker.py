@@ -1,14 +1,18 @@
-"""Train a tiny MoE model (qwen3_moe, mixtral: 4 experts, top-2) for 2 steps in one layout; rank 0 saves results.
+"""Train a tiny MoE model (qwen3_moe, mixtral: 4 experts, top-2) for 2 steps (`steps=N`: N) in one layout; rank 0
+saves results.
 
 Launched by test_moe_equivalence.py with torchrun (real processes, gloo) or in-process for 1 rank:
     moe_worker.py OUT.pt RUNS [scopes=..] [families=..] [packings=0,1] [dtypes=float64] [steps=N] [loads_over_dp_only]
-RUNS: comma-separated RxSxT[xE[xC]][/ring]:MICRO (dp_replicate x dp_shard x tp x ep x cp: ParallelDims' field
-order; `/ring` for parallel.cp_style=ring; micro-batch size). Every run covers both families, both aux-loss scopes,
-packed and unpacked data, fp32 and fp64 unless the flags narrow them:
+    [pool_per_stage]
+RUNS: comma-separated RxSxT[xE[xC]][/ring|/ppN-SCHEDULE]:MICRO (dp_replicate x dp_shard x tp x ep x cp:
+ParallelDims' field order; `/ring` for parallel.cp_style=ring, `/pp2-1f1b` for PP 2 with 1F1B; micro-batch size).
+Every run covers both families, both aux-loss scopes, packed and unpacked data, fp32 and fp64 unless the flags narrow
+them:
 results[(family, scope, packed, dtype, layout, micro_batch)] = {losses, aux, z, counts, grads, weights}, layout
-the degrees' tuple (with "ring" appended for ring attention). Gradients are those `train_step` leaves before its
-first update (taken in `before_update`). `loads_over_dp_only` sums the routing loads over DP but not CP, on
-purpose: the control that must fail.
+the degrees' tuple (with "ring" or "pp2-1f1b" appended). Gradients are those `train_step` leaves before its
+first update (taken in `before_update`). `loads_over_dp_only` sums the routing loads over DP but not CP, and
+`pool_per_stage` leaves each pipeline stage's pool without the other stages' layers, on purpose: controls that must
+fail.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from equivalence_worker import GLOBAL_BATCH, VOCAB, full, make_samples
+from equivalence_worker import GLOBAL_BATCH, VOCAB, _all_stages, full, make_samples
 from isotrain.config import MoeConfig, TrainConfig
 from isotrain.data.collate import collate
 from isotrain.data.packing import Sample
@@ -30,6 +34,7 @@ from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
+from isotrain.parallel.pp import Pipeline
 from isotrain.parallel.tp import check_replicated
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import StepOptions, train_step
@@ -87,7 +92,10 @@ def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.
     model = wrap_replicas(model.train(), parallel)
     optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1))
     settings = router_settings(MOE.model_copy(update={"aux_loss_scope": scope}), unwrap(model).config)
-    options = StepOptions(grad_clip=1.0, dp_group=parallel.dp_group, parallel=parallel, router=settings)
+    dims = parallel.dims
+    pipeline = (Pipeline(parallel.pp_rank, dims.pp, parallel.pp_group, dims.pp_schedule) if dims.pp > 1 else None)
+    options = StepOptions(grad_clip=1.0, dp_group=parallel.dp_group, parallel=parallel, router=settings,
+                          pipeline=pipeline)
     samples = packed_samples() if packed else make_samples()
     sampler = GlobalBatchSampler(len(samples), GLOBAL_BATCH, seed=0)
     out = {"losses": [], "aux": [], "z": [], "counts": [], "norms": []}
@@ -97,7 +105,8 @@ def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.
 
         def keep_grads():
             if step == 0:
-                out["grads"] = {n: full(p.grad) for n, p in unwrap(model).named_parameters()}
+                out["grads"] = _all_stages({n: full(p.grad) for n, p in unwrap(model).named_parameters()}, parallel,
+                                           [])
 
         if force_reroute:
             _reroute_after_prepass(model, len(micro_batches))
@@ -109,7 +118,7 @@ def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.
         out["norms"].append(result.grad_norm)
         if step == 0:  # a replicated parameter (router, experts under TP) whose TP ranks drifted apart fails here
             check_replicated(model, parallel.tp_group)
-    out["weights"] = {n: full(p) for n, p in unwrap(model).named_parameters()}
+    out["weights"] = _all_stages({n: full(p) for n, p in unwrap(model).named_parameters()}, parallel, [])
     # How the experts are laid out on this rank: placements and local shape (E / ep experts under EP).
     out["experts"] = {n: (tuple(p.placements), tuple(p.to_local().shape)) for n, p in unwrap(model).named_parameters()
                       if n.endswith("experts.gate_up_proj") and isinstance(p, DTensor)}
@@ -132,9 +141,13 @@ def _reroute_after_prepass(model, num_micro_batches: int) -> None:
 
 
 def _dims(layout: tuple) -> ParallelDims:
-    """(1, 1, 1, 1, 2) -> CP 2 with Ulysses; (1, 1, 1, 1, 2, "ring") -> with ring attention."""
+    """(1, 1, 1, 1, 2) -> CP 2 with Ulysses; (1, 1, 1, 1, 2, "ring") -> with ring attention; (1, 1, 1, "pp2-1f1b")
+    -> PP 2 with 1F1B."""
     if layout[-1] == "ring":
         return ParallelDims(*layout[:-1], cp_style="ring")
+    if isinstance(layout[-1], str):
+        pp, schedule = layout[-1].removeprefix("pp").split("-")
+        return ParallelDims(*layout[:-1], pp=int(pp), pp_schedule=schedule)
     return ParallelDims(*layout)
 
 
@@ -177,6 +190,18 @@ if __name__ == "__main__":
 
         objective.sum_over_pool = prepass.sum_over_pool = lambda values, dp_group, cp_group=None: all_reduce_sum(
             values, dp_group)
+    if "pool_per_stage" in flags:  # on purpose: under PP each stage's pool holds its own layers' loads only
+        from isotrain.moe.objective import RouterStep
+        from isotrain.parallel.dist import all_reduce_sum
+
+        pipeline_pool = RouterStep.set_pipeline_pool
+
+        def own_stage_pool(self, expected, masks, pp_group):
+            pipeline_pool(self, expected, masks, pp_group)
+            self.global_counts = all_reduce_sum(self._model_rows(torch.stack(expected).sum(0)).to(torch.int64),
+                                                self.group)
+
+        RouterStep.set_pipeline_pool = own_stage_pool
     results = run_all(parsed, scopes=tuple(flag("scopes", ["global", "micro_batch"])),
                       families=tuple(flag("families", SUITE_FAMILIES)),
                       packings=tuple(bool(int(p)) for p in flag("packings", ["0", "1"])),

@@ -6,7 +6,8 @@ expert counts of every step, and every first-step gradient (routers and experts 
 1-micro-batch reference within 1e-6 relative for GA 4, DDP 2 (1 and 2 micro-batches per rank) and FSDP2 2 (2 and 4
 micro-batches per rank), in fp32 (tensor scale floored as in test_equivalence.py) and in fp64 (weights after 2 steps
 too), and with activation checkpointing. `micro_batch` scope is the control: under GA 4 it differs by far more than
-the tolerance.
+the tolerance. Context parallelism (CP 2 in both styles, CP 2 × EP 2) and pipeline parallelism (PP 2, 1F1B) run 3
+steps against one process, each with a control that leaves the pool short and fails.
 """
 
 from __future__ import annotations
@@ -175,33 +176,35 @@ def test_expert_parallel_with_tensor_parallel_and_replicated_experts_matches_one
 # the same CP attention, and the experts' gradients are summed over "cp" beside "ep_replicate". 3 steps against one
 # process (fp32: losses, counts, first-step gradients and norm; fp64: every step's aux, z and norm, gradients and the
 # weights after 3 steps). qwen3_moe only: the router terms are the same code for every family.
-# CP 2 Ulysses with GA 2 (routing pre-pass) on packed rows, ring CP 2 with one micro-batch (loads all-reduced after
-# the forward) on padded rows; CP 2 × EP 2 with FSDP2 2 (4 ranks, GA 2, packed rows).
-CP_STEPS = 3
-CP_RUNS = [((1, 1, 1, 1, 2), 4, True), ((1, 1, 1, 1, 2, "ring"), 8, False)]
+# CP 2 Ulysses with GA 2 (routing pre-pass), ring CP 2 with one micro-batch (loads all-reduced after the forward),
+# CP 2 × EP 2 with FSDP2 2 (4 ranks, GA 2); packed rows of two documents each, padded to the longest row (one launch
+# runs the packings of all its runs).
+STEPS_3 = 3
+CP_RUNS = [((1, 1, 1, 1, 2), 4, True), ((1, 1, 1, 1, 2, "ring"), 8, True)]
 CP_EP_RUNS = [((1, 2, 1, 2, 2), 2, True)]
 
 
 @pytest.fixture(scope="module")
-def cp_reference():
+def three_step_reference():
     from moe_worker import run_all
 
-    return run_all([REFERENCE], families=("qwen3_moe",), scopes=("global",), steps=CP_STEPS)
+    return run_all([REFERENCE], families=("qwen3_moe",), scopes=("global",), steps=STEPS_3)
 
 
-def _launch_cp(tmp_path, nproc: int, runs, *flags: str, scope: str = "global") -> dict:
-    out = tmp_path / f"moe-cp-{nproc}.pt"
-    spec = ",".join("x".join(str(d) for d in layout if d != "ring") + ("/ring" if layout[-1] == "ring" else "")
-                    + f":{micro}" for layout, micro, _ in runs)
+def _launch_three_steps(tmp_path, nproc: int, runs, *flags: str, scope: str = "global") -> dict:
+    out = tmp_path / f"moe-3-steps-{nproc}.pt"
+    spec = ",".join("x".join(str(d) for d in layout if not isinstance(d, str))
+                    + (f"/{layout[-1]}" if isinstance(layout[-1], str) else "") + f":{micro}"
+                    for layout, micro, _ in runs)
     packings = ",".join(sorted({str(int(packed)) for *_, packed in runs}))
     proc = run_forked_ranks(nproc, [str(out), spec, f"scopes={scope}", "families=qwen3_moe", f"packings={packings}",
-                                    f"steps={CP_STEPS}", *flags], script=WORKER)
+                                    f"steps={STEPS_3}", *flags], script=WORKER)
     assert proc.returncode == 0, failure(proc)
     return torch.load(out)
 
 
-def cp_differences(results: dict, layout, micro_batch: int, packed: bool, reference: dict, scope: str = "global",
-                   reference_run=REFERENCE) -> dict:
+def three_step_differences(results: dict, layout, micro_batch: int, packed: bool, reference: dict,
+                           scope: str = "global", reference_run=REFERENCE) -> dict:
     """The largest relative differences from one process (`reference_run`: its layout and micro-batch size): fp32
     (losses and first-step gradients) and fp64 (gradients, weights after 3 steps, every step's aux, z and norm);
     counts_equal: every step's expert counts."""
@@ -217,23 +220,23 @@ def cp_differences(results: dict, layout, micro_batch: int, packed: bool, refere
             "fp64": max(max_rel_diff(fp64, ref64, keys=("grads", "weights")), scalars)}
 
 
-def assert_cp_equivalent(results: dict, runs, reference: dict, **kwargs) -> None:
+def assert_three_steps_equivalent(results: dict, runs, reference: dict, **kwargs) -> None:
     for layout, micro, packed in runs:
-        diff = cp_differences(results, layout, micro, packed, reference, **kwargs)
+        diff = three_step_differences(results, layout, micro, packed, reference, **kwargs)
         assert diff["counts_equal"], layout
         assert diff["fp32"] <= RTOL, (layout, diff)
         assert diff["fp64"] <= 1e-11, (layout, diff)
 
 
 @pytest.mark.slow
-def test_context_parallel_moe_matches_one_process(tmp_path, cp_reference):
-    assert_cp_equivalent(_launch_cp(tmp_path, 2, CP_RUNS), CP_RUNS, cp_reference)
+def test_context_parallel_moe_matches_one_process(tmp_path, three_step_reference):
+    assert_three_steps_equivalent(_launch_three_steps(tmp_path, 2, CP_RUNS), CP_RUNS, three_step_reference)
 
 
 @pytest.mark.slow
-def test_context_parallel_with_expert_parallel_matches_one_process(tmp_path, cp_reference):
-    results = _launch_cp(tmp_path, 4, CP_EP_RUNS)
-    assert_cp_equivalent(results, CP_EP_RUNS, cp_reference)
+def test_context_parallel_with_expert_parallel_matches_one_process(tmp_path, three_step_reference):
+    results = _launch_three_steps(tmp_path, 4, CP_EP_RUNS)
+    assert_three_steps_equivalent(results, CP_EP_RUNS, three_step_reference)
     experts = results[("qwen3_moe", "global", True, FP32, *CP_EP_RUNS[0][:2])]["experts"]
     assert experts and set(experts.values()) == {((Shard(0),), (2, 64, 32))}  # 2 of the 4 experts per CP rank
 
@@ -247,17 +250,38 @@ def test_context_parallel_keeps_the_micro_batch_scope(tmp_path):
     layout, micro = (1, 1, 1, 1, 2), 4
     key = ("qwen3_moe", "micro_batch", True, FP64)
     reference = run_all([((1, 1, 1), micro)], families=("qwen3_moe",), scopes=("micro_batch",), packings=(True,),
-                        dtypes=(torch.float64,), steps=CP_STEPS)[(*key, (1, 1, 1), micro)]
-    results = _launch_cp(tmp_path, 2, [(layout, micro, True)], "dtypes=float64", scope="micro_batch")
+                        dtypes=(torch.float64,), steps=STEPS_3)[(*key, (1, 1, 1), micro)]
+    results = _launch_three_steps(tmp_path, 2, [(layout, micro, True)], "dtypes=float64", scope="micro_batch")
     got = results[(*key, layout, micro)]
     assert got["counts"] == reference["counts"]
     assert max_rel_diff(got, reference, keys=("grads", "weights")) <= 1e-11
     assert all(abs(a - b) <= 1e-11 * abs(b) for key in ("aux", "z") for a, b in zip(got[key], reference[key]))
 
 
+# Pipeline parallelism, PP 2 with 1F1B (one MoE layer per stage, GA 4, padded and packed rows): each stage adds its
+# layers' router terms to its micro-batches' backward, against the pool of both stages' layers from a forward-only
+# pre-pass through the pipeline; the logged aux, z and counts are summed over the stages.
+PP_RUNS = [((1, 1, 1, "pp2-1f1b"), 2, False), ((1, 1, 1, "pp2-1f1b"), 2, True)]
+
+
 @pytest.mark.slow
-def test_router_loads_not_summed_over_cp_fail(tmp_path, cp_reference):
+def test_pipeline_parallel_moe_matches_one_process(tmp_path, three_step_reference):
+    assert_three_steps_equivalent(_launch_three_steps(tmp_path, 2, PP_RUNS), PP_RUNS, three_step_reference)
+
+
+@pytest.mark.slow
+def test_router_pool_of_one_stage_fails(tmp_path, three_step_reference):
+    """The control: each stage's pool holds only its own layers' loads (not summed over the stages)."""
+    runs = PP_RUNS[1:]
+    diff = three_step_differences(_launch_three_steps(tmp_path, 2, runs, "pool_per_stage"), *runs[0],
+                                  three_step_reference)
+    assert diff["fp32"] > 1000 * RTOL and diff["fp64"] > 1000 * RTOL, diff
+
+
+@pytest.mark.slow
+def test_router_loads_not_summed_over_cp_fail(tmp_path, three_step_reference):
     """The control: each CP rank's pool holds only its pieces' tokens; the aux loss's gradient is then another."""
     runs = CP_RUNS[:1]
-    diff = cp_differences(_launch_cp(tmp_path, 2, runs, "loads_over_dp_only"), *runs[0], cp_reference)
+    diff = three_step_differences(_launch_three_steps(tmp_path, 2, runs, "loads_over_dp_only"), *runs[0],
+                                  three_step_reference)
     assert diff["fp32"] > 1000 * RTOL and diff["fp64"] > 1000 * RTOL, diff

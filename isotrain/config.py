@@ -349,7 +349,7 @@ class ParallelConfig(Section):
         description="Context-parallel degree: each sequence split into this many pieces, one per rank, which attend "
         "across the pieces as `cp_style` says (docs/parallelism.md). Takes ranks of its own: world size = "
         "dp_replicate × dp_shard × cp × tp. Mixture-of-experts models sum their routing loads over DP × CP; with "
-        "`ep` the expert-parallel groups are carved per CP coordinate (not with `tp` as well).",
+        "`ep` the expert-parallel groups are carved per CP coordinate.",
     )
     cp_style: Literal["ulysses", "ring"] = Field(
         "ulysses",

@@ -9,8 +9,8 @@ divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every Mo
 and each runs one piece of every sequence (parallel/cp.py); Ulysses exchanges attention heads, so `cp` must divide
 the heads, and the key/value heads or be a multiple of them (KV heads are then repeated); ring attention passes
 key/value blocks around the ranks and has no condition on the heads. With TP, the CP ranks of a TP rank attend
-over its heads. With EP the EP groups are carved out of the DP ranks of each CP coordinate (CP × EP × TP is
-refused: `check_cp`); an MoE model's router terms sum their loads over DP × CP.
+over its heads. With EP the EP groups are carved out of the DP ranks of each CP coordinate (and TP coordinate,
+parallel/mesh.py); an MoE model's router terms sum their loads over DP × CP.
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
@@ -132,17 +132,7 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
             f"parallel.{' × '.join(names)} = {product} = {dims.world_size} but {launched} launched; {launch}"
         )
     check_ep(dims)
-    check_cp(dims)
     return dims
-
-
-def check_cp(dims: ParallelDims) -> None:
-    """What context parallelism is built for: either style, with or without TP (each TP rank's heads attend over the
-    CP ranks), with EP (one set of EP groups per CP coordinate, parallel/mesh.py) but not EP and TP together."""
-    if dims.cp > 1 and dims.ep > 1 and dims.tp > 1:
-        raise ConfigError(f"parallel.cp={dims.cp} with parallel.ep={dims.ep} and parallel.tp={dims.tp} together is not "
-                          "supported yet; set parallel.tp=1 (context and expert parallelism compose without it), or "
-                          "parallel.cp=1")
 
 
 def check_pp(pp: int, schedule: str, others: dict[str, int], per_rank: int = 1) -> None:

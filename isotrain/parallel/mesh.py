@@ -5,7 +5,7 @@
                      over), "dp_replicate_cp" = dp_replicate × cp (what DDP sums over when nothing is sharded)
     expert parallel: "dp" unflattened into ("ep_replicate", "ep") = (DP size / ep, ep); with TP the mesh
                      ("ep_replicate", "ep", "tp"), experts on its ("ep", "tp") part as (Shard(0), Replicate());
-                     with CP ("ep_replicate", "cp", "ep"[, "tp"]): one set of EP groups per CP coordinate
+                     with CP ("ep_replicate", "cp", "ep"[, "tp"]): one set of EP groups per CP (and TP) coordinate
 
 The EP groups are runs of `ep` consecutive DP ranks (inside a dp_shard group when ep divides dp_shard, as
 torchtitan carves its EP axis out of the FSDP axis): the ranks of one group hold different experts, the

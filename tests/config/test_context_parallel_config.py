@@ -30,21 +30,13 @@ def test_cp_takes_ranks_of_its_own_and_dp_stays_pure():
         resolve_dims(ParallelConfig(cp=2), 3)
 
 
-@pytest.mark.parametrize("settings, sentence", [
-    (dict(cp=2, ep=2, tp=2), "parallel.cp=2 with parallel.ep=2 and parallel.tp=2 together is not supported yet; "
-     "set parallel.tp=1 (context and expert parallelism compose without it), or parallel.cp=1"),
-])
-def test_unbuilt_combinations_are_refused(settings, sentence):
-    with pytest.raises(ConfigError) as err:
-        resolve_dims(ParallelConfig(**settings), 8)
-    assert str(err.value) == sentence
-
-
 def test_cp_takes_mixture_of_experts_models_and_expert_parallelism():
-    """The router terms sum their loads over DP × CP, the EP groups are carved per CP coordinate
+    """The router terms sum their loads over DP × CP, the EP groups are carved per CP (and TP) coordinate
     (tests/train/test_moe_equivalence.py)."""
     dims = resolve_dims(ParallelConfig(cp=2, ep=2), 4)
     assert (dims.dp_size, dims.cp, dims.ep) == (2, 2, 2)
+    dims = resolve_dims(ParallelConfig(cp=2, ep=2, tp=2), 8)
+    assert (dims.dp_size, dims.cp, dims.ep, dims.tp) == (2, 2, 2, 2)
     config = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                                   num_experts=4)
     for style in ("ulysses", "ring"):

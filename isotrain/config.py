@@ -348,7 +348,8 @@ class ParallelConfig(Section):
         gt=0,
         description="Context-parallel degree: each sequence split into this many pieces, one per rank, which attend "
         "across the pieces as `cp_style` says (docs/parallelism.md). Takes ranks of its own: world size = "
-        "dp_replicate × dp_shard × cp × tp.",
+        "dp_replicate × dp_shard × cp × tp. Mixture-of-experts models sum their routing loads over DP × CP; with "
+        "`ep` the expert-parallel groups are carved per CP coordinate.",
     )
     cp_style: Literal["ulysses", "ring"] = Field(
         "ulysses",
@@ -363,7 +364,8 @@ class ParallelConfig(Section):
         description="Pipeline-parallel degree: the decoder layers split evenly into this many stages, one per rank "
         "of a pipeline (embeddings on the first, final norm, head and loss on the last); takes ranks of its own, "
         "outermost: world size = pp × dp_replicate × dp_shard × tp, each stage held by DP ranks (DDP, FSDP2 or HSDP) "
-        "that run different micro-batches and split by TP; not combined with cp or ep yet (docs/parallelism.md).",
+        "that run different micro-batches and split by TP; not combined with cp or ep yet (docs/parallelism.md); "
+        "an MoE model's stages each add their layers' router terms, formed against the pool of all layers.",
     )
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
         "1f1b",
@@ -810,7 +812,7 @@ class TrainRunConfig(RunConfig):
     @model_validator(mode="after")
     def _pipeline_fields(self) -> TrainRunConfig:
         """What pipeline parallelism is not built with yet: the chunked loss (it runs the head itself), LoRA, the
-        packing probe and torch.compile (both untested on stages)."""
+        packing probe and torch.compile (both untested on stages), the MoE `micro_batch` scope."""
         pp = self.parallel.pp
         if pp > 1 and self.data.packing:
             raise ValueError(f"data.packing=true is not supported with parallel.pp={pp} yet (the packing probe runs "
@@ -824,6 +826,10 @@ class TrainRunConfig(RunConfig):
                              "train.loss_chunk_tokens=0 or parallel.pp=1")
         if pp > 1 and self.lora.r:
             raise ValueError(f"lora.r={self.lora.r} is not supported with parallel.pp={pp} yet; set lora.r=0 or "
+                             "parallel.pp=1")
+        if pp > 1 and self.moe.aux_loss_scope == "micro_batch":
+            raise ValueError(f"moe.aux_loss_scope=micro_batch is not supported with parallel.pp={pp} yet (the stages "
+                             "form the router terms of the global scope only); set moe.aux_loss_scope=global or "
                              "parallel.pp=1")
         return self
 

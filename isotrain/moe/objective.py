@@ -8,9 +8,16 @@ all-reduced over DP right after the rank's one forward. Each micro-batch's term 
 global aux / z, so the summed gradient is the same for any split. When both coefficients are 0 nothing is
 backpropagated and no pre-pass runs; the values are still logged.
 
-The logged values come from sums kept on the device (summed over DP with the loss, fetched in the step's one
-host sync): routed tokens N, Σ_t logsumexp², the counts C_le and the probability sums S_le, from which the
-global aux and z follow on the host; `micro_batch` scope logs the mean of its micro-batches' own values.
+Under context parallelism a rank routes only its piece of every sequence (parallel/cp.py), so the tokens and counts
+of a pool are summed over the CP group as well (over DP × CP: the tokens of the global batch, each counted once);
+`micro_batch` scope pools a micro-batch's pieces over CP. Under pipeline parallelism each stage's RouterStep sees its
+own MoE layers only: the global counts of all layers come from a pre-pass through the pipeline
+(`set_pipeline_pool`, train/step.py), each stage's term is its layers' exact share of the global aux / z, and its
+logged sums fill its layers' rows of [L, E] (summed over the stages).
+
+The logged values come from sums kept on the device (summed over DP, and CP or the stages, with the loss, fetched
+in the step's one host sync): routed tokens N, Σ_t logsumexp², the counts C_le and the probability sums S_le, from
+which the global aux and z follow on the host; `micro_batch` scope logs the mean of its micro-batches' own values.
 """
 
 from __future__ import annotations
@@ -35,10 +42,17 @@ class RouterStep:
     settings: RouterSettings
     num_micro_batches: int  # this rank's; every DP rank has as many
     group: object = None  # the DP group the counts are summed over
+    cp_group: object = None  # under context parallelism, the ranks holding the other pieces of the same sequences
     # Global scope with a pre-pass: the global counts [L, E], tokens, and each local micro-batch's own counts.
     global_counts: torch.Tensor | None = None
     global_tokens: torch.Tensor | None = None
     expected_counts: list[torch.Tensor] = field(default_factory=list)
+    # Under pipeline parallelism a stage routes through its own MoE layers only: their rows among the L MoE layers
+    # of the whole model (the logged sums are laid out over all L, zero elsewhere, and summed over the stages), and
+    # whether this stage counts the tokens N (one stage does: every stage routes the same tokens).
+    layer_rows: list[int] | None = None
+    num_model_layers: int | None = None
+    counts_tokens: bool = True
     _sums: list[torch.Tensor] | None = None  # this rank's logged sums (local_values), built by the first term
 
     def term(self, router_logits, mask: torch.Tensor, index: int) -> torch.Tensor:
@@ -47,21 +61,44 @@ class RouterStep:
         counts = routing_counts(logits, self.settings.top_k, mask)
         tokens, probs, z_total = mask.sum(), prob_sums(logits, mask), z_sum(logits, mask)
         scalars = torch.zeros(5, dtype=torch.float64, device=mask.device)
-        scalars[_TOKENS], scalars[_Z_SUM] = tokens.double(), z_total.detach().double()
+        scalars[_TOKENS] = tokens.double() if self.counts_tokens else 0
+        scalars[_Z_SUM] = z_total.detach().double()
         if self.settings.aux_loss_scope == "micro_batch":
-            # Each micro-batch is its own pool; the objective is the mean over the micro-batches of all DP ranks.
+            # Each micro-batch is its own pool (all of its CP pieces); the objective is the mean over the
+            # micro-batches of all DP ranks.
             share = 1.0 / (self.num_micro_batches * _world(self.group))
-            aux = aux_loss_part(counts, probs, tokens, self.settings.num_experts) * share
-            z = z_loss_part(z_total, tokens, len(logits)) * share
+            pool_counts, pool_tokens = self._pieces_pool(counts, tokens)
+            aux = aux_loss_part(pool_counts, probs, pool_tokens, self.settings.num_experts) * share
+            z = z_loss_part(z_total, pool_tokens, len(logits)) * share
             scalars[_MB_AUX], scalars[_MB_Z] = aux.detach().double(), z.detach().double()
         elif self.settings.aux_loss_coef == 0 and self.settings.z_loss_coef == 0:
             aux = z = torch.zeros((), device=mask.device)  # nothing to backpropagate
         else:
             pool_counts, pool_tokens = self._global_pool(counts, tokens, index, scalars)
+            # pool_counts has a row per MoE layer of the whole model (under PP, more than this stage's logits)
             aux = aux_loss_part(pool_counts, probs, pool_tokens, self.settings.num_experts)
-            z = z_loss_part(z_total, pool_tokens, len(logits))
-        self._record([scalars, counts.double().reshape(-1), probs.detach().double().reshape(-1)])
+            z = z_loss_part(z_total, pool_tokens, pool_counts.shape[0])
+        self._record([scalars, self._model_rows(counts.double()).reshape(-1),
+                      self._model_rows(probs.detach().double()).reshape(-1)])
         return self.settings.aux_loss_coef * aux + self.settings.z_loss_coef * z
+
+    def _model_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """[L_stage, E] -> [L, E]: a stage's rows among all MoE layers of the model (itself without PP)."""
+        if self.layer_rows is None:
+            return values
+        rows = values.new_zeros(self.num_model_layers, values.shape[1])
+        rows[self.layer_rows] = values
+        return rows
+
+    def set_pipeline_pool(self, expected: list[torch.Tensor], masks: list[torch.Tensor], pp_group) -> None:
+        """The global pool of a pipeline's pre-pass: each stage's counts of every local micro-batch (`expected`,
+        [L_stage, E] each), laid out over the model's L MoE layers and summed over DP and the stages; the tokens N
+        summed over DP only (every stage routes the same micro-batches)."""
+        counts = self._model_rows(torch.stack(expected).sum(0)).to(torch.int64)
+        tokens = torch.stack([mask.sum() for mask in masks]).sum().to(torch.int64)
+        self.global_counts = all_reduce_sum(all_reduce_sum(counts, self.group), pp_group)
+        self.global_tokens = all_reduce_sum(tokens, self.group)
+        self.expected_counts = expected
 
     def _global_pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int, scalars: torch.Tensor):
         """(counts [L, E], tokens) of the whole global batch."""
@@ -70,15 +107,25 @@ class RouterStep:
             # counted on the device (raised by `check_routing` after the step's one fetch).
             scalars[_MISMATCH] = (counts != self.expected_counts[index]).sum().double()
             return self.global_counts, self.global_tokens
-        # One micro-batch per rank: its counts, summed over DP, are the global ones (no gradient flows through them).
-        tally = all_reduce_sum(torch.cat([tokens.reshape(1).to(torch.int64), counts.reshape(-1)]), self.group)
+        # One micro-batch per rank: its counts, summed over DP × CP, are the global ones (no gradient flows through
+        # them).
+        tally = sum_over_pool(torch.cat([tokens.reshape(1).to(torch.int64), counts.reshape(-1)]), self.group,
+                              self.cp_group)
+        return tally[1:].view_as(counts), tally[0]
+
+    def _pieces_pool(self, counts: torch.Tensor, tokens: torch.Tensor):
+        """(counts [L, E], tokens) of the whole micro-batch: this rank's piece's, summed over CP."""
+        if self.cp_group is None:
+            return counts, tokens
+        tally = all_reduce_sum(torch.cat([tokens.reshape(1).to(torch.int64), counts.reshape(-1)]), self.cp_group)
         return tally[1:].view_as(counts), tally[0]
 
     def _record(self, parts: list[torch.Tensor]) -> None:
         self._sums = parts if self._sums is None else [a + b for a, b in zip(self._sums, parts, strict=True)]
 
     def local_values(self) -> torch.Tensor:
-        """fp64 [5 + 2·L·E]: this rank's sums, to be summed over DP (fp64 holds every count exactly below 2^53)."""
+        """fp64 [5 + 2·L·E]: this rank's sums, to be summed over DP × CP (fp64 holds every count exactly below
+        2^53)."""
         return torch.cat(self._sums)
 
     def num_layers(self) -> int:
@@ -123,6 +170,13 @@ def check_routing(mismatch: int) -> None:
                             "same micro-batches, so the global load-balancing loss would be wrong; the run stopped "
                             "before this update: turn off router noise (e.g. router_jitter_noise) or dropout before "
                             "the routers, or set moe.aux_loss_scope=micro_batch")
+
+
+def sum_over_pool(values: torch.Tensor, dp_group, cp_group=None) -> torch.Tensor:
+    """`values` summed over DP and, under context parallelism, over CP: the sum over every rank that routes
+    different tokens of the global batch (a cp_group of None is no CP, never the world)."""
+    values = all_reduce_sum(values, dp_group)
+    return values if cp_group is None else all_reduce_sum(values, cp_group)
 
 
 def _world(group) -> int:

@@ -9,15 +9,17 @@ divide the DP size, and each of the `ep` ranks of a group holds 1/ep of every Mo
 and each runs one piece of every sequence (parallel/cp.py); Ulysses exchanges attention heads, so `cp` must divide
 the heads, and the key/value heads or be a multiple of them (KV heads are then repeated); ring attention passes
 key/value blocks around the ranks and has no condition on the heads. With TP, the CP ranks of a TP rank attend
-over its heads. CP is not combined with EP yet (`check_cp`).
+over its heads. With EP the EP groups are carved out of the DP ranks of each CP coordinate (and TP coordinate,
+parallel/mesh.py); an MoE model's router terms sum their loads over DP × CP.
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
 even share of the decoder layers (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not
 change with it. It composes with data and tensor parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the
 ranks of each stage, TP inside it); CP and EP beside it, and the interleaved schedule beside FSDP2, are refused
-(`check_pp`, `resolve_dims`), and it needs a dense model that has at least `pp` decoder layers, `pp ×
-pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`).
+(`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder layers, `pp ×
+pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank, every layer
+sparse).
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -94,7 +96,6 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
             f"parallel.{auto[0]} and parallel.{auto[1]} are both -1; at most one degree can take the remaining ranks"
         )
     cp = getattr(cfg, "cp", 1)
-    check_cp(cp, getattr(cfg, "ep", 1))
     pp, schedule = getattr(cfg, "pp", 1), getattr(cfg, "pp_schedule", "1f1b")
     per_rank = getattr(cfg, "pp_stages_per_rank", 1)
     check_pp(pp, schedule, {"cp": cp, "ep": getattr(cfg, "ep", 1)}, per_rank)
@@ -132,16 +133,6 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
         )
     check_ep(dims)
     return dims
-
-
-def check_cp(cp: int, ep: int) -> None:
-    """What context parallelism is built for: either style, with or without TP (each TP rank's heads attend over the
-    CP ranks), without EP (its token all-to-all and global router terms are not written for split sequences)."""
-    if cp == 1:
-        return
-    if ep > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.ep={ep} is not supported yet; set parallel.ep=1 or "
-                          "parallel.cp=1")
 
 
 def check_pp(pp: int, schedule: str, others: dict[str, int], per_rank: int = 1) -> None:
@@ -278,8 +269,7 @@ def check_cp_fits(cp: int, config, style: str = "ulysses", tp: int = 1) -> None:
     heads (with TP, the heads / tp of a TP rank, checked divisible by TP before); the KV heads are split the same
     way, or repeated up to `cp` when there are fewer (then `cp` must be a multiple of them, so that each rank's
     query heads share one KV head). Ring attention keeps every head of its TP rank on every CP rank (any `cp`), and
-    computes its blocks without dropout. Attention over whole sequences knows no sliding window, and MoE router
-    terms are not split over pieces: both refused."""
+    computes its blocks without dropout. Attention over whole sequences knows no sliding window: refused."""
     if cp == 1:
         return
     if style == "ring":
@@ -321,17 +311,17 @@ def _check_ulysses_tp_heads(cp: int, tp: int, heads: int | None, kv_heads: int |
 
 
 def _check_cp_model(cp: int, config) -> None:
-    """What neither CP style is built for: a sliding window, mixture-of-experts routers."""
+    """What neither CP style is built for: a sliding window. (A mixture-of-experts model's router terms are summed
+    over the CP ranks' pieces: isotrain/moe/objective.py.)"""
     if getattr(config, "sliding_window", None):
         raise ConfigError(f"parallel.cp={cp} attends over whole sequences, and this {config.model_type} model has a "
                           f"sliding window of {config.sliding_window} tokens; set parallel.cp=1")
-    if is_moe(config):
-        raise ConfigError(f"parallel.cp={cp} is not supported for mixture-of-experts models yet (their router terms "
-                          "are formed from whole sequences); set parallel.cp=1")
 
 
 def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:
-    """Each stage needs at least one decoder layer; MoE router terms pool every layer's routing: refused for now.
+    """Each stage needs at least one decoder layer. An MoE model's stages each form the router terms of their own
+    layers against the pool of all layers (train/step.py), one stage per rank, every layer sparse (so that every
+    stage routes).
     (Tied input and output embeddings are kept on the first and the last stage, one copy each: parallel/pp.py.)"""
     if pp == 1:
         return
@@ -346,6 +336,11 @@ def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:
         raise ConfigError(f"parallel.pp={pp} × parallel.pp_stages_per_rank={per_rank} = {stages} stages need at "
                           f"least {stages} decoder layers, one per stage, but the model has {layers} "
                           f"(num_hidden_layers={layers}); {fix}")
-    if is_moe(config):
-        raise ConfigError(f"parallel.pp={pp} is not supported for mixture-of-experts models yet (their router terms "
-                          "pool every layer's routing); set parallel.pp=1")
+    if is_moe(config) and per_rank > 1:
+        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b (parallel.pp_stages_per_rank={per_rank}) is not "
+                          "supported for mixture-of-experts models yet; use parallel.pp_schedule=1f1b (or gpipe) with "
+                          "parallel.pp_stages_per_rank=1")
+    if is_moe(config) and has_dense_mlp(config):
+        raise ConfigError(f"parallel.pp={pp} needs every decoder layer of a mixture-of-experts model to route to "
+                          "experts, and this model has dense MLP layers (mlp_only_layers or decoder_sparse_step); "
+                          "set parallel.pp=1")

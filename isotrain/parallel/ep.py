@@ -16,8 +16,8 @@ experts' forward is replaced (`ExpertParallelExperts`):
 
 No token is dropped (no capacity factor). The backward of each all-to-all is the reverse all-to-all, so
 an expert's gradient sums the contributions of every token routed to it on any rank of the group; the
-gradients of ranks holding the same experts (DP size / ep "ep_replicate" copies) are summed by
-`sync_expert_grads`, exactly like a data-parallel gradient.
+gradients of ranks holding the same experts (DP size / ep "ep_replicate" copies, times cp under context
+parallelism) are summed by `sync_expert_grads`, exactly like a data-parallel gradient.
 """
 
 from __future__ import annotations
@@ -180,9 +180,13 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
 
 def sync_expert_grads(model: nn.Module, ep_mesh: DeviceMesh | None) -> None:
     """Sum the expert gradients over the ranks that hold the same experts ("ep_replicate": DP size / ep
-    ranks; nothing to do when ep equals the DP size), as the data-parallel sum does for dense gradients.
+    ranks; nothing to do when ep equals the DP size), as the data-parallel sum does for dense gradients; under
+    context parallelism over "cp" too (each CP rank's experts saw the tokens of its pieces only).
     Never over "tp": the TP ranks of an EP group ran the same tokens, so each already holds the whole gradient."""
-    if ep_mesh is None or ep_mesh["ep_replicate"].size() == 1:
+    if ep_mesh is None:
         return
+    names = ep_mesh.mesh_dim_names or ()
+    axes = [axis for axis in ("ep_replicate", "cp") if axis in names and ep_mesh[axis].size() > 1]
     grads = [p.grad.to_local() for p in expert_parameters(model) if p.grad is not None]
-    all_reduce_flat(grads, ep_mesh["ep_replicate"].get_group())
+    for axis in axes:
+        all_reduce_flat(grads, ep_mesh[axis].get_group())

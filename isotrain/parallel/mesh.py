@@ -4,7 +4,8 @@
     context parallel (cp > 1), flattened as torchtitan does: "dp_shard_cp" = dp_shard × cp (what FSDP2 shards
                      over), "dp_replicate_cp" = dp_replicate × cp (what DDP sums over when nothing is sharded)
     expert parallel: "dp" unflattened into ("ep_replicate", "ep") = (DP size / ep, ep); with TP the mesh
-                     ("ep_replicate", "ep", "tp"), experts on its ("ep", "tp") part as (Shard(0), Replicate())
+                     ("ep_replicate", "ep", "tp"), experts on its ("ep", "tp") part as (Shard(0), Replicate());
+                     with CP ("ep_replicate", "cp", "ep"[, "tp"]): one set of EP groups per CP (and TP) coordinate
 
 The EP groups are runs of `ep` consecutive DP ranks (inside a dp_shard group when ep divides dp_shard, as
 torchtitan carves its EP axis out of the FSDP axis): the ranks of one group hold different experts, the
@@ -95,8 +96,16 @@ def single_process(dims: ParallelDims) -> ParallelState:
 def _ep_mesh(dims: ParallelDims, mesh: DeviceMesh, dp: DeviceMesh, device: torch.device) -> DeviceMesh:
     """("ep_replicate", "ep"), the DP axis unflattened; with TP, ("ep_replicate", "ep", "tp"): the same EP groups
     once per TP coordinate (the world's ranks in the root mesh's order, DP-major, so "ep" groups ranks with
-    the same TP index)."""
+    the same TP index). With CP, ("ep_replicate", "cp", "ep"[, "tp"]): the same EP groups once per CP coordinate
+    (each group's ranks route the same piece of their sequences); the ranks that differ in "cp" hold the same
+    experts, and sum their gradients over "cp" beside "ep_replicate" (ep.py)."""
     shape = (dims.dp_size // dims.ep, dims.ep)
+    if dims.cp > 1:  # root mesh (pp=1, dp_replicate, dp_shard, cp, tp): DP split into (ep_replicate, ep)
+        ranks = mesh.mesh.reshape(*shape, dims.cp, dims.tp).permute(0, 2, 1, 3)
+        names = ("ep_replicate", "cp", "ep", "tp")
+        if dims.tp == 1:
+            ranks, names = ranks[..., 0], names[:3]
+        return DeviceMesh(device.type, ranks.contiguous(), mesh_dim_names=names)
     if dims.tp == 1:
         return dp._unflatten(0, shape, ("ep_replicate", "ep"))
     return DeviceMesh(device.type, mesh.mesh.reshape(*shape, dims.tp), mesh_dim_names=("ep_replicate", "ep", "tp"))

@@ -38,6 +38,12 @@ the global mean, exactly as gradient accumulation on one process. torch's defaul
 gradient once more by M: the gradient of another objective (tests/train/test_pipeline_parallel.py shows that it
 fails the equivalence test).
 
+Mixture-of-experts models. A stage's term of the objective is not a function of the last stage's logits: each
+stage forms the router terms of its own MoE layers (train/step.py) and attaches them to its output with
+`with_side_loss`, whose backward gives the term the gradient 1 beside the output's own; the terms carry the global
+normalisation, so the stages' terms add up to one process's. A forward-only schedule (no loss function) runs the
+routing pre-pass that gives the global counts first.
+
 Shapes. A stage receives activations into buffers whose shape it infers at its first micro-batch, so the micro-batches
 of one step are padded to the same length (right padding, label -100: causal attention lets no real token see it,
 and it trains nothing), and a stage and its schedule are built once for each shape and reused (`Pipeline`).
@@ -156,20 +162,47 @@ def sync_tied_grads(model: nn.Module, stage: int, pp: int, group) -> None:
         dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
 
+class _SideLoss(torch.autograd.Function):
+    """`tensor` unchanged in the forward; in the backward, `loss` receives the gradient 1 beside the tensor's own, so
+    a stage's term of the objective (an MoE stage's router terms) backpropagates with the stage's backward, whatever
+    the schedule (Megatron's MoEAuxLossAutoScaler, without a scale: the term carries the global normalisation)."""
+
+    @staticmethod
+    def forward(ctx, tensor, loss):
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.loss_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+def with_side_loss(tensor: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """`tensor`, whose backward also backpropagates the scalar `loss` (see _SideLoss)."""
+    return _SideLoss.apply(tensor, loss)
+
+
 class StageModule(nn.Module):
     """One stage's forward: token ids (first stage) or the previous stage's hidden states in, hidden states out, or
     the logits on the last stage (an earlier stage's head hands the hidden states on). `kwargs` (position ids, an attention
     mask) are the micro-batch's own, given to every stage by the schedule; transformers builds the causal mask and
-    the rotary embeddings from them on each stage."""
+    the rotary embeddings from them on each stage. An MoE model's micro-batch also carries `router_mask` (its input
+    tokens): the stage then returns its routers' logits to the pipeline's `router_fn`, which may attach the stage's
+    router terms to the output (`with_side_loss`)."""
 
-    def __init__(self, model: nn.Module, stage: int, num_stages: int, per_rank: int = 1):
+    def __init__(self, model: nn.Module, stage: int, num_stages: int, per_rank: int = 1, owner=None):
         super().__init__()
         self.model = model if per_rank == 1 else stage_view(model, stage, num_stages)
         self.first = stage == 0
+        self.owner = owner  # the Pipeline, whose router_fn is the current step's
 
-    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        return self.model(**inputs, use_cache=False, **kwargs).logits
+        if router_mask is None:
+            return self.model(**inputs, use_cache=False, **kwargs).logits
+        output = self.model(**inputs, use_cache=False, output_router_logits=True, **kwargs)
+        return self.owner.router_fn(output.logits, output.router_logits, router_mask)
 
 
 class Pipeline:
@@ -192,50 +225,96 @@ class Pipeline:
         self.stage, self.pp, self.group, self.schedule, self.per_rank = stage, pp, group, schedule, per_rank
         self.num_builds = 0  # how many stages and schedules this rank has built (tests read it)
         self._model: nn.Module | None = None
-        self._kept: dict[tuple, object] = {}  # (micro-batches, their shape) -> schedule, the newest last
+        self._kept: dict[tuple, object] = {}  # (micro-batches, their shape[, "forward"]) -> schedule, the newest last
         self._loss_fn: Callable | None = None
+        # MoE models: router_fn(output, router_logits, router_mask) -> output, set for the run of a step's schedule.
+        self.router_fn: Callable | None = None
+        self._moe_rows: tuple[list[int], int] | None = None
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(logits, target)
 
-    def _build(self, model: nn.Module, num_microbatches: int, device: torch.device):
+    def _build(self, model: nn.Module, num_microbatches: int, device: torch.device, backward: bool = True):
+        """A stage and schedule for `num_microbatches`; `backward=False`: forward only (no loss function)."""
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
         self.num_builds += 1
         num_stages = self.pp * self.per_rank
-        stages = [PipelineStage(StageModule(model, stage, num_stages, self.per_rank), stage, num_stages, device,
+        stages = [PipelineStage(StageModule(model, stage, num_stages, self.per_rank, self), stage, num_stages, device,
                                 group=self.group) for stage in rank_stages(self.stage, self.pp, self.per_rank)]
+        loss_fn = self._loss if backward else None
         if self.schedule == "interleaved_1f1b":
-            return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=self._loss,
+            return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss_fn,
                                            scale_grads=SCALE_GRADS)
         schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-        return schedules[self.schedule](stages[0], n_microbatches=num_microbatches, loss_fn=self._loss,
+        return schedules[self.schedule](stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn,
                                         scale_grads=SCALE_GRADS)
 
+    def _use(self, model: nn.Module) -> None:
+        """What is kept belongs to one model: another one starts afresh."""
+        if model is not self._model:
+            self._model, self._kept, self._moe_rows = model, {}, None
+
+    def _runner(self, model: nn.Module, inputs: list[torch.Tensor], device: torch.device, backward: bool = True):
+        """The kept schedule for these micro-batches' count and shape (built when new; the oldest dropped)."""
+        self._use(model)
+        key = (len(inputs), tuple(inputs[0].shape)) + (() if backward else ("forward",))
+        runner = self._kept.pop(key, None) or self._build(model, len(inputs), device, backward)
+        self._kept[key] = runner
+        same_kind = [k for k in self._kept if (k[-1] == "forward") == (not backward)]
+        for old in same_kind[:-self.KEPT]:  # KEPT of each kind (an MoE model's pre-pass has its own schedules)
+            del self._kept[old]
+        return runner
+
+    def moe_layer_rows(self, model: nn.Module) -> tuple[list[int], int]:
+        """(the rows of this rank's MoE layers among all MoE layers of the model, their number L), in layer order, as
+        one process's router logits come: each stage's layers with experts, gathered over the pipeline once."""
+        self._use(model)
+        if self._moe_rows is None:
+            import torch.distributed as dist
+
+            from isotrain.parallel.ep import expert_modules
+
+            local = [index for index, layer in enumerate(_base(model).layers)
+                     if not isinstance(layer, PassThrough) and expert_modules(layer)]
+            gathered = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, local, group=self.group)
+            every = sorted(index for stage in gathered for index in stage)
+            self._moe_rows = ([every.index(index) for index in local], len(every))
+        return self._moe_rows
+
+    def forward(self, model: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], router_fn: Callable,
+                device: torch.device) -> None:
+        """Run the forward passes of every micro-batch through the pipeline, without gradient: an MoE model's routing
+        pre-pass, which sees each stage's router logits through `router_fn` (kwargs carry the `router_mask`)."""
+        runner = self._runner(model, inputs, device, backward=False)
+        self.router_fn = router_fn
+        try:
+            with torch.no_grad():
+                _step_split(runner, [(x.to(device),) if self.stage == 0 else () for x in inputs], kwargs)
+        finally:
+            self.router_fn = None
+
     def backward(self, model: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], targets: list[torch.Tensor],
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
+                 router_fn: Callable | None = None) -> None:
         """Run the forward and backward passes of every micro-batch through the pipeline, accumulating this stage's
         gradients. `inputs`: the micro-batches' token ids, all of one shape (used by the first stage); `kwargs`: each
         micro-batch's forward arguments; `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose
         `targets` entry is `target`, already divided by the global denominator (torch also calls it once, when a
         schedule is built, on a copy of the first target and uninitialised logits). The schedule never rescales
-        (SCALE_GRADS, read when a schedule is built, so that a test can show what rescaling would do)."""
-        if model is not self._model:
-            self._model, self._kept = model, {}
-        key = (len(inputs), tuple(inputs[0].shape))
-        runner = self._kept.pop(key, None) or self._build(model, len(inputs), device)
-        self._kept[key] = runner
-        while len(self._kept) > self.KEPT:
-            self._kept.pop(next(iter(self._kept)))
-        self._loss_fn = loss_fn
+        (SCALE_GRADS, read when a schedule is built, so that a test can show what rescaling would do). `router_fn`:
+        an MoE model's, which attaches each stage's router terms of each micro-batch (StageModule)."""
+        runner = self._runner(model, inputs, device)
+        self._loss_fn, self.router_fn = loss_fn, router_fn
         try:
             _step_split(runner, [(x.to(device),) if self.stage == 0 else () for x in inputs], kwargs, targets)
         finally:
-            self._loss_fn = None
+            self._loss_fn = self.router_fn = None
 
 
-def _step_split(runner, arg_mbs: list[tuple], kwarg_mbs: list[dict], target_mbs: list) -> None:
+def _step_split(runner, arg_mbs: list[tuple], kwarg_mbs: list[dict], target_mbs: list | None = None) -> None:
     """One schedule step over micro-batches already split. A newer torch (2.14 here) takes them in `step`; torch 2.11
     (the GPU machine's) only splits whole batches there, so the micro-batches go to the schedule's
     `_step_microbatches` after what its `step` does first: the backward flag on each stage, the stage state cleared."""

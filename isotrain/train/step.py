@@ -10,11 +10,14 @@ Order of a step (the invariant each stage keeps is in brackets):
   3. all-reduce the summed loss values (and router values) over DP [the logged loss is the global objective];
      under context parallelism each CP rank ran one piece of every sequence (parallel/cp.py), so its loss sum
      is summed over CP as well, while the counts of step 1, taken from the whole micro-batches that every CP rank
-     of a DP rank holds alike, are summed over DP only (summed over CP they would count each token cp times);
+     of a DP rank holds alike, are summed over DP only (summed over CP they would count each token cp times); an
+     MoE model's routing loads, counted on the pieces each rank routes, are summed over DP × CP (isotrain/moe/);
      under pipeline parallelism (parallel/pp.py) the micro-batches run through the stages by the run's schedule,
      the last stage computes each micro-batch's Σ_t w_t·ℓ_t / D, the schedule never rescales, and the loss sum is
      summed over the stages (the others hold 0) and DP; the counts of step 1 are summed over DP only (every stage
-     of a pipeline holds the same micro-batches), and each stage's gradients over that stage's DP ranks;
+     of a pipeline holds the same micro-batches), and each stage's gradients over that stage's DP ranks; an MoE
+     model's stages attach their layers' router terms to their outputs' backward, against the pool of all layers
+     from a forward-only pre-pass through the pipeline, and their router sums are summed over the stages;
   4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
      global grad norm (every element counted once, one fp64 all-reduce), clip, set the lr, optimizer step;
      a NaN or infinite loss or norm stops the run before the update [weights and checkpoints stay finite].
@@ -40,12 +43,12 @@ from isotrain.models.packing_check import attention_kwargs, lm_forward
 from isotrain.models.unwrap import hf_model
 from isotrain.moe.routing import input_token_mask
 from isotrain.moe.objective import RouterStep, RouterValues, check_routing, router_values
-from isotrain.moe.prepass import begin_router_step
+from isotrain.moe.prepass import begin_pipeline_router_step, begin_router_step, micro_batch_index
 from isotrain.moe.settings import RouterSettings
 from isotrain.parallel.dist import all_reduce_max, all_reduce_sum
 from isotrain.parallel.apply import sync_replica_grads
 from isotrain.parallel.cp import context_parallel_attention, local_piece, pad_micro_batch, pad_rows, padded_length
-from isotrain.parallel.pp import Pipeline, sync_tied_grads, tied_parameters
+from isotrain.parallel.pp import Pipeline, sync_tied_grads, tied_parameters, with_side_loss
 from isotrain.train.chunked_loss import no_positions, sft_chunked_forward
 from isotrain.train.loss import loss_weights, token_losses
 
@@ -153,7 +156,7 @@ def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator,
 
     With `router`, `loss_sum(mb, autocast, index)` returns (weighted token-loss sum, router term); the router term
     is already globally normalised and joins the objective as it is. Its logged values (RouterStep.local_values)
-    come back summed over DP, from the same all-reduce as the loss (else None)."""
+    come back summed over DP (and CP), from the same all-reduces as the loss (else None)."""
     local_loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, mb in enumerate(micro_batches):
         # Vocabulary-parallel cross-entropy: forward and backward both run inside loss_parallel; so does context
@@ -169,13 +172,13 @@ def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator,
         local_loss_sum += weighted_sum.detach().double()
     if options.parallel is not None:
         sync_replica_grads(model, options.parallel)
+    local = local_loss_sum.reshape(1) if router is None else torch.cat([local_loss_sum.reshape(1),
+                                                                        router.local_values()])
     cp_group = options.parallel.cp_group if options.parallel is not None else None
     if cp_group is not None:  # (a group of None would be the world) the pieces' sums: Σ_t over whole sequences
-        local_loss_sum = all_reduce_sum(local_loss_sum, cp_group)
-    if router is None:
-        return all_reduce_sum(local_loss_sum, options.dp_group), None
-    values = all_reduce_sum(torch.cat([local_loss_sum.reshape(1), router.local_values()]), options.dp_group)
-    return values[0], values[1:]
+        local = all_reduce_sum(local, cp_group)
+    values = all_reduce_sum(local, options.dp_group)
+    return values[0], (None if router is None else values[1:])
 
 
 def _context_parallel(options: StepOptions, mb: dict, device: torch.device):
@@ -238,26 +241,50 @@ def _router_step(micro_batches: list[dict], forward, options: StepOptions,
     `forward(mb)`: the model output of a micro-batch with its router logits, as the gradient pass runs it."""
     if options.router is None:
         return None
+    # Under CP each rank routes its piece of every sequence, inside the attention the gradient pass runs.
+    pieces = [_cp_piece(mb, None, options)[0] for mb in micro_batches]
 
-    def router_forward(mb: dict):
-        with _autocast(options, device):  # routed exactly as the gradient pass will route it
-            return forward(mb).router_logits
+    def router_forward(index: int):
+        with _autocast(options, device), _context_parallel(options, micro_batches[index], device):
+            return forward(pieces[index]).router_logits  # routed exactly as the gradient pass will route it
 
-    return begin_router_step(options.router, micro_batches, router_forward, options.dp_group, device)
+    cp_group = options.parallel.cp_group if options.parallel is not None else None
+    return begin_router_step(options.router, pieces, router_forward, options.dp_group, device, cp_group)
 
 
 def _pipelined(options: StepOptions) -> bool:
     return options.parallel is not None and options.parallel.dims.pp > 1
 
 
+def _pipeline_router_step(model: nn.Module, pipeline: Pipeline, inputs: list[torch.Tensor], kwargs: list[dict],
+                          masks: list[torch.Tensor], options: StepOptions, device: torch.device) -> RouterStep | None:
+    """An MoE model's router terms under pipeline parallelism (None for a dense model), after the routing pre-pass
+    through the pipeline (isotrain/moe/prepass.py), run as the gradient pass runs (same autocast)."""
+    if options.router is None:
+        return None
+    parallel = options.parallel
+    rows, num_layers = pipeline.moe_layer_rows(hf_model(model))
+
+    def run_forward(router_fn):
+        with _autocast(options, device), _loss_parallel(options):
+            pipeline.forward(hf_model(model), inputs, kwargs, router_fn, device)
+
+    return begin_pipeline_router_step(options.router, masks, run_forward, rows, num_layers, parallel.pp_rank == 0,
+                                      options.dp_group, parallel.pp_group, device)
+
+
 def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denominator, options: StepOptions,
-                            device: torch.device) -> torch.Tensor:
-    """The SFT backward passes under pipeline parallelism (parallel/pp.py): the global loss sum, an fp64 tensor.
+                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, RouterStep | None]:
+    """The SFT backward passes under pipeline parallelism (parallel/pp.py): (the global loss sum, an fp64 tensor;
+    an MoE model's global router values, else None; its RouterStep, else None).
 
     The last stage's loss of micro-batch m is Σ_{t∈m} w_t·ℓ_t / D (D global, known before the first backward) and
     the schedule does not rescale it, so the stages' gradients are those of the global mean, as `_backpropagate`'s.
     The micro-batches are padded to one length, the longest of any DP rank's (a stage's receive buffers have one
-    shape); padding weighs 0."""
+    shape); padding weighs 0.
+    An MoE model's stages each add their layers' router terms to their micro-batch outputs' backward (`with_side_loss`:
+    the terms carry the global normalisation, so nothing is counted twice); their logged sums are laid out over all the
+    model's MoE layers and summed over the stages and DP."""
     parallel = options.parallel
     pipeline = options.pipeline or Pipeline(parallel.pp_rank, parallel.dims.pp, parallel.pp_group,
                                             parallel.dims.pp_schedule, parallel.dims.pp_stages_per_rank)
@@ -284,21 +311,37 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
     for mb in padded:
         positions = mb["position_ids"].to(device)
         kwargs.append({"position_ids": positions, **attention_kwargs(model, positions, options.document_mask)})
+    inputs = [mb["input_ids"] for mb in padded]
+    router_fn = router = None
+    if options.router is not None:  # each micro-batch's input tokens travel with it to every stage
+        masks = [input_token_mask(mb["segment_ids"]).to(device) for mb in padded]
+        kwargs = [{**kw, "router_mask": mask} for kw, mask in zip(kwargs, masks, strict=True)]
+        router = _pipeline_router_step(model, pipeline, inputs, kwargs, masks, options, device)
+
+        def router_fn(output, router_logits, mask):
+            index = micro_batch_index(mask, masks)
+            if index is None:  # torch's shape inference
+                return output
+            return with_side_loss(output, router.term(router_logits, mask, index))
+
     with _autocast(options, device), _loss_parallel(options):  # (TP: the last stage's logits stay vocab-sharded)
-        pipeline.backward(hf_model(model), [mb["input_ids"] for mb in padded], kwargs, targets, loss_fn, device)
+        pipeline.backward(hf_model(model), inputs, kwargs, targets, loss_fn, device, router_fn)
     sync_replica_grads(model, parallel)  # PP × DDP: each stage's gradients summed over its DP replicas
     # A tied embedding's copies (first and last stage): each stage's part of its gradient, summed over the two.
     sync_tied_grads(hf_model(model), parallel.pp_rank, parallel.dims.pp, parallel.embed_group)
     local_loss_sum = torch.stack(weighted_sums).sum() if weighted_sums else torch.zeros((), dtype=torch.float64,
                                                                                            device=device)
-    return all_reduce_sum(all_reduce_sum(local_loss_sum, parallel.pp_group), options.dp_group)
+    local = local_loss_sum.reshape(1) if router is None else torch.cat([local_loss_sum.reshape(1),
+                                                                        router.local_values()])
+    values = all_reduce_sum(all_reduce_sum(local, parallel.pp_group), options.dp_group)
+    return values[0], (None if router is None else values[1:]), router
 
 
 def _sft_backpropagate(model: nn.Module, micro_batches: list[dict], denominator, options: StepOptions,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, RouterStep | None]:
     """The SFT backward passes: (global loss sum, global router values or None, the step's RouterStep or None)."""
-    if _pipelined(options):  # (MoE models are refused under pipeline parallelism: no router terms)
-        return _pipeline_backpropagate(model, micro_batches, denominator, options, device), None, None
+    if _pipelined(options):
+        return _pipeline_backpropagate(model, micro_batches, denominator, options, device)
     router = _router_step(micro_batches, lambda mb: _sft_forward(model, mb, options, device), options, device)
     loss_sum, values = _backpropagate(model, micro_batches, _sft_loss_sum(model, options, device, router),
                                       denominator, options, device, router)
@@ -321,8 +364,10 @@ def forward_backward(
     objective (an MoE model's router terms included)."""
     counts = global_counts(micro_batches, options.loss_reduction, device, options.dp_group)
     if _pipelined(options):
-        loss_sum = _pipeline_backpropagate(model, micro_batches, max(counts[2], 1), options, device)
-        return float(loss_sum) / max(counts[2], 1), counts
+        loss_sum, values, router = _pipeline_backpropagate(model, micro_batches, max(counts[2], 1), options, device)
+        result = _router_result(values.tolist(), router) if router is not None else None
+        loss = float(loss_sum) / max(counts[2], 1)
+        return (loss if result is None else loss + result.objective(router.settings)), counts
     loss, _ = accumulate_objective(model, micro_batches, functools.partial(_sft_loss_sum, model, options, device),
                                    lambda mb: _sft_forward(model, mb, options, device), counts[2], options, device)
     return loss, counts

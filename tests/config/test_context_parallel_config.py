@@ -30,13 +30,17 @@ def test_cp_takes_ranks_of_its_own_and_dp_stays_pure():
         resolve_dims(ParallelConfig(cp=2), 3)
 
 
-@pytest.mark.parametrize("settings, sentence", [
-    (dict(cp=2, ep=2), "parallel.cp=2 with parallel.ep=2 is not supported yet; set parallel.ep=1 or parallel.cp=1"),
-])
-def test_unbuilt_combinations_are_refused(settings, sentence):
-    with pytest.raises(ConfigError) as err:
-        resolve_dims(ParallelConfig(**settings), 4)
-    assert str(err.value) == sentence
+def test_cp_takes_mixture_of_experts_models_and_expert_parallelism():
+    """The router terms sum their loads over DP × CP, the EP groups are carved per CP (and TP) coordinate
+    (tests/train/test_moe_equivalence.py)."""
+    dims = resolve_dims(ParallelConfig(cp=2, ep=2), 4)
+    assert (dims.dp_size, dims.cp, dims.ep) == (2, 2, 2)
+    dims = resolve_dims(ParallelConfig(cp=2, ep=2, tp=2), 8)
+    assert (dims.dp_size, dims.cp, dims.ep, dims.tp) == (2, 2, 2, 2)
+    config = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                  num_experts=4)
+    for style in ("ulysses", "ring"):
+        check_cp_fits(2, config, style)
 
 
 def test_ring_is_accepted_and_cp_1_ignores_it():
@@ -59,8 +63,6 @@ def test_ring_takes_more_ranks_than_heads():
      "attention_dropout=0.1; set model.config.attention_dropout=0 or parallel.cp_style=ulysses"),
     (dict(model_type="mistral", sliding_window=16), "parallel.cp=2 attends over whole sequences, and this mistral "
      "model has a sliding window of 16 tokens; set parallel.cp=1"),
-    (dict(model_type="qwen3_moe", num_experts=4), "parallel.cp=2 is not supported for mixture-of-experts models "
-     "yet (their router terms are formed from whole sequences); set parallel.cp=1"),
 ])
 def test_models_that_ring_does_not_split_are_refused(sizes, sentence):
     sizes = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, **sizes}
@@ -79,8 +81,6 @@ def test_models_that_ring_does_not_split_are_refused(sizes, sentence):
      "multiple of it, or parallel.cp_style=ring"),
     (dict(model_type="mistral", sliding_window=16), 2, "parallel.cp=2 attends over whole sequences, and this mistral "
      "model has a sliding window of 16 tokens; set parallel.cp=1"),
-    (dict(model_type="qwen3_moe", num_experts=4), 2, "parallel.cp=2 is not supported for mixture-of-experts models "
-     "yet (their router terms are formed from whole sequences); set parallel.cp=1"),
 ])
 def test_models_that_do_not_split_are_refused(sizes, cp, sentence):
     sizes = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, **sizes}

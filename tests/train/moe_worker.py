@@ -1,11 +1,18 @@
-"""Train a tiny MoE model (qwen3_moe, mixtral: 4 experts, top-2) for 2 steps in one layout; rank 0 saves results.
+"""Train a tiny MoE model (qwen3_moe, mixtral: 4 experts, top-2) for 2 steps (`steps=N`: N) in one layout; rank 0
+saves results.
 
 Launched by test_moe_equivalence.py with torchrun (real processes, gloo) or in-process for 1 rank:
-    moe_worker.py OUT.pt RUNS
-RUNS: comma-separated RxSxT:MICRO (dp_replicate x dp_shard x tp, micro-batch size). Every run covers both
-families, both aux-loss scopes, packed and unpacked data, fp32 and fp64:
-results[(family, scope, packed, dtype, layout, micro_batch)] = {losses, aux, z, counts, grads, weights}.
-Gradients are those `train_step` leaves before its first update (taken in `before_update`).
+    moe_worker.py OUT.pt RUNS [scopes=..] [families=..] [packings=0,1] [dtypes=float64] [steps=N] [loads_over_dp_only]
+    [pool_per_stage]
+RUNS: comma-separated RxSxT[xE[xC]][/ring|/ppN-SCHEDULE]:MICRO (dp_replicate x dp_shard x tp x ep x cp:
+ParallelDims' field order; `/ring` for parallel.cp_style=ring, `/pp2-1f1b` for PP 2 with 1F1B; micro-batch size).
+Every run covers both families, both aux-loss scopes, packed and unpacked data, fp32 and fp64 unless the flags narrow
+them:
+results[(family, scope, packed, dtype, layout, micro_batch)] = {losses, aux, z, counts, grads, weights}, layout
+the degrees' tuple (with "ring" or "pp2-1f1b" appended). Gradients are those `train_step` leaves before its
+first update (taken in `before_update`). `loads_over_dp_only` sums the routing loads over DP but not CP, and
+`pool_per_stage` leaves each pipeline stage's pool without the other stages' layers, on purpose: controls that must
+fail.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from equivalence_worker import GLOBAL_BATCH, VOCAB, full, make_samples
+from equivalence_worker import GLOBAL_BATCH, VOCAB, _all_stages, full, make_samples
 from isotrain.config import MoeConfig, TrainConfig
 from isotrain.data.collate import collate
 from isotrain.data.packing import Sample
@@ -27,6 +34,7 @@ from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
+from isotrain.parallel.pp import Pipeline
 from isotrain.parallel.tp import check_replicated
 from isotrain.train.optim import build_optimizer
 from isotrain.train.step import StepOptions, train_step
@@ -79,22 +87,26 @@ def packed_samples() -> list[Sample]:
 
 
 def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.dtype, micro_batch: int,
-            force_reroute: bool = False, checkpointing: bool = False) -> dict:
+            force_reroute: bool = False, checkpointing: bool = False, steps: int = NUM_STEPS) -> dict:
     model = parallelize(tiny_moe(family, dtype), parallel, activation_checkpointing=checkpointing)
     model = wrap_replicas(model.train(), parallel)
     optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1))
     settings = router_settings(MOE.model_copy(update={"aux_loss_scope": scope}), unwrap(model).config)
-    options = StepOptions(grad_clip=1.0, dp_group=parallel.dp_group, parallel=parallel, router=settings)
+    dims = parallel.dims
+    pipeline = (Pipeline(parallel.pp_rank, dims.pp, parallel.pp_group, dims.pp_schedule) if dims.pp > 1 else None)
+    options = StepOptions(grad_clip=1.0, dp_group=parallel.dp_group, parallel=parallel, router=settings,
+                          pipeline=pipeline)
     samples = packed_samples() if packed else make_samples()
     sampler = GlobalBatchSampler(len(samples), GLOBAL_BATCH, seed=0)
     out = {"losses": [], "aux": [], "z": [], "counts": [], "norms": []}
-    for step in range(NUM_STEPS):
+    for step in range(steps):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
 
         def keep_grads():
             if step == 0:
-                out["grads"] = {n: full(p.grad) for n, p in unwrap(model).named_parameters()}
+                out["grads"] = _all_stages({n: full(p.grad) for n, p in unwrap(model).named_parameters()}, parallel,
+                                           [])
 
         if force_reroute:
             _reroute_after_prepass(model, len(micro_batches))
@@ -106,7 +118,7 @@ def run_one(info, parallel, family: str, scope: str, packed: bool, dtype: torch.
         out["norms"].append(result.grad_norm)
         if step == 0:  # a replicated parameter (router, experts under TP) whose TP ranks drifted apart fails here
             check_replicated(model, parallel.tp_group)
-    out["weights"] = {n: full(p) for n, p in unwrap(model).named_parameters()}
+    out["weights"] = _all_stages({n: full(p) for n, p in unwrap(model).named_parameters()}, parallel, [])
     # How the experts are laid out on this rank: placements and local shape (E / ep experts under EP).
     out["experts"] = {n: (tuple(p.placements), tuple(p.to_local().shape)) for n, p in unwrap(model).named_parameters()
                       if n.endswith("experts.gate_up_proj") and isinstance(p, DTensor)}
@@ -128,21 +140,32 @@ def _reroute_after_prepass(model, num_micro_batches: int) -> None:
     router.register_forward_hook(hook)
 
 
-def run_all(runs: list[tuple[tuple[int, int, int], int]], families=SUITE_FAMILIES, scopes=("global", "micro_batch"),
+def _dims(layout: tuple) -> ParallelDims:
+    """(1, 1, 1, 1, 2) -> CP 2 with Ulysses; (1, 1, 1, 1, 2, "ring") -> with ring attention; (1, 1, 1, "pp2-1f1b")
+    -> PP 2 with 1F1B."""
+    if layout[-1] == "ring":
+        return ParallelDims(*layout[:-1], cp_style="ring")
+    if isinstance(layout[-1], str):
+        pp, schedule = layout[-1].removeprefix("pp").split("-")
+        return ParallelDims(*layout[:-1], pp=int(pp), pp_schedule=schedule)
+    return ParallelDims(*layout)
+
+
+def run_all(runs: list[tuple[tuple, int]], families=SUITE_FAMILIES, scopes=("global", "micro_batch"),
             packings=(False, True), dtypes=(torch.float32, torch.float64), force_reroute: bool = False,
-            checkpointing: bool = False) -> dict | None:
+            checkpointing: bool = False, steps: int = NUM_STEPS) -> dict | None:
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
     results = {}
     for layout, micro_batch in runs:
-        parallel = build_parallel(ParallelDims(*layout), info.device, info.rank)
+        parallel = build_parallel(_dims(layout), info.device, info.rank)
         for family in families:
             for scope in scopes:
                 for packed in packings:
                     for dtype in dtypes:
                         key = (family, scope, packed, str(dtype), layout, micro_batch)
                         results[key] = run_one(info, parallel, family, scope, packed, dtype, micro_batch,
-                                               force_reroute, checkpointing)
+                                               force_reroute, checkpointing, steps)
     if info.is_distributed:
         shutdown_distributed()
     return results if info.is_main else None
@@ -154,9 +177,35 @@ if __name__ == "__main__":
     parsed = []
     for run in runs.split(","):
         layout, micro = run.split(":")
-        parsed.append((tuple(int(x) for x in layout.split("x")), int(micro)))
-    scopes = next((f.split("=", 1)[1].split(",") for f in flags if f.startswith("scopes=")), ["global", "micro_batch"])
-    families = next((f.split("=", 1)[1].split(",") for f in flags if f.startswith("families=")), SUITE_FAMILIES)
-    results = run_all(parsed, scopes=tuple(scopes), families=tuple(families))
+        degrees, _, style = layout.partition("/")
+        parsed.append((tuple(int(x) for x in degrees.split("x")) + ((style,) if style else ()), int(micro)))
+
+    def flag(name: str, default):
+        return next((f.split("=", 1)[1].split(",") for f in flags if f.startswith(name + "=")), default)
+
+    if "loads_over_dp_only" in flags:  # on purpose: each CP rank's pool misses the other pieces' tokens
+        import isotrain.moe.objective as objective
+        import isotrain.moe.prepass as prepass
+        from isotrain.parallel.dist import all_reduce_sum
+
+        objective.sum_over_pool = prepass.sum_over_pool = lambda values, dp_group, cp_group=None: all_reduce_sum(
+            values, dp_group)
+    if "pool_per_stage" in flags:  # on purpose: under PP each stage's pool holds its own layers' loads only
+        from isotrain.moe.objective import RouterStep
+        from isotrain.parallel.dist import all_reduce_sum
+
+        pipeline_pool = RouterStep.set_pipeline_pool
+
+        def own_stage_pool(self, expected, masks, pp_group):
+            pipeline_pool(self, expected, masks, pp_group)
+            self.global_counts = all_reduce_sum(self._model_rows(torch.stack(expected).sum(0)).to(torch.int64),
+                                                self.group)
+
+        RouterStep.set_pipeline_pool = own_stage_pool
+    results = run_all(parsed, scopes=tuple(flag("scopes", ["global", "micro_batch"])),
+                      families=tuple(flag("families", SUITE_FAMILIES)),
+                      packings=tuple(bool(int(p)) for p in flag("packings", ["0", "1"])),
+                      dtypes=tuple(getattr(torch, d) for d in flag("dtypes", ["float32", "float64"])),
+                      steps=int(flag("steps", [NUM_STEPS])[0]))
     if results is not None:
         torch.save(results, out)

@@ -194,17 +194,29 @@ class Pipeline:
         self._kept: dict[tuple, object] = {}  # (micro-batches, their shape) -> schedule, the newest last
         self._loss_fn: Callable | None = None
 
+    @classmethod
+    def of(cls, parallel) -> Pipeline | None:
+        """This rank's pipeline in the run's ParallelState (parallel/mesh.py); None without pipeline parallelism."""
+        dims = parallel.dims
+        if dims.pp == 1:
+            return None
+        return cls(parallel.pp_rank, dims.pp, parallel.pp_group, dims.pp_schedule, dims.pp_stages_per_rank)
+
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(logits, target)
 
+    def _stages(self, model: nn.Module, device: torch.device) -> list:
+        from torch.distributed.pipelining import PipelineStage
+
+        num_stages = self.pp * self.per_rank
+        return [PipelineStage(StageModule(model, stage, num_stages, self.per_rank), stage, num_stages, device,
+                              group=self.group) for stage in rank_stages(self.stage, self.pp, self.per_rank)]
+
     def _build(self, model: nn.Module, num_microbatches: int, device: torch.device):
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.num_builds += 1
-        num_stages = self.pp * self.per_rank
-        stages = [PipelineStage(StageModule(model, stage, num_stages, self.per_rank), stage, num_stages, device,
-                                group=self.group) for stage in rank_stages(self.stage, self.pp, self.per_rank)]
+        stages = self._stages(model, device)
         if self.schedule == "interleaved_1f1b":
             return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=self._loss,
                                            scale_grads=SCALE_GRADS)
@@ -212,24 +224,41 @@ class Pipeline:
         return schedules[self.schedule](stages[0], n_microbatches=num_microbatches, loss_fn=self._loss,
                                         scale_grads=SCALE_GRADS)
 
-    def backward(self, model: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], targets: list[torch.Tensor],
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device) -> None:
+    def backward(self, model: nn.Module, inputs: list[torch.Tensor] | None, kwargs: list[dict],
+                 targets: list[torch.Tensor] | None, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 device: torch.device) -> None:
         """Run the forward and backward passes of every micro-batch through the pipeline, accumulating this stage's
-        gradients. `inputs`: the micro-batches' token ids, all of one shape (used by the first stage); `kwargs`: each
-        micro-batch's forward arguments; `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose
-        `targets` entry is `target`, already divided by the global denominator (torch also calls it once, when a
+        gradients. `inputs`: the micro-batches' token ids (read by the first stage alone; None on a rank without
+        it); `kwargs`: each micro-batch's forward arguments, its position ids all of one shape;
+        `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose `targets` entry (None on a rank
+        without the last stage) is `target`, already divided by the global denominator (torch also calls it once, when a
         schedule is built, on a copy of the first target and uninitialised logits). The schedule never rescales
         (SCALE_GRADS, read when a schedule is built, so that a test can show what rescaling would do)."""
         if model is not self._model:
             self._model, self._kept = model, {}
-        key = (len(inputs), tuple(inputs[0].shape))
-        runner = self._kept.pop(key, None) or self._build(model, len(inputs), device)
+        key = (len(kwargs), tuple(kwargs[0]["position_ids"].shape))
+        runner = self._kept.pop(key, None) or self._build(model, len(kwargs), device)
         self._kept[key] = runner
         while len(self._kept) > self.KEPT:
             self._kept.pop(next(iter(self._kept)))
         self._loss_fn = loss_fn
         try:
-            runner.step(arg_mbs=[(x.to(device),) if self.stage == 0 else () for x in inputs], kwarg_mbs=kwargs,
-                        target_mbs=targets, return_outputs=False)
+            runner.step(arg_mbs=[(x.to(device),) for x in inputs] if self.stage == 0 else [()] * len(kwargs),
+                        kwarg_mbs=kwargs, target_mbs=targets, return_outputs=False)
         finally:
             self._loss_fn = None
+
+    @torch.no_grad()
+    def logits(self, model: nn.Module, input_ids: torch.Tensor, kwargs: dict, device: torch.device
+               ) -> torch.Tensor | None:
+        """One forward of one batch through every stage, without gradients (the packing probe,
+        models/packing_check.py): the logits on the rank of the last stage, None on the others. `input_ids` is read
+        by the first stage; `kwargs` (position ids, an attention mask) reach every stage, as in training. Its stages
+        and forward-only schedule (GPipe, or breadth-first over a rank's several stages) are built for this call
+        and dropped: the training schedules and their count (`num_builds`) are untouched."""
+        from torch.distributed.pipelining import ScheduleGPipe, ScheduleLoopedBFS
+
+        stages = self._stages(model, device)
+        schedule = (ScheduleGPipe(stages[0], n_microbatches=1) if len(stages) == 1
+                    else ScheduleLoopedBFS(stages, n_microbatches=1))
+        return schedule.eval(arg_mbs=[(input_ids.to(device),) if self.stage == 0 else ()], kwarg_mbs=[kwargs])

@@ -364,7 +364,8 @@ class ParallelConfig(Section):
         description="Pipeline-parallel degree: the decoder layers split evenly into this many stages, one per rank "
         "of a pipeline (embeddings on the first, final norm, head and loss on the last); takes ranks of its own, "
         "outermost: world size = pp × dp_replicate × dp_shard × tp, each stage held by DP ranks (DDP, FSDP2 or HSDP) "
-        "that run different micro-batches and split by TP; not combined with cp or ep yet (docs/parallelism.md); "
+        "that run different micro-batches and split by TP; only the first and last stages read data (the middle "
+        "ones get position ids and counts from the first); not combined with cp or ep yet (docs/parallelism.md); "
         "an MoE model's stages each add their layers' router terms, formed against the pool of all layers.",
     )
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
@@ -811,12 +812,9 @@ class TrainRunConfig(RunConfig):
 
     @model_validator(mode="after")
     def _pipeline_fields(self) -> TrainRunConfig:
-        """What pipeline parallelism is not built with yet: the chunked loss (it runs the head itself), LoRA, the
-        packing probe and torch.compile (both untested on stages), the MoE `micro_batch` scope."""
+        """What pipeline parallelism is not built with yet: the chunked loss (it runs the head itself), LoRA,
+        torch.compile (untested on stages), the MoE `micro_batch` scope."""
         pp = self.parallel.pp
-        if pp > 1 and self.data.packing:
-            raise ValueError(f"data.packing=true is not supported with parallel.pp={pp} yet (the packing probe runs "
-                             "the whole model on one rank); set data.packing=false or parallel.pp=1")
         if pp > 1 and self.train.compile:
             raise ValueError(f"train.compile=true is not supported with parallel.pp={pp} yet; set "
                              "train.compile=false or parallel.pp=1")

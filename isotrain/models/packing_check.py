@@ -12,7 +12,10 @@ silently that of another objective. So the run probes its model:
 mismatch <= tolerance: positions suffice. Otherwise isotrain passes its own per-document causal mask and
 probes again; if that does not match either, packing is refused before any step. The probe is a single
 forward of 3 rows of 9 tokens (twice at most), run by every rank with the same inputs, so it is also correct
-for FSDP2 / TP / EP layouts, whose forwards are collective.
+for FSDP2 / TP / EP layouts, whose forwards are collective. Under pipeline parallelism no rank holds the whole
+model: the probe runs through the stages (parallel/pp.py `Pipeline.logits`), its position ids and mask given to
+every stage as a training step gives them, and the rank of the last stage measures the mismatch (the others
+count 0 in the maximum over ranks). So it also proves that every stage's attention sees the boundaries.
 """
 
 from __future__ import annotations
@@ -119,15 +122,23 @@ def all_ranks_max(value: float, device: torch.device) -> float:
 
 
 @torch.no_grad()
-def probe_mismatch(model: nn.Module, with_mask: bool, device: torch.device) -> float:
-    """max |logits packed - logits alone| / max |logits alone| over both documents, on every rank."""
+def probe_mismatch(model: nn.Module, with_mask: bool, device: torch.device, pipeline=None) -> float:
+    """max |logits packed - logits alone| / max |logits alone| over both documents, on every rank. `pipeline`: this
+    rank's stages (parallel/pp.py Pipeline) under pipeline parallelism, else None."""
     from isotrain.parallel.tp import full_logits
 
     input_ids, position_ids = _probe_batch(hf_model(model).config.vocab_size, device)
     # Compiled layers run eagerly here: compiling for the probe's shape would cost a compilation and change
     # which shapes the training steps compile for; what the probe tests (the masking) is the same code.
     with torch.compiler.set_stance("force_eager"):
-        logits = full_logits(lm_logits(unwrap(model), input_ids, position_ids, with_mask)).float()
+        if pipeline is None:
+            logits = lm_logits(unwrap(model), input_ids, position_ids, with_mask)
+        else:
+            kwargs = {"position_ids": position_ids, **attention_kwargs(model, position_ids, with_mask)}
+            logits = pipeline.logits(hf_model(model), input_ids, kwargs, device)
+    if logits is None:  # a pipeline rank without the last stage: the last stage's rank measures
+        return all_ranks_max(0.0, device)
+    logits = full_logits(logits).float()
     n = len(_DOC_A)
     packed = torch.cat([logits[0, :n], logits[0, n:]])
     alone = torch.cat([logits[1, :n], logits[2, : logits.shape[1] - n]])
@@ -135,35 +146,51 @@ def probe_mismatch(model: nn.Module, with_mask: bool, device: torch.device) -> f
     return all_ranks_max(mismatch, device)
 
 
-def check_packing(model: nn.Module, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> bool:
+def check_packing(model: nn.Module, device: torch.device, compute_dtype: torch.dtype = torch.float32,
+                  pipeline=None) -> bool:
     """Whether packed batches need isotrain's per-document mask (False: position ids suffice).
 
     `compute_dtype`: what the probe's matmuls run in (bf16 only when FSDP2 casts the parameters); it picks
-    the tolerance. Runs in eval mode (no dropout, no router noise: nothing is drawn from the RNGs, so a
-    seeded or resumed run's random stream is unchanged) and restores the training mode. Raises ConfigError
-    when neither positions nor the mask keep the documents apart.
+    the tolerance. `pipeline`: this rank's stages under pipeline parallelism (probe_mismatch). Runs in eval
+    mode (no dropout, no router noise: nothing is drawn from the RNGs, so a seeded or resumed run's random
+    stream is unchanged) and restores the training mode. Raises ConfigError when neither positions nor the
+    mask keep the documents apart.
     """
     tolerance = TOLERANCE[compute_dtype]
     training = model.training
     model.eval()
     try:
-        if probe_mismatch(model, False, device) <= tolerance:
+        if probe_mismatch(model, False, device, pipeline) <= tolerance:
             return False
-        if _mask_supported(model) and _masked_mismatch(model, device) <= tolerance:
+        if _mask_supported(model) and _masked_mismatch(model, device, pipeline) <= tolerance:
             return True
     finally:
         model.train(training)
+        _reshard(model)
     name = architecture(model)
     raise ConfigError(f"data.packing=true would let packed documents attend to each other in {name}, which "
                       "ignores the position-id restarts that mark them and cannot take isotrain's per-document "
                       "attention mask; set data.packing=false")
 
 
-def _masked_mismatch(model: nn.Module, device: torch.device) -> float:
+def _reshard(model: nn.Module) -> None:
+    """Free the parameters that the probe's forwards gathered. A forward without a backward leaves FSDP2 modules
+    gathered, and the training steps must start from the shards, as torch's pipelining reshards after its own
+    forward-only shape inference: left gathered, FSDP2 2 and PP 2 × FSDP2 2 runs on packed data ended 3 steps with
+    weights 1e-2 (token mean) to 0.13 (sequence mean) away from one process's
+    (tests/train/test_pipeline_parallel.py)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _masked_mismatch(model: nn.Module, device: torch.device, pipeline=None) -> float:
     """The probe with isotrain's mask; a family whose attention cannot take a 4-D mask (BLOOM's ALiBi code
     unpacks a 2-D one) fails the same way on every rank and counts as not keeping documents apart."""
     try:
-        return probe_mismatch(model, True, device)
+        return probe_mismatch(model, True, device, pipeline)
     except (RuntimeError, ValueError, TypeError, IndexError):
         return float("inf")
 
@@ -175,7 +202,9 @@ def packing_needs_mask(packing: bool, model_dtype: str, model: nn.Module, parall
     model.dtype."""
     if not packing:
         return False
-    needs_mask = check_packing(model, device, probe_dtype(model_dtype, parallel))
+    from isotrain.parallel.pp import Pipeline
+
+    needs_mask = check_packing(model, device, probe_dtype(model_dtype, parallel), Pipeline.of(parallel))
     name = architecture(model)
     if needs_mask:
         log(f"packing: {name} ignores position-id restarts; isotrain passes a per-document attention mask "

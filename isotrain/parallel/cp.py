@@ -196,11 +196,12 @@ _FILL = {"input_ids": 0, "labels": IGNORE_INDEX, "position_ids": None, "segment_
 
 
 def pad_micro_batch(mb: dict, length: int) -> dict:
-    """`mb` with its sequence tensors right-padded to `length` as collate pads (label -100: trains nothing; at the end
-    of a row no real token attends to it); its counts are those of the real tokens, unchanged."""
+    """`mb` with its sequence tensors (those it has) right-padded to `length` as collate pads (label -100: trains
+    nothing; at the end of a row no real token attends to it); its counts are those of the real tokens, unchanged."""
     padded = dict(mb)
     for key in _SEQUENCE_KEYS:
-        padded[key] = pad_rows(mb[key], length, _FILL[key])
+        if key in mb:
+            padded[key] = pad_rows(mb[key], length, _FILL[key])
     return padded
 
 

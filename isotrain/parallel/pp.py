@@ -185,8 +185,8 @@ def with_side_loss(tensor: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
 
 class StageModule(nn.Module):
     """One stage's forward: token ids (first stage) or the previous stage's hidden states in, hidden states out, or
-    the logits on the last stage (an earlier stage's head hands the hidden states on). `kwargs` (position ids, an attention
-    mask) are the micro-batch's own, given to every stage by the schedule; transformers builds the causal mask and
+    the logits on the last stage (an earlier stage's head hands the hidden states on). `kwargs` (position ids, an
+    attention mask) are the micro-batch's own, given to every stage by the schedule; transformers builds the causal mask and
     the rotary embeddings from them on each stage. An MoE model's micro-batch also carries `router_mask` (its input
     tokens): the stage then returns its routers' logits to the pipeline's `router_fn`, which may attach the stage's
     router terms to the output (`with_side_loss`)."""
@@ -231,18 +231,30 @@ class Pipeline:
         self.router_fn: Callable | None = None
         self._moe_rows: tuple[list[int], int] | None = None
 
+    @classmethod
+    def of(cls, parallel) -> Pipeline | None:
+        """This rank's pipeline in the run's ParallelState (parallel/mesh.py); None without pipeline parallelism."""
+        dims = parallel.dims
+        if dims.pp == 1:
+            return None
+        return cls(parallel.pp_rank, dims.pp, parallel.pp_group, dims.pp_schedule, dims.pp_stages_per_rank)
+
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(logits, target)
 
+    def _stages(self, model: nn.Module, device: torch.device) -> list:
+        from torch.distributed.pipelining import PipelineStage
+
+        num_stages = self.pp * self.per_rank
+        return [PipelineStage(StageModule(model, stage, num_stages, self.per_rank, self), stage, num_stages, device,
+                              group=self.group) for stage in rank_stages(self.stage, self.pp, self.per_rank)]
+
     def _build(self, model: nn.Module, num_microbatches: int, device: torch.device, backward: bool = True):
         """A stage and schedule for `num_microbatches`; `backward=False`: forward only (no loss function)."""
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         self.num_builds += 1
-        num_stages = self.pp * self.per_rank
-        stages = [PipelineStage(StageModule(model, stage, num_stages, self.per_rank, self), stage, num_stages, device,
-                                group=self.group) for stage in rank_stages(self.stage, self.pp, self.per_rank)]
+        stages = self._stages(model, device)
         loss_fn = self._loss if backward else None
         if self.schedule == "interleaved_1f1b":
             return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss_fn,
@@ -256,11 +268,12 @@ class Pipeline:
         if model is not self._model:
             self._model, self._kept, self._moe_rows = model, {}, None
 
-    def _runner(self, model: nn.Module, inputs: list[torch.Tensor], device: torch.device, backward: bool = True):
-        """The kept schedule for these micro-batches' count and shape (built when new; the oldest dropped)."""
+    def _runner(self, model: nn.Module, kwargs: list[dict], device: torch.device, backward: bool = True):
+        """The kept schedule for these micro-batches' count and shape (their position ids', which every stage has;
+        built when new; the oldest dropped)."""
         self._use(model)
-        key = (len(inputs), tuple(inputs[0].shape)) + (() if backward else ("forward",))
-        runner = self._kept.pop(key, None) or self._build(model, len(inputs), device, backward)
+        key = (len(kwargs), tuple(kwargs[0]["position_ids"].shape)) + (() if backward else ("forward",))
+        runner = self._kept.pop(key, None) or self._build(model, len(kwargs), device, backward)
         self._kept[key] = runner
         same_kind = [k for k in self._kept if (k[-1] == "forward") == (not backward)]
         for old in same_kind[:-self.KEPT]:  # KEPT of each kind (an MoE model's pre-pass has its own schedules)
@@ -284,34 +297,55 @@ class Pipeline:
             self._moe_rows = ([every.index(index) for index in local], len(every))
         return self._moe_rows
 
-    def forward(self, model: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], router_fn: Callable,
+    def forward(self, model: nn.Module, inputs: list[torch.Tensor] | None, kwargs: list[dict], router_fn: Callable,
                 device: torch.device) -> None:
         """Run the forward passes of every micro-batch through the pipeline, without gradient: an MoE model's routing
-        pre-pass, which sees each stage's router logits through `router_fn` (kwargs carry the `router_mask`)."""
-        runner = self._runner(model, inputs, device, backward=False)
+        pre-pass, which sees each stage's router logits through `router_fn` (kwargs carry the `router_mask`).
+        `inputs` as in `backward`."""
+        runner = self._runner(model, kwargs, device, backward=False)
         self.router_fn = router_fn
         try:
             with torch.no_grad():
-                _step_split(runner, [(x.to(device),) if self.stage == 0 else () for x in inputs], kwargs)
+                _step_split(runner, self._arg_mbs(inputs, kwargs, device), kwargs)
         finally:
             self.router_fn = None
 
-    def backward(self, model: nn.Module, inputs: list[torch.Tensor], kwargs: list[dict], targets: list[torch.Tensor],
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device,
-                 router_fn: Callable | None = None) -> None:
+    def _arg_mbs(self, inputs: list[torch.Tensor] | None, kwargs: list[dict], device: torch.device) -> list[tuple]:
+        return [(x.to(device),) for x in inputs] if self.stage == 0 else [()] * len(kwargs)
+
+    def backward(self, model: nn.Module, inputs: list[torch.Tensor] | None, kwargs: list[dict],
+                 targets: list[torch.Tensor] | None, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 device: torch.device, router_fn: Callable | None = None) -> None:
         """Run the forward and backward passes of every micro-batch through the pipeline, accumulating this stage's
-        gradients. `inputs`: the micro-batches' token ids, all of one shape (used by the first stage); `kwargs`: each
-        micro-batch's forward arguments; `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose
-        `targets` entry is `target`, already divided by the global denominator (torch also calls it once, when a
+        gradients. `inputs`: the micro-batches' token ids (read by the first stage alone; None on a rank without
+        it); `kwargs`: each micro-batch's forward arguments, its position ids all of one shape;
+        `loss_fn(logits, target)`: the last stage's loss of the micro-batch whose `targets` entry (None on a rank
+        without the last stage) is `target`, already divided by the global denominator (torch also calls it once, when a
         schedule is built, on a copy of the first target and uninitialised logits). The schedule never rescales
         (SCALE_GRADS, read when a schedule is built, so that a test can show what rescaling would do). `router_fn`:
         an MoE model's, which attaches each stage's router terms of each micro-batch (StageModule)."""
-        runner = self._runner(model, inputs, device)
+        runner = self._runner(model, kwargs, device)
         self._loss_fn, self.router_fn = loss_fn, router_fn
         try:
-            _step_split(runner, [(x.to(device),) if self.stage == 0 else () for x in inputs], kwargs, targets)
+            _step_split(runner, self._arg_mbs(inputs, kwargs, device), kwargs, targets)
         finally:
             self._loss_fn = self.router_fn = None
+
+    @torch.no_grad()
+    def logits(self, model: nn.Module, input_ids: torch.Tensor, kwargs: dict, device: torch.device
+               ) -> torch.Tensor | None:
+        """One forward of one batch through every stage, without gradients (the packing probe,
+        models/packing_check.py): the logits on the rank of the last stage, None on the others. `input_ids` is read
+        by the first stage; `kwargs` (position ids, an attention mask) reach every stage, as in training. Its stages
+        and forward-only schedule (GPipe, or breadth-first over a rank's several stages) are built for this call
+        and dropped: the training schedules and their count (`num_builds`) are untouched. The batch goes in whole
+        (one micro-batch), the form every torch version's `eval` takes."""
+        from torch.distributed.pipelining import ScheduleGPipe, ScheduleLoopedBFS
+
+        stages = self._stages(model, device)
+        schedule = (ScheduleGPipe(stages[0], n_microbatches=1) if len(stages) == 1
+                    else ScheduleLoopedBFS(stages, n_microbatches=1))
+        return schedule.eval(*((input_ids.to(device),) if self.stage == 0 else ()), **kwargs)
 
 
 def _step_split(runner, arg_mbs: list[tuple], kwarg_mbs: list[dict], target_mbs: list | None = None) -> None:

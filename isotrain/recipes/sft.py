@@ -5,9 +5,10 @@
     build      tokenizer -> dataset (tokenized once, cached; or a weighted mixture of sources, each its own
                cache entry) -> model and optimizer on the mesh -> the packing check on this model -> the
                world-size-free sampler
-    step k     this rank's micro-batches of global batch k -> train_step (one globally normalised
-               gradient, one optimizer step) -> exact counters and the metrics row (a mixture's per-source
-               sums added)
+    step k     this rank's micro-batches of global batch k (read by a pipeline's first and last stages only;
+               its middle stages get their position ids and counts: train/stage_data.py) -> train_step (one
+               globally normalised gradient, one optimizer step) -> exact counters and the metrics row (a
+               mixture's per-source sums added)
     after      exact-match accuracy of the final model on the held-out prompts
 """
 
@@ -39,6 +40,7 @@ from isotrain.train.run_loop import RunState
 from isotrain.train.sample_log import SampleLog
 from isotrain.train.schedule import lr_of_step
 from isotrain.train.setup import prepare_data, prepare_model, prepare_tokenizer, step_options
+from isotrain.train.stage_data import stage_micro_batches
 from isotrain.train.step import train_step
 
 
@@ -110,9 +112,15 @@ class SFT(Recipe):
         # instead of one per row length (packed rows nearly fill max_seq_len, so the padding costs little).
         length = cfg.data.max_seq_len if cfg.train.compile and cfg.data.packing else None
         pad_id = self.tokenizer.pad_token_id
-        samples = [[self.dataset[i] for i in indices] for indices in index_lists]
-        micro_batches = [collate(batch, pad_id, length) for batch in samples]
-        if self.sample_log is not None:
+        samples = []  # stays empty on a pipeline's middle stages, which read none (train/stage_data.py)
+
+        def read(indices: list[int]) -> dict:
+            samples.append([self.dataset[i] for i in indices])
+            return collate(samples[-1], pad_id, length)
+
+        micro_batches = stage_micro_batches(read, index_lists, session.parallel, cfg.train.loss_reduction,
+                                            session.info.device)
+        if self.sample_log is not None and samples:  # (the union of the ranks' lines is still the global batch)
             self.sample_log.write(state.step + 1, [i for indices in index_lists for i in indices],
                                   [sample for batch in samples for sample in batch])
         lr = lr_of_step(cfg.train, state.step)

@@ -57,3 +57,12 @@ def loss_weights(labels: torch.Tensor, segment_ids: torch.Tensor, reduction: str
     per_token = counts[keys].view(labels.shape)
     weights = torch.where(trained, 1.0 / per_token.clamp_min(1.0), 0.0)
     return weights, (counts > 0).sum()
+
+
+def micro_batch_counts(mb: dict, reduction: str) -> list[int]:
+    """[input tokens, trained tokens, loss denominator, samples] of one collated micro-batch (data/collate.py), or
+    the `counts` it was given (a middle pipeline stage's micro-batch: train/stage_data.py)."""
+    if "counts" in mb:
+        return list(mb["counts"])
+    _, denominator = loss_weights(mb["labels"], mb["segment_ids"], reduction)  # host tensors: no device wait
+    return [mb["num_input_tokens"], mb["num_trained_tokens"], int(denominator), mb["input_ids"].shape[0]]

@@ -156,10 +156,8 @@ def step_options(cfg, parallel, loss_parallel: bool = True, document_mask: bool 
     `document_mask`: the run's packing probe found that the model ignores position-id restarts.
     `router`: an MoE model's router terms (isotrain.moe.settings.router_settings)."""
     autocast = torch.bfloat16 if cfg.model.dtype == "bfloat16" and not parallel.dims.fsdp else None
-    dims = parallel.dims
-    pipeline = (Pipeline(parallel.pp_rank, dims.pp, parallel.pp_group, dims.pp_schedule, dims.pp_stages_per_rank)
-                if dims.pp > 1 else None)
-    return StepOptions(pipeline=pipeline, loss_reduction=cfg.train.loss_reduction, grad_clip=cfg.train.grad_clip, autocast_dtype=autocast,
-                       dp_group=parallel.dp_group, loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel,
+    return StepOptions(pipeline=Pipeline.of(parallel), loss_reduction=cfg.train.loss_reduction,
+                       grad_clip=cfg.train.grad_clip, autocast_dtype=autocast, dp_group=parallel.dp_group,
+                       loss_parallel=loss_parallel and parallel.dims.tp > 1, parallel=parallel,
                        document_mask=document_mask, router=router, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
                        compile_loss=cfg.train.compile)

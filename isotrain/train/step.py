@@ -15,9 +15,10 @@ Order of a step (the invariant each stage keeps is in brackets):
      under pipeline parallelism (parallel/pp.py) the micro-batches run through the stages by the run's schedule,
      the last stage computes each micro-batch's Σ_t w_t·ℓ_t / D, the schedule never rescales, and the loss sum is
      summed over the stages (the others hold 0) and DP; the counts of step 1 are summed over DP only (every stage
-     of a pipeline holds the same micro-batches), and each stage's gradients over that stage's DP ranks; an MoE
-     model's stages attach their layers' router terms to their outputs' backward, against the pool of all layers
-     from a forward-only pre-pass through the pipeline, and their router sums are summed over the stages;
+     of a pipeline holds the same micro-batches' counts; a middle stage, which reads no data, gets them from the
+     first: train/stage_data.py), and each stage's gradients over that stage's DP ranks; an MoE model's stages
+     attach their layers' router terms to their outputs' backward, against the pool of all layers from a
+     forward-only pre-pass through the pipeline, and their router sums are summed over the stages;
   4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
      global grad norm (every element counted once, one fp64 all-reduce), clip, set the lr, optimizer step;
      a NaN or infinite loss or norm stops the run before the update [weights and checkpoints stay finite].
@@ -50,7 +51,7 @@ from isotrain.parallel.apply import sync_replica_grads
 from isotrain.parallel.cp import context_parallel_attention, local_piece, pad_micro_batch, pad_rows, padded_length
 from isotrain.parallel.pp import Pipeline, sync_tied_grads, tied_parameters, with_side_loss
 from isotrain.train.chunked_loss import no_positions, sft_chunked_forward
-from isotrain.train.loss import loss_weights, token_losses
+from isotrain.train.loss import loss_weights, micro_batch_counts, token_losses
 
 
 @dataclass
@@ -81,14 +82,8 @@ class StepOptions:
 def _global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> torch.Tensor:
     """int64 [4]: [input tokens, trained tokens, loss denominator, samples] summed over micro-batches and DP ranks,
     left on the device (the step fetches it with its other values)."""
-    local = [0, 0, 0, 0]
-    for mb in micro_batches:
-        _, denominator = loss_weights(mb["labels"], mb["segment_ids"], reduction)  # host tensors: no device wait
-        local[0] += mb["num_input_tokens"]
-        local[1] += mb["num_trained_tokens"]
-        local[2] += int(denominator)
-        local[3] += mb["input_ids"].shape[0]
-    return all_reduce_sum(torch.tensor(local, dtype=torch.int64, device=device), group)
+    local = torch.tensor([micro_batch_counts(mb, reduction) for mb in micro_batches], dtype=torch.int64).sum(0)
+    return all_reduce_sum(local.to(device), group)
 
 
 def global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> list[int]:
@@ -256,7 +251,7 @@ def _pipelined(options: StepOptions) -> bool:
     return options.parallel is not None and options.parallel.dims.pp > 1
 
 
-def _pipeline_router_step(model: nn.Module, pipeline: Pipeline, inputs: list[torch.Tensor], kwargs: list[dict],
+def _pipeline_router_step(model: nn.Module, pipeline: Pipeline, inputs: list[torch.Tensor] | None, kwargs: list[dict],
                           masks: list[torch.Tensor], options: StepOptions, device: torch.device) -> RouterStep | None:
     """An MoE model's router terms under pipeline parallelism (None for a dense model), after the routing pre-pass
     through the pipeline (isotrain/moe/prepass.py), run as the gradient pass runs (same autocast)."""
@@ -281,20 +276,20 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
     The last stage's loss of micro-batch m is Σ_{t∈m} w_t·ℓ_t / D (D global, known before the first backward) and
     the schedule does not rescale it, so the stages' gradients are those of the global mean, as `_backpropagate`'s.
     The micro-batches are padded to one length, the longest of any DP rank's (a stage's receive buffers have one
-    shape); padding weighs 0.
+    shape); padding weighs 0. A rank of middle stages holds each micro-batch's position and segment ids alone
+    (train/stage_data.py): it passes no token ids and no targets, which only the first and the last stage read.
     An MoE model's stages each add their layers' router terms to their micro-batch outputs' backward (`with_side_loss`:
     the terms carry the global normalisation, so nothing is counted twice); their logged sums are laid out over all the
     model's MoE layers and summed over the stages and DP."""
     parallel = options.parallel
-    pipeline = options.pipeline or Pipeline(parallel.pp_rank, parallel.dims.pp, parallel.pp_group,
-                                            parallel.dims.pp_schedule, parallel.dims.pp_stages_per_rank)
+    pipeline = options.pipeline or Pipeline.of(parallel)
     # One length on every DP rank, so that a stage's DP ranks build their schedules (torch's shape inference runs the
     # stage, FSDP2's collectives included) at the same steps and reuse them at the same steps (parallel/pp.py).
-    length = all_reduce_max(max(mb["input_ids"].shape[1] for mb in micro_batches), options.dp_group, device)
+    length = all_reduce_max(max(mb["position_ids"].shape[1] for mb in micro_batches), options.dp_group, device)
     padded = [pad_micro_batch(mb, length) for mb in micro_batches]
     weighted_sums = []
-
-    targets = [torch.stack([mb["labels"], mb["segment_ids"]]).to(device) for mb in padded]
+    read = "labels" in padded[0]  # (train/stage_data.py)
+    targets = [torch.stack([mb["labels"], mb["segment_ids"]]).to(device) for mb in padded] if read else None
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """target [2, B, L]: the micro-batch's labels and segment ids. A stage also calls it once with a copy of the
@@ -303,7 +298,7 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
         labels, segments = target
         weights, _ = loss_weights(labels, segments, options.loss_reduction)
         weighted_sum = (token_losses(logits, labels) * weights).sum()
-        if any(target is t for t in targets):
+        if any(target is t for t in targets or ()):
             weighted_sums.append(weighted_sum.detach().double())
         return weighted_sum / denominator
 
@@ -311,7 +306,7 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
     for mb in padded:
         positions = mb["position_ids"].to(device)
         kwargs.append({"position_ids": positions, **attention_kwargs(model, positions, options.document_mask)})
-    inputs = [mb["input_ids"] for mb in padded]
+    inputs = [mb["input_ids"] for mb in padded] if read else None
     router_fn = router = None
     if options.router is not None:  # each micro-batch's input tokens travel with it to every stage
         masks = [input_token_mask(mb["segment_ids"]).to(device) for mb in padded]

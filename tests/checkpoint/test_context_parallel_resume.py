@@ -4,7 +4,8 @@ process's weights, and a run resumes across CP 2 <-> 1 process with the same dat
 
 Packed rows (data.packing=true) of the bundled addition example: the packing probe runs on whole rows, every step's
 documents are cut by the CP pieces (contiguous for Ulysses, zig-zag for ring) and masked per document over the
-whole rows (parallel/cp.py).
+whole rows (parallel/cp.py). The same packed single-process run resumes on pipeline parallelism (PP 2): the
+packing probe runs through the two stages and the run continues with one process's metrics and weights.
 """
 
 from __future__ import annotations
@@ -124,3 +125,17 @@ def test_tp2_x_ring_cp2_run_logs_the_metrics_and_saves_the_weights_of_one_proces
     assert_same_run(metrics(tmp_path / "tp2-cp2"), metrics(single))
     for step in ("step-00000004", "step-00000008"):
         assert_same_weights(tmp_path / "tp2-cp2" / "checkpoints" / step, single / "checkpoints" / step)
+
+
+@pytest.mark.slow
+def test_packed_run_resumes_on_pp2_and_continues_the_same_run(tmp_path, runs):
+    """data.packing under parallel.pp=2 (1F1B) through `isotrain train`: the probe, run through the stages, finds the
+    documents kept apart by their position ids, and steps 5-8 log one process's metrics and end on its weights."""
+    single, _ = runs
+    run_dir = tmp_path / "pp2"
+    _from_step_4(single, run_dir)
+    proc = train(2, run_dir, "parallel.pp=2")
+    assert "resumed from" in proc.stdout
+    assert "packing: LlamaForCausalLM keeps packed documents apart by their position ids" in proc.stdout
+    assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
+    assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")

@@ -4,10 +4,12 @@ checkpoints hold one process's tensors under the same Hugging Face names (each s
 passes and plain transformers loads them, and a run resumes across PP 2 <-> 1 process with the same data order.
 The same for PP 2 × FSDP2 2 and PP 2 × TP 2 on 4 processes (each stage's tensors written from its two shards), and
 their checkpoints resumed on 1 process, on PP 2 and on each other, and one process's and PP 2's on PP 2 × FSDP2 2.
+An interleaved PP 2 checkpoint resumes on PP 4, whose two middle stages read no data.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -183,16 +185,22 @@ FOUR_LAYERS = [*TIED, "model.config.num_hidden_layers=4"]
 INTERLEAVED = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"]
 
 
+@pytest.fixture(scope="module")
+def four_layer_runs(tmp_path_factory):
+    """8 steps of the bundled (tied) recipe with 4 decoder layers on one process and on interleaved 1F1B (4 stages
+    of one layer, 2 per rank): (single run directory, interleaved run directory)."""
+    root = tmp_path_factory.mktemp("pp-four-layers")
+    for name, nproc, flags in (("single", 1, []), ("interleaved", 2, INTERLEAVED)):
+        proc = run_forked_ranks(nproc, ["train", *FOUR_LAYERS, f"output_dir={root / name}", *flags])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "single", root / "interleaved"
+
+
 @pytest.mark.slow
-def test_interleaved_pp2_run_matches_one_process_and_resumes_on_it(tmp_path):
+def test_interleaved_pp2_run_matches_one_process_and_resumes_on_it(tmp_path, four_layer_runs):
     """isotrain train with interleaved 1F1B (4 stages of one layer, 2 per rank; the recipe's tied embeddings) logs one
     process's metrics and saves its weights, and its checkpoint resumes on one process and continues the same run."""
-    runs = {}
-    for name, nproc, flags in (("single", 1, []), ("interleaved", 2, INTERLEAVED)):
-        proc = run_forked_ranks(nproc, ["train", *FOUR_LAYERS, f"output_dir={tmp_path / name}", *flags])
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[name] = tmp_path / name
-    single, interleaved = runs["single"], runs["interleaved"]
+    single, interleaved = four_layer_runs
     assert_same_run(metrics(interleaved), metrics(single))
     for step in ("step-00000004", "step-00000008"):
         assert_same_weights(interleaved / "checkpoints" / step, single / "checkpoints" / step)
@@ -202,3 +210,22 @@ def test_interleaved_pp2_run_matches_one_process_and_resumes_on_it(tmp_path):
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
     assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
     assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")
+
+
+@pytest.mark.slow
+def test_interleaved_checkpoint_resumes_on_pp4_whose_middle_stages_read_nothing(tmp_path, four_layer_runs):
+    """Another PP degree: the interleaved PP 2 checkpoint of step 4 resumes on PP 4 (1F1B, one layer per stage) and
+    continues with one process's next samples (its metrics, exact counts included, and weights). With
+    data.log_samples, the ranks of the first and the last stage log the same 16 samples of each step, and the two
+    middle ranks, which read none (train/stage_data.py), log nothing."""
+    single, interleaved = four_layer_runs
+    run_dir = tmp_path / "pp4"
+    _from_step_4(interleaved, run_dir)
+    proc = run_forked_ranks(4, ["train", *FOUR_LAYERS, f"output_dir={run_dir}", "parallel.pp=4",
+                                "data.log_samples=true"])
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
+    assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")
+    lines = [(run_dir / "samples" / f"rank-{rank:05d}.jsonl").read_text().splitlines() for rank in range(4)]
+    assert lines[1] == lines[2] == [] and lines[0] == lines[3]
+    assert [(row["step"], len(row["samples"])) for row in map(json.loads, lines[0])] == [(s, 16) for s in (5, 6, 7, 8)]

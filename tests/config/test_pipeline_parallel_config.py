@@ -174,8 +174,6 @@ def test_config_show_refuses_more_stages_than_layers(capsys):
      "parallel.pp=2 yet (the last stage computes the whole cross-entropy); set train.loss_chunk_tokens=0 or "
      "parallel.pp=1"),
     ("train", {"lora": {"r": 4}}, "lora.r=4 is not supported with parallel.pp=2 yet; set lora.r=0 or parallel.pp=1"),
-    ("train", {"data": {"path": "x.jsonl", "packing": True}}, "data.packing=true is not supported with parallel.pp=2 "
-     "yet (the packing probe runs the whole model on one rank); set data.packing=false or parallel.pp=1"),
     ("train", {"train": {"compile": True}}, "train.compile=true is not supported with parallel.pp=2 yet; set "
      "train.compile=false or parallel.pp=1"),
 ])
@@ -183,3 +181,12 @@ def test_recipes_and_settings_without_pipelines_refuse_pp(recipe, section, sente
     tree = {"model": {"config": {"model_type": "llama"}}, "data": {"path": "x.jsonl"}, "parallel": {"pp": 2}, **section}
     with pytest.raises(ConfigError, match=sentence.replace("(", r"\(").replace(")", r"\)")):
         build_config(tree, recipe)
+
+
+def test_packing_is_built_with_pp():
+    """data.packing under parallel.pp: the packing probe runs through the stages
+    (tests/train/test_pipeline_parallel.py)."""
+    tree = {"model": {"config": {"model_type": "llama"}}, "data": {"path": "x.jsonl", "packing": True},
+            "parallel": {"pp": 2}}
+    cfg = build_config(tree, "train")
+    assert (cfg.data.packing, cfg.parallel.pp) == (True, 2)

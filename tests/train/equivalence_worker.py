@@ -24,18 +24,22 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from isotrain.data.collate import collate
-from isotrain.data.packing import Sample
+from isotrain.data.packing import Sample, pack_examples
+from isotrain.data.tokenize import Example
 from isotrain.data.sampler import GlobalBatchSampler
+from isotrain.models.packing_check import check_packing
 from isotrain.models.unwrap import unwrap
 from isotrain.parallel.apply import parallelize, wrap_replicas
 from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.dist import all_reduce_max, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
+from isotrain.parallel.pp import Pipeline
 from isotrain.parallel.tp import check_replicated
 from isotrain.train.loss import token_losses
 from isotrain.train.optim import build_optimizer
 from isotrain.config import TrainConfig
 from isotrain.train.setup import step_options
+from isotrain.train.stage_data import stage_micro_batches
 from isotrain.train.step import forward_backward, optimizer_step, shared_parameters
 
 VOCAB = 64
@@ -60,6 +64,29 @@ def make_samples(num: int = 16, seed: int = 0) -> list[Sample]:
         samples.append(Sample(np.concatenate(ids), np.concatenate(labels), np.concatenate(positions),
                               np.concatenate(segments), (i,)))
     return samples
+
+
+def make_packed_samples(num: int = 16, max_seq_len: int = 32) -> list[Sample]:
+    """data.packing: single documents of make_samples' kind (3..20 tokens, masked prompts) packed whole by the
+    library's best-fit packing into samples of at most 32 tokens, 2 to 5 documents each (10 to 32 tokens)."""
+    documents = [Example(s.input_ids, s.labels, i) for i, s in enumerate(make_samples(40, seed=1)) if i != 5]
+    samples = pack_examples(documents, max_seq_len)[:num]
+    assert len(samples) == num and all(len(s.row_ids) > 1 for s in samples)
+    return samples
+
+
+class CountedSamples:
+    """The samples, counting every read (under pipeline parallelism only the first and last stages may read)."""
+
+    def __init__(self, samples: list[Sample]):
+        self.samples, self.num_reads = samples, 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Sample:
+        self.num_reads += 1
+        return self.samples[index]
 
 
 # Tiny models of every family with a tensor-parallel plan that isotrain claims; 4 heads and 2 KV heads so
@@ -117,24 +144,29 @@ def naive_forward_backward(model, micro_batches) -> float:
 
 
 def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dtype, naive: bool,
-               checkpointing: bool = False, family: str = "llama", chunk_tokens: int = 0) -> dict:
+               checkpointing: bool = False, family: str = "llama", chunk_tokens: int = 0,
+               packed: bool = False) -> dict:
     model = parallelize(tiny_model(dtype, family), parallel, activation_checkpointing=checkpointing,
                         loss_parallel=True).train()
     model = wrap_replicas(model, parallel)
     optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1))
-    samples = make_samples()
+    samples = CountedSamples(make_packed_samples() if packed else make_samples())
     sampler = GlobalBatchSampler(len(samples), GLOBAL_BATCH, seed=0)
     cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32"),
                           train=SimpleNamespace(loss_reduction=reduction, grad_clip=1.0, loss_chunk_tokens=chunk_tokens,
                                               compile=False))
     options = step_options(cfg, parallel)
+    # data.packing: the run's packing probe (under PP through the stages): whether the step needs isotrain's mask.
+    probe = check_packing(model, info.device, torch.float32, Pipeline.of(parallel)) if packed else None
     params = [p for p in model.parameters()]
     losses, first_grads, counts, norms, shapes = [], None, [], [], []
     copies = []  # under PP with tied embeddings: whether the two stages' copies were equal (grads, then weights)
     for step in range(NUM_STEPS):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
-        micro_batches = [collate([samples[i] for i in idx], pad_id=0) for idx in index_lists]
-        length = max(mb["input_ids"].shape[1] for mb in micro_batches)  # the pipeline pads to the DP ranks' longest
+        # As the SFT recipe reads: the first and last pipeline stages alone (train/stage_data.py).
+        micro_batches = stage_micro_batches(lambda idx: collate([samples[i] for i in idx], pad_id=0), index_lists,
+                                            parallel, reduction, info.device)
+        length = max(mb["position_ids"].shape[1] for mb in micro_batches)  # the pipeline pads to the DP ranks' longest
         shapes.append((len(micro_batches), all_reduce_max(length, parallel.dp_group, info.device)))
         if naive:
             loss, step_counts = naive_forward_backward(model, micro_batches), None
@@ -154,8 +186,18 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
                   if ".experts." in n and isinstance(p, DTensor)}
     # Under PP: the stages and schedules this rank built, and the padded micro-batch shapes of the 3 steps.
     pipeline = {"builds": options.pipeline.num_builds, "shapes": len(set(shapes))} if options.pipeline else None
+    if options.pipeline:  # every stage's sample reads and counts, stage by stage
+        pipeline["reads"], pipeline["counts"] = _by_stage((samples.num_reads, counts), parallel)
     return {"local_expert_rows": local_rows, "losses": losses, "grads": first_grads, "weights": weights, "counts": counts,
-            "norms": norms, "pipeline": pipeline, "tied_copies_equal": copies}
+            "norms": norms, "pipeline": pipeline, "tied_copies_equal": copies, "probe_needs_mask": probe}
+
+
+def _by_stage(value, parallel) -> list:
+    """[value of stage 0, value of stage 1, ...] of this rank's pipeline, on every rank; transposed when `value` is a
+    tuple."""
+    gathered = [None] * parallel.dims.pp
+    torch.distributed.all_gather_object(gathered, value, group=parallel.pp_group)
+    return [list(column) for column in zip(*gathered)] if isinstance(value, tuple) else gathered
 
 
 def _all_stages(tensors: dict, parallel, copies: list) -> dict:
@@ -202,14 +244,16 @@ def _dims(layout) -> tuple[ParallelDims, tuple]:
     return ParallelDims(*layout), layout
 
 
-def run(out: str, micro_batch: int, naive: bool = False, checkpointing: bool = False, family: str = "llama") -> None:
+def run(out: str, micro_batch: int, naive: bool = False, checkpointing: bool = False, family: str = "llama",
+        packed: bool = False) -> None:
     """The single-process layout in this process: results[(reduction, dtype)]."""
-    results = run_layouts([(1, 1, 1)], micro_batch, naive, checkpointing, [family])
+    results = run_layouts([(1, 1, 1)], micro_batch, naive, checkpointing, [family], packed=packed)
     torch.save(results[(1, 1, 1)] if family == "llama" else results[(family, (1, 1, 1))], out)
 
 
 def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bool = False,
-                checkpointing: bool = False, families: list[str] = ("llama",), chunk_tokens: int = 0) -> dict | None:
+                checkpointing: bool = False, families: list[str] = ("llama",), chunk_tokens: int = 0,
+                packed: bool = False) -> dict | None:
     """Every (dp_replicate, dp_shard, tp) layout in turn, each with its own mesh and models, in one launch
     (the processes start once): results[layout][(reduction, dtype)] on rank 0, else None; with other
     families than llama, results[(family, layout)]."""
@@ -223,7 +267,7 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
             key = layout if list(families) == ["llama"] else (family, layout)
             results[key] = {
                 (reduction, str(dtype)): run_layout(info, parallel, micro_batch, reduction, dtype, naive,
-                                                    checkpointing, family)
+                                                    checkpointing, family, packed=packed)
                 for reduction in ("token", "sequence")
                 for dtype in (torch.float32, torch.float64)
             }
@@ -244,7 +288,7 @@ def run_layouts(layouts: list[tuple[int, int, int]], micro_batch: int, naive: bo
 
 if __name__ == "__main__":
     # equivalence_worker.py OUT.pt LAYOUTS MICRO_BATCH [naive] [ac] [families=qwen3,...] [unreduced] [scaled] [chunk=N]
-    #     [counts_over_pp] [stage_unreduced] [tied_unsummed]
+    #     [counts_over_pp] [stage_unreduced] [tied_unsummed] [packed] [boundaries_first_stage_only]
     # LAYOUTS: RxSxT[xE][,...], e.g. 2x1x1,1x1x2,2x1x1x2; `unreduced` removes the TP gradient sum of Qwen3's q/k norms
     # on purpose, to show that the replicated-parameter check catches a missing reduction.
     out, layouts, micro, *rest = sys.argv[1:]
@@ -279,8 +323,21 @@ if __name__ == "__main__":
 
         sync = step.sync_replica_grads
         step.sync_replica_grads = lambda model, parallel: None if parallel.pp_rank == 1 else sync(model, parallel)
+    if "boundaries_first_stage_only" in rest:  # on purpose: the stages after the first get no position ids (no
+        import isotrain.parallel.pp as pp  # document restarts; transformers counts 0..L-1 along every row)
+
+        stage_forward = pp.StageModule.forward
+
+        def without_boundaries(self, x, **kwargs):
+            if not self.first:
+                kwargs.pop("position_ids")
+            return stage_forward(self, x, **kwargs)
+
+        pp.StageModule.forward = without_boundaries
     results = run_layouts([_parse_layout(layout) for layout in layouts.split(",")], int(micro),
                           naive="naive" in rest, checkpointing="ac" in rest, families=families,
-                          chunk_tokens=next((int(flag.split("=", 1)[1]) for flag in rest if flag.startswith("chunk=")), 0))
+                          chunk_tokens=next((int(flag.split("=", 1)[1]) for flag in rest if flag.startswith("chunk=")),
+                                            0),
+                          packed="packed" in rest)
     if results is not None:
         torch.save(results, out)

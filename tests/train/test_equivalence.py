@@ -36,11 +36,11 @@ FP32, FP64 = str(torch.float32), str(torch.float64)
 
 
 def _single(tmp_path, micro_batch: int, naive: bool = False, checkpointing: bool = False,
-            family: str = "llama") -> dict:
+            family: str = "llama", packed: bool = False) -> dict:
     from equivalence_worker import run
 
-    out = tmp_path / f"single-{micro_batch}-{naive}-{checkpointing}-{family}.pt"
-    run(str(out), micro_batch, naive=naive, checkpointing=checkpointing, family=family)
+    out = tmp_path / f"single-{micro_batch}-{naive}-{checkpointing}-{family}-{packed}.pt"
+    run(str(out), micro_batch, naive=naive, checkpointing=checkpointing, family=family, packed=packed)
     return torch.load(out)
 
 

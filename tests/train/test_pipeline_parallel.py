@@ -297,3 +297,76 @@ def test_pp2_interleaved_with_tied_embeddings_matches_single_process(tmp_path):
     assert_same_norms(result, reference)
     for run in result.values():
         assert run["tied_copies_equal"] == [True, True], run["tied_copies_equal"]
+
+
+# Packed data, one launch per world size: PP 2 with each schedule and FSDP2 2 without a pipeline on 2 processes;
+# PP 4 (one layer per stage) and PP 2 × FSDP2 2 on 4.
+PACKED = {2: {"1x1x1:pp2-1f1b": ONE_F_ONE_B, "1x1x1:pp2-gpipe": GPIPE, "1x2x1": (FAMILY, (1, 2, 1))},
+          4: {"1x1x1:pp4-1f1b": (FAMILY, ("pp", 4, "1f1b")), "1x2x1:pp2-1f1b": WITH_DP["1x2x1:pp2-1f1b"]}}
+
+
+@pytest.fixture(scope="module")
+def packed_reference(tmp_path_factory):
+    """One process on packed data (data.packing): 16 samples of 2 to 5 whole documents each."""
+    return _single(tmp_path_factory.mktemp("pp-packed-ref"), micro_batch=8, family=FAMILY, packed=True)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """packed(nproc): the results of PACKED[nproc], launched once per module."""
+    launched = {}
+
+    def results(nproc: int) -> dict:
+        if nproc not in launched:
+            launched[nproc] = _pipeline(tmp_path_factory.mktemp(f"packed-{nproc}"), list(PACKED[nproc]), "packed",
+                                        nproc=nproc)
+        return launched[nproc]
+
+    return results
+
+
+@pytest.mark.slow
+def test_pp2_with_packing_matches_single_process(packed, packed_reference):
+    """Packed samples under PP 2, 1F1B and GPipe: every stage gets each micro-batch's position ids, whose restarts
+    keep the documents apart in its attention; the packing probe, run through the two stages, finds them apart
+    (position ids suffice, as on one process); counts, losses, gradients and weights are one process's."""
+    for key in (ONE_F_ONE_B, GPIPE):
+        assert_pipeline_equivalent(packed(2)[key], packed_reference)
+        assert [run["probe_needs_mask"] for run in packed(2)[key].values()] == [False] * 4
+    assert [run["probe_needs_mask"] for run in packed_reference.values()] == [False] * 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, layout", [(2, "1x2x1"), (4, "1x2x1:pp2-1f1b")], ids=["fsdp2", "pp2-fsdp2"])
+def test_fsdp2_trains_from_its_shards_after_the_packing_probe(packed, packed_reference, nproc, layout):
+    """The probe's forwards gather FSDP2's parameters and no backward reshards them: the probe reshards them itself
+    (models/packing_check.py), and FSDP2 2 and PP 2 × FSDP2 2 on packed data match one process (left gathered, their
+    weights after 3 steps were 1e-2 to 0.13 off)."""
+    result = packed(nproc)[PACKED[nproc][layout]]
+    assert_equivalent(result, packed_reference)
+    assert [run["probe_needs_mask"] for run in result.values()] == [False] * 4
+
+
+@pytest.mark.slow
+def test_later_stages_without_document_boundaries_fail_the_equivalence(tmp_path, packed_reference):
+    """The second stage given no position ids counts 0..L-1 along every packed row: its attention lets each
+    document see the ones before it and the losses and gradients differ. The probe, run through the stages, sees
+    it too: position ids no longer keep the documents apart there, and it would pass isotrain's mask."""
+    result = _pipeline(tmp_path, ["1x1x1:pp2-1f1b"], "packed", "boundaries_first_stage_only")[ONE_F_ONE_B]
+    with pytest.raises(AssertionError):
+        assert_equivalent(result, packed_reference)
+    assert max_rel_diff(result[("token", FP64)], packed_reference[("token", FP64)]) > 1e-3
+    assert [run["probe_needs_mask"] for run in result.values()] == [True] * 4
+
+
+@pytest.mark.slow
+def test_pp4_middle_stages_read_no_data_and_match_single_process(packed, packed_reference):
+    """PP 4 on packed data (one decoder layer per stage): only the ranks of the first and the last stage read
+    samples (8 a step each), the two middle ranks none: they get each micro-batch's position ids and counts from
+    the first stage (train/stage_data.py) and hold one process's counts as every rank does; the losses, gradients
+    and weights are one process's."""
+    result = packed(4)[PACKED[4]["1x1x1:pp4-1f1b"]]
+    assert_pipeline_equivalent(result, packed_reference)
+    for key, run in result.items():
+        assert run["pipeline"]["reads"] == [24, 0, 0, 24], run["pipeline"]["reads"]
+        assert run["pipeline"]["counts"] == [packed_reference[key]["counts"]] * 4

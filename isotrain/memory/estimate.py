@@ -35,6 +35,7 @@ import torch
 
 from isotrain.config import RLRunConfig, TrainRunConfig
 from isotrain.errors import ConfigError
+from isotrain.memory.fake_cp import piece_length
 from isotrain.memory.shards import expert_parameter_names, local_numel, tp_split_dims
 from isotrain.parallel.dims import ParallelDims
 
@@ -46,6 +47,10 @@ DTYPES = {
     "float8": (torch.float8_e4m3fn, torch.bfloat16),
 }
 FP32_BYTES = torch.float32.itemsize
+EXCHANGE_NOTES = {"ulysses": "one all-to-all's send + receive buffers (the largest: q or the output, heads × L/cp), "
+                             "while attention runs",
+                  "ring": "backward's key/value block held + arriving, beside their dK, dV travelling + arriving "
+                          "(fp32 at least), while attention runs"}
 
 
 @dataclass(frozen=True)
@@ -204,11 +209,15 @@ def activation_terms(cfg: TrainRunConfig, config, degrees: ParallelDims, dtype: 
                   autocast_dtype=compute if lowp and not fsdp else None, packed=cfg.data.packing)
     router = router_settings(cfg.moe, config)
     chunk = cfg.train.loss_chunk_tokens
-    kwargs.update(ep=degrees.ep, router=router, chunk_tokens=chunk, device=device)
+    kwargs.update(ep=degrees.ep, router=router, chunk_tokens=chunk, device=device, cp=degrees.cp,
+                  cp_style=degrees.cp_style)
     kernel = attention_kernel(cfg.model.attn_implementation, config, AutoModelForCausalLM)
     saved = fake_forward(config, kernel, activation_checkpointing=checkpointing, **kwargs)
     upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype != torch.float32 else 0
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
+    if degrees.cp > 1:
+        tokens = (f"{cfg.train.micro_batch_size} × {piece_length(cfg.data.max_seq_len, degrees.cp, degrees.cp_style)}"
+                  f" tokens (this rank's piece of {cfg.data.max_seq_len}: CP {degrees.cp} {degrees.cp_style})")
     routing = ""
     if router is not None:
         routing = (f"; MoE: top-{router.top_k} of {router.num_experts} experts, "
@@ -225,6 +234,8 @@ def activation_terms(cfg: TrainRunConfig, config, degrees: ParallelDims, dtype: 
     if router is not None:
         terms.append(Term("router logits and terms", saved.by_kind["router"],
                           "router logits kept for the aux / z-loss, their fp32 probabilities"))
+    if degrees.cp > 1:
+        terms.append(Term("context-parallel exchange buffers", saved.exchange_bytes, EXCHANGE_NOTES[degrees.cp_style]))
     if checkpointing:
         full = fake_forward(config, kernel, activation_checkpointing=False, **kwargs)
         body = lambda s: s.by_kind["activations"] + s.by_kind["compute_copies"]  # noqa: E731
@@ -309,6 +320,7 @@ def estimate_memory(cfg: TrainRunConfig, world_size: int, dtype: str | None = No
                 "micro_batch_size": cfg.train.micro_batch_size, "max_seq_len": cfg.data.max_seq_len,
                 "activation_checkpointing": cfg.train.activation_checkpointing,
                 "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
+                **({"cp_style": degrees.cp_style} if degrees.cp > 1 else {}),
                 "vocab_size": vocab_size, "vocab_size_source": how, **_step_settings(cfg),
                 "parameters": sum(p.numel() for p in model.parameters())}
     terms = [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),
@@ -332,6 +344,7 @@ def memory_table(estimate: MemoryEstimate):
 
     s = estimate.settings
     ep = f", ep {s['ep']}" if "ep" in s else ""
+    ep += f", cp {s['cp']} ({s['cp_style']})" if "cp" in s else ""
     title = (f"per-rank memory (rank 0 of {s['world_size']}: dp_replicate {s['dp_replicate']}, dp_shard "
              f"{s['dp_shard']}, tp {s['tp']}{ep}; {s['dtype']} on {s['device']}; "
              f"micro-batch {s['micro_batch_size']} × {s['max_seq_len']}; step: {s['step']})")

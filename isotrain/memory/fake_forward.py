@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from isotrain.memory.fake_cp import context_parallel_on_one_process, piece_length
 from isotrain.memory.fake_experts import balance_expert_parallel, grouped_mm_as_saved
 from isotrain.memory.saved import SavedBytes, count_saved, forward_loss
 from isotrain.parallel.apply import apply_activation_checkpointing, decoder_layers
@@ -132,16 +133,18 @@ def _one_document_per_row(enabled: bool):
 def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq_len: int, tp: int,
                  param_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
                  activation_checkpointing: bool, packed: bool = False, ep: int = 1, router=None,
-                 chunk_tokens: int = 0, device: str = "cpu") -> SavedBytes:
+                 chunk_tokens: int = 0, device: str = "cpu", cp: int = 1,
+                 cp_style: str = "ulysses") -> SavedBytes:
     """What one rank's forward of a full micro-batch (every position a trained token) keeps for backward.
     `ep`: the expert-parallel degree; `router`: an MoE model's RouterSettings (its router terms join the loss);
     `chunk_tokens`: train.loss_chunk_tokens; `device`: where the run computes ("cpu" or "cuda"), which decides
-    the attention kernel."""
+    the attention kernel; `cp`, `cp_style`: context parallelism (memory/fake_cp.py: the rank's piece of every row,
+    attention by the style's own code; `saved.exchange_bytes` gets its exchange buffers)."""
     from transformers import AutoModelForCausalLM
 
     config = tp_rank_config(config, tp)
     with (FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(not packed),
-          grouped_mm_as_saved()):
+          grouped_mm_as_saved(), contextlib.ExitStack() as stack):
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_implementation)
         model.config.use_cache = False
         if ep > 1:
@@ -149,6 +152,11 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
         if activation_checkpointing:
             apply_activation_checkpointing(model)
         model.train()
+        exchange = None
+        if cp > 1:
+            exchange = stack.enter_context(context_parallel_on_one_process(model, cp, cp_style, micro_batch_size,
+                                                                           seq_len))
+            seq_len = piece_length(seq_len, cp, cp_style)
         input_ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
         # Separate [B, L] tensors, as the collated batch holds them (data/collate.py).
         position_ids = torch.arange(seq_len).expand(micro_batch_size, seq_len).contiguous()
@@ -157,6 +165,7 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
         with count_saved(model, decoder_layers(model)) as saved:
             forward_loss(model, input_ids, position_ids, labels, weights, autocast_dtype, router=router, saved=saved,
                          chunk_tokens=chunk_tokens)
+    saved.exchange_bytes = exchange.bytes if exchange is not None else 0
     return saved
 
 

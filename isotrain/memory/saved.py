@@ -71,6 +71,7 @@ class SavedBytes:
     logits_bytes: int = 0  # the logits tensor itself (alive until the loss is formed, then freed)
     logits_dtype: torch.dtype | None = None
     logits_numel: int = 0
+    exchange_bytes: int = 0  # context parallelism: the exchanges' largest buffers at once (memory/fake_cp.py)
 
     def add(self, t: torch.Tensor, kind: str | None = None) -> None:
         if not isinstance(t, torch.Tensor):

@@ -1,8 +1,9 @@
 """Measure every memory term on this rank of a real run and estimate the same run from its config.
 
-    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-|mixtral-]RxSxT[-epN][-cN][-vN]
+    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-|mixtral-]RxSxT[-epN][-cN][-vN][-ulyssesN|-ringN]
                                                        (dp_replicate x dp_shard x tp, expert parallel N,
-                                                       chunked loss of N tokens, vocabulary N instead of 64)
+                                                       chunked loss of N tokens, vocabulary N instead of 64,
+                                                       context parallel N in that style)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
 Llama, or with `moe-` a qwen3_moe, with `mixtral-` a mixtral, of 4 experts, top-2) with isotrain's builder, run one real `train_step`
@@ -63,19 +64,30 @@ def parse_layout(layout: str) -> tuple[str | None, int, int, int, int, int, int]
     moe = parts[0] if parts[0] in MODELS else None
     dims = parts[1] if moe else parts[0]
     ep = next((int(part[2:]) for part in parts if part.startswith("ep")), 1)
-    chunk = next((int(part[1:]) for part in parts if part.startswith("c")), 0)
+    chunk = next((int(part[1:]) for part in parts if part.startswith("c") and part[1:].isdigit()), 0)
     vocab = next((int(part[1:]) for part in parts if part.startswith("v")), TINY["vocab_size"])
     replicate, shard, tp = (int(x) for x in dims.split("x"))
     return moe, replicate, shard, tp, ep, chunk, vocab
 
 
+def context_parallel(layout: str) -> tuple[int, str]:
+    """(parallel.cp, parallel.cp_style) of a layout: `-ulysses2` or `-ring2`, else (1, "ulysses")."""
+    for part in layout.split("-"):
+        for style in ("ulysses", "ring"):
+            if part.startswith(style):
+                return int(part[len(style):]), style
+    return 1, "ulysses"
+
+
 def run_config(layout: str, dtype: str, checkpointing: str):
     moe, replicate, shard, tp, ep, chunk, vocab = parse_layout(layout)
+    cp, style = context_parallel(layout)
     return build_config({"model": {"config": {**MODELS[moe], "vocab_size": vocab}, "dtype": dtype},
                          "data": {"max_seq_len": SEQ},
                          "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard,
                                    "activation_checkpointing": checkpointing, "loss_chunk_tokens": chunk},
-                         "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "ep": ep}})
+                         "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "ep": ep, "cp": cp,
+                                      "cp_style": style}})
 
 
 def balanced_routing(model) -> None:

@@ -95,6 +95,30 @@ def test_estimate_matches_measurement_on_every_layout(tmp_path):
     assert single["float32 ac=full"]["activations"] < single["float32 ac=none"]["activations"]
 
 
+@pytest.mark.slow
+def test_estimate_matches_measurement_under_context_parallelism(tmp_path):
+    """CP 2 with Ulysses and with ring attention (one 2-process launch): each rank's piece of the 16-token rows, the
+    style's own attention (Ulysses: SDPA over the whole rows for half the heads; ring: the merged output and
+    log-sum-exp it saves for its recomputing backward), and the exchange buffers in flight, measured at every
+    collective. Ring's rank 0 holds the zig-zag chunks 0 and 3, whose position ids jump: transformers builds a mask
+    for them that rank 1 does not have, so the ranks differ and the estimate (of rank 0) meets rank 0."""
+    rows = _measure(tmp_path, 2, "1x1x1-ulysses2", "1x1x1-ring2")
+    assert len(rows) == 4 * 2 * 2
+    _check_terms(rows)
+    by = {(row["variant"], row["rank"]): row["measured"] for row in rows}
+    for variant in ("float32 ac=none", "bfloat16 ac=none"):
+        ulysses, ring = by[(f"1x1x1-ulysses2 {variant}", 0)], by[(f"1x1x1-ring2 {variant}", 0)]
+        assert ulysses["context-parallel exchange buffers"] > 0 and ring["context-parallel exchange buffers"] > 0
+        assert ring["activations"] > by[(f"1x1x1-ring2 {variant}", 1)]["activations"]
+    single = {row["variant"].split(" ", 1)[1]: row for row in _measure(tmp_path, 1, "1x1x1")}
+    for variant, row in single.items():
+        # half the tokens: the logits and loss half (but for the loss scalar's 4 bytes, counted on both), the
+        # activations about half (attention's extras)
+        cp = by[(f"1x1x1-ulysses2 {variant}", 0)]
+        assert 2 * cp["logits and loss"] - 4 == row["measured"]["logits and loss"], variant
+        assert cp["activations"] < 0.6 * row["measured"]["activations"], variant
+
+
 def test_float8_parameters_are_one_byte_plus_a_scale_per_tensor():
     """float8 sizing against real float8 tensors' bytes, and the fp32 masters beside them."""
     from isotrain.config import build_config

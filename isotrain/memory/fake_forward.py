@@ -169,6 +169,49 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
     return saved
 
 
+def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int, micro_batch_size: int,
+                       seq_len: int, autocast_dtype: torch.dtype | None, activation_checkpointing: bool,
+                       device: str = "cpu") -> tuple[SavedBytes, int, int]:
+    """What one micro-batch's forward of pipeline stage `stage` of `pp` keeps for its backward (parallel/pp.py: the
+    Hugging Face model reduced to the stage, run by the schedule's `StageModule`, the last stage's loss after it),
+    with (bytes of the hidden states it receives, bytes of what it sends on; 0 at the first / last stage). The
+    received hidden states are the schedule's receive buffer, counted with those (memory/pipeline.py), not here."""
+    from transformers import AutoModelForCausalLM
+
+    from isotrain.parallel.pp import PassThrough, StageModule, apply_pp
+    from isotrain.train.loss import loss_weights, token_losses
+
+    autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    with FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(True):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model.config.use_cache = False
+        apply_pp(model, stage, pp)  # first, as parallel/apply.py does
+        if activation_checkpointing:
+            apply_activation_checkpointing(model)
+        model.train()
+        module = StageModule(model, stage, pp)
+        position_ids = torch.arange(seq_len).expand(micro_batch_size, seq_len).contiguous()
+        received = 0
+        if stage == 0:
+            x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+        else:  # the residual stream between stages is fp32 (fp32 parameters; autocast leaves the residual adds)
+            x = torch.zeros(micro_batch_size, seq_len, config.hidden_size, requires_grad=True)
+            received = x.nbytes
+        own = [layer for layer in decoder_layers(model) if not isinstance(layer, PassThrough)]
+        with count_saved(model, own) as saved:
+            if stage > 0:
+                saved.skip(x)  # the receive buffer: counted with the pipeline's buffers
+            with autocast:
+                output = module(x, position_ids=position_ids)
+                if stage == pp - 1:  # the step's loss_fn (train/step.py): target = [labels, segment ids]
+                    labels, segments = torch.zeros(2, micro_batch_size, seq_len, dtype=torch.long)
+                    weights, _ = loss_weights(labels, segments, "token")
+                    (token_losses(output, labels) * weights).sum() / torch.ones((), dtype=torch.long)
+        sent = output.nbytes if stage < pp - 1 else 0
+    return saved, received, sent
+
+
 @contextlib.contextmanager
 def _rows_without_padding():
     """Rows holding real tokens only. Transformers reads a real padding mask of all ones and drops it (no mask: the

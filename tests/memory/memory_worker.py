@@ -4,6 +4,8 @@
                                                        (dp_replicate x dp_shard x tp, expert parallel N,
                                                        chunked loss of N tokens, vocabulary N instead of 64,
                                                        context parallel N in that style)
+                                                       [-ppN[-gpipe]] (pipeline of N stages, 1f1b or gpipe,
+                                                       PP_MICROBATCHES micro-batches per step)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
 Llama, or with `moe-` a qwen3_moe, with `mixtral-` a mixtral, of 4 experts, top-2) with isotrain's builder, run one real `train_step`
@@ -28,6 +30,7 @@ import torch
 from isotrain.config import build_config
 from isotrain.memory.estimate import estimate_memory
 from isotrain.memory.measure import measure_terms
+from isotrain.memory.measure_pipeline import measure_pipeline_terms
 from isotrain.models.build import build
 from isotrain.models.tokenizer import train_tokenizer
 from isotrain.models.unwrap import hf_model
@@ -47,6 +50,7 @@ TINY_MIXTRAL = {**TINY, "model_type": "mixtral", "num_local_experts": 4, "num_ex
                 "sliding_window": None}
 MODELS = {None: TINY, "moe": TINY_MOE, "mixtral": TINY_MIXTRAL}
 MICRO, SEQ = 2, 16
+PP_MICROBATCHES = 3  # 1f1b on 2 stages: 2 in flight on the first, 1 on the last; gpipe: 3 on both
 
 
 def micro_batch(seed: int) -> dict:
@@ -79,15 +83,24 @@ def context_parallel(layout: str) -> tuple[int, str]:
     return 1, "ulysses"
 
 
+def pipeline(layout: str) -> tuple[int, str]:
+    """(parallel.pp, parallel.pp_schedule) of a layout: `-pp2` (1f1b) or `-pp2-gpipe`, else (1, "1f1b")."""
+    parts = layout.split("-")
+    pp = next((int(part[2:]) for part in parts if part.startswith("pp")), 1)
+    return pp, "gpipe" if "gpipe" in parts else "1f1b"
+
+
 def run_config(layout: str, dtype: str, checkpointing: str):
     moe, replicate, shard, tp, ep, chunk, vocab = parse_layout(layout)
     cp, style = context_parallel(layout)
+    pp, schedule = pipeline(layout)
+    steps = PP_MICROBATCHES if pp > 1 else 1
     return build_config({"model": {"config": {**MODELS[moe], "vocab_size": vocab}, "dtype": dtype},
                          "data": {"max_seq_len": SEQ},
-                         "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard,
+                         "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard * steps,
                                    "activation_checkpointing": checkpointing, "loss_chunk_tokens": chunk},
                          "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "ep": ep, "cp": cp,
-                                      "cp_style": style}})
+                                      "cp_style": style, "pp": pp, "pp_schedule": schedule}})
 
 
 def balanced_routing(model) -> None:
@@ -114,8 +127,12 @@ def measure(cfg, info, tokenizer) -> dict:
         balanced_routing(model)
     optimizer = build_optimizer(model, cfg.train)
     options = step_options(cfg, parallel, router=router_settings(cfg.moe, hf_model(model).config))
+    if degrees.pp > 1:
+        steps = [[micro_batch(100 * step + 10 * parallel.dp_rank + index) for index in range(PP_MICROBATCHES)]
+                 for step in range(2)]
+        return measure_pipeline_terms(model, optimizer, options, (steps[0], steps[1]), info.device), parallel.pp_rank
     return measure_terms(model, optimizer, options, (micro_batch(parallel.dp_rank), micro_batch(10 + parallel.dp_rank)),
-                         info.device)
+                         info.device), None
 
 
 def main() -> None:
@@ -127,8 +144,8 @@ def main() -> None:
                 for checkpointing in ("none", "full")]
     for layout, dtype, checkpointing in variants:
         cfg = run_config(layout, dtype, checkpointing)
-        measured = measure(cfg, info, tokenizer)
-        estimate = estimate_memory(cfg, info.world_size, vocab_size=parse_layout(layout)[-1])
+        measured, stage = measure(cfg, info, tokenizer)
+        estimate = estimate_memory(cfg, info.world_size, vocab_size=parse_layout(layout)[-1], stage=stage)
         estimated = {t.name: t.bytes for t in estimate.terms}
         gathered = [None] * info.world_size
         row = {"variant": f"{layout} {dtype} ac={checkpointing}", "rank": info.rank, "measured": measured,

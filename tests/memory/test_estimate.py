@@ -119,6 +119,25 @@ def test_estimate_matches_measurement_under_context_parallelism(tmp_path):
         assert cp["activations"] < 0.6 * row["measured"]["activations"], variant
 
 
+@pytest.mark.slow
+def test_estimate_matches_measurement_per_pipeline_stage(tmp_path):
+    """PP 2 with 1F1B and with GPipe, 3 micro-batches per step (one 2-process launch): each stage's own parameters
+    (embedding on the first, norm and head on the last), the micro-batches in flight as the schedule really runs
+    them (1F1B: 2 on the first stage, 1 on the last; GPipe: all 3 on both), the logits on the last stage only,
+    and torch's receive buffers. Every rank is compared with the estimate of its own stage."""
+    rows = _measure(tmp_path, 2, "1x1x1-pp2", "1x1x1-pp2-gpipe")
+    assert len(rows) == 4 * 2 * 2
+    _check_terms(rows)
+    by = {(row["variant"], row["rank"]): row for row in rows}
+    for variant in ("float32 ac=none", "bfloat16 ac=full"):
+        first, last = (by[(f"1x1x1-pp2 {variant}", rank)]["measured"] for rank in (0, 1))
+        gpipe_first, gpipe_last = (by[(f"1x1x1-pp2-gpipe {variant}", rank)]["measured"] for rank in (0, 1))
+        assert 3 * first["activations"] == 2 * gpipe_first["activations"], variant
+        assert first["logits and loss"] == 0 < last["logits and loss"], variant
+        assert gpipe_last["activations"] > last["activations"] and gpipe_last["logits and loss"] > last["logits and loss"]
+        assert first["pipeline buffers"] > 0 and last["pipeline buffers"] > 0
+
+
 def test_float8_parameters_are_one_byte_plus_a_scale_per_tensor():
     """float8 sizing against real float8 tensors' bytes, and the fp32 masters beside them."""
     from isotrain.config import build_config
@@ -142,6 +161,28 @@ def test_float8_parameters_are_one_byte_plus_a_scale_per_tensor():
     assert fp8.term("fp32 master weights") == masters == fp32.term("parameters")
     assert fp32.term("fp32 master weights") == 0
     assert torch.empty(3, dtype=torch.float8_e5m2).nbytes == 3
+
+
+def test_estimate_memory_command_shows_every_pipeline_stage_and_refuses_what_it_cannot_estimate():
+    args = ["estimate-memory", "model.config.hidden_size=64", "model.config.intermediate_size=128",
+            "model.config.num_hidden_layers=4", "model.config.vocab_size=128", "data.max_seq_len=32",
+            "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.pp=2", "parallel.dp_replicate=1",
+            "--world-size", "2"]
+    table = run_isotrain(args)
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert "stage 0 MiB" in table.stdout and "stage 1 MiB" in table.stdout and "pipeline buffers" in table.stdout
+    report = json.loads(run_isotrain([*args, "--json"]).stdout)
+    assert [stage["stage"] for stage in report["stages"]] == [0, 1]
+    assert report["settings"]["pp_microbatches"] == 4
+    logits = [next(t["bytes"] for t in stage["terms"] if t["name"] == "logits and loss") for stage in report["stages"]]
+    assert logits[0] == 0 < logits[1]
+    gpipe = json.loads(run_isotrain([*args, "parallel.pp_schedule=gpipe", "--json"]).stdout)
+    first = [next(t["bytes"] for t in r["stages"][0]["terms"] if t["name"] == "activations") for r in (report, gpipe)]
+    assert 4 * first[0] == 2 * first[1]  # 1F1B: min(2 - 0, 4) in flight on the first stage; GPipe: all 4
+    for bad, words in ((["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], "interleaved"),
+                       (["parallel.dp_shard=2", "--world-size", "4"], "parallel.dp_shard=2")):
+        proc = run_isotrain([*args, *bad])
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_estimate_memory_command_prints_json_and_refuses_bad_sizes():

@@ -4,8 +4,9 @@
                                                        (dp_replicate x dp_shard x tp, expert parallel N,
                                                        chunked loss of N tokens, vocabulary N instead of 64,
                                                        context parallel N in that style)
-                                                       [-ppN[-gpipe]] (pipeline of N stages, 1f1b or gpipe,
-                                                       PP_MICROBATCHES micro-batches per step)
+                                                       [-ppN[-gpipe][-tied]] (pipeline of N stages, 1f1b or
+                                                       gpipe, PP_MICROBATCHES micro-batches per step; tied
+                                                       input and output embeddings)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
 Llama, or with `moe-` a qwen3_moe, with `mixtral-` a mixtral, of 4 experts, top-2) with isotrain's builder, run one real `train_step`
@@ -95,7 +96,9 @@ def run_config(layout: str, dtype: str, checkpointing: str):
     cp, style = context_parallel(layout)
     pp, schedule = pipeline(layout)
     steps = PP_MICROBATCHES if pp > 1 else 1
-    return build_config({"model": {"config": {**MODELS[moe], "vocab_size": vocab}, "dtype": dtype},
+    tied = "tied" in layout.split("-")
+    return build_config({"model": {"config": {**MODELS[moe], "vocab_size": vocab, "tie_word_embeddings": tied},
+                                   "dtype": dtype},
                          "data": {"max_seq_len": SEQ},
                          "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard * steps,
                                    "activation_checkpointing": checkpointing, "loss_chunk_tokens": chunk},

@@ -121,21 +121,24 @@ def test_estimate_matches_measurement_under_context_parallelism(tmp_path):
 
 @pytest.mark.slow
 def test_estimate_matches_measurement_per_pipeline_stage(tmp_path):
-    """PP 2 with 1F1B and with GPipe, 3 micro-batches per step (one 2-process launch): each stage's own parameters
-    (embedding on the first, norm and head on the last), the micro-batches in flight as the schedule really runs
-    them (1F1B: 2 on the first stage, 1 on the last; GPipe: all 3 on both), the logits on the last stage only,
-    and torch's receive buffers. Every rank is compared with the estimate of its own stage."""
-    rows = _measure(tmp_path, 2, "1x1x1-pp2", "1x1x1-pp2-gpipe")
+    """PP 2 with 1F1B and with GPipe (tied embeddings), 3 micro-batches per step (one 2-process launch): each stage's
+    own parameters (embedding on the first, norm and head on the last; a tied embedding's copy on both), the
+    micro-batches in flight as the schedule really runs them (1F1B: 2 on the first stage, 1 on the last; GPipe: all
+    3 on both), the logits on the last stage only, and torch's receive buffers. Every rank is compared with the
+    estimate of its own stage."""
+    rows = _measure(tmp_path, 2, "1x1x1-pp2", "1x1x1-pp2-gpipe-tied")
     assert len(rows) == 4 * 2 * 2
     _check_terms(rows)
     by = {(row["variant"], row["rank"]): row for row in rows}
     for variant in ("float32 ac=none", "bfloat16 ac=full"):
         first, last = (by[(f"1x1x1-pp2 {variant}", rank)]["measured"] for rank in (0, 1))
-        gpipe_first, gpipe_last = (by[(f"1x1x1-pp2-gpipe {variant}", rank)]["measured"] for rank in (0, 1))
+        gpipe_first, gpipe_last = (by[(f"1x1x1-pp2-gpipe-tied {variant}", rank)]["measured"] for rank in (0, 1))
         assert 3 * first["activations"] == 2 * gpipe_first["activations"], variant
         assert first["logits and loss"] == 0 < last["logits and loss"], variant
         assert gpipe_last["activations"] > last["activations"] and gpipe_last["logits and loss"] > last["logits and loss"]
         assert first["pipeline buffers"] > 0 and last["pipeline buffers"] > 0
+        # the tied copies: the same stages, the head's weight being the embedding's on the last stage
+        assert (gpipe_first["parameters"], gpipe_last["parameters"]) == (first["parameters"], last["parameters"])
 
 
 def test_float8_parameters_are_one_byte_plus_a_scale_per_tensor():

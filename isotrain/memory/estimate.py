@@ -29,7 +29,7 @@ the objective count on their own (docs/memory.md).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -332,9 +332,18 @@ def estimate_memory(cfg: TrainRunConfig, world_size: int, dtype: str | None = No
                 "parameters": sum(p.numel() for p in model.parameters())}
     if degrees.pp > 1:
         return _pipeline_estimate(cfg, config, degrees, dtype, device, settings, stage)
-    terms = [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),
+    sharding = _sharding(degrees)
+    terms = [*model_state_terms(model, config, sharding, dtype), *fsdp_terms(model, config, sharding, dtype),
              *activation_terms(cfg, config, degrees, dtype, device)]
     return MemoryEstimate(settings, terms)
+
+
+def _sharding(degrees: ParallelDims) -> ParallelDims:
+    """The degrees that split the model states: under context parallelism FSDP2 shards over dp_shard × cp
+    (parallel/mesh.py), so a CP rank holds 1/(dp_shard·cp) of the weights and AdamW state."""
+    if degrees.cp == 1 or not degrees.fsdp:
+        return degrees
+    return replace(degrees, dp_shard=degrees.dp_shard * degrees.cp)
 
 
 def _pipeline_estimate(cfg, config, degrees: ParallelDims, dtype: str, device: str, settings: dict,

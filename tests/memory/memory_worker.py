@@ -6,7 +6,8 @@
                                                        context parallel N in that style)
                                                        [-ppN[-gpipe][-tied]] (pipeline of N stages, 1f1b or
                                                        gpipe, PP_MICROBATCHES micro-batches per step; tied
-                                                       input and output embeddings)
+                                                       input and output embeddings) [-fp32] (fp32 without
+                                                       checkpointing only; else fp32 and bf16, none and full)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
 Llama, or with `moe-` a qwen3_moe, with `mixtral-` a mixtral, of 4 experts, top-2) with isotrain's builder, run one real `train_step`
@@ -143,8 +144,10 @@ def main() -> None:
     info = init_distributed()
     tokenizer = train_tokenizer(["0123456789 abcdefghij+="] * 4, "char", 64)
     rows = []
+    # `-fp32`: fp32 without checkpointing only (a 4-process layout, kept short)
     variants = [(layout, dtype, checkpointing) for layout in layouts for dtype in ("float32", "bfloat16")
-                for checkpointing in ("none", "full")]
+                for checkpointing in ("none", "full")
+                if "fp32" not in layout.split("-") or (dtype, checkpointing) == ("float32", "none")]
     for layout, dtype, checkpointing in variants:
         cfg = run_config(layout, dtype, checkpointing)
         measured, stage = measure(cfg, info, tokenizer)

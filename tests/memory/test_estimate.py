@@ -120,6 +120,16 @@ def test_estimate_matches_measurement_under_context_parallelism(tmp_path):
 
 
 @pytest.mark.slow
+def test_estimate_matches_measurement_on_fsdp2_with_context_parallelism(tmp_path):
+    """FSDP2 2 × ring CP 2 (4 processes, fp32 only): FSDP2 shards over dp_shard × cp, so each rank holds a quarter
+    of the weights and AdamW state, and FSDP2's buffers are padded to 4 chunks."""
+    rows = _measure(tmp_path, 4, "1x2x1-ring2-fp32")
+    assert len(rows) == 4
+    _check_terms(rows)
+    assert "FSDP2 all-gather buffers" in rows[0]["measured"]
+
+
+@pytest.mark.slow
 def test_estimate_matches_measurement_per_pipeline_stage(tmp_path):
     """PP 2 with 1F1B and with GPipe (tied embeddings), 3 micro-batches per step (one 2-process launch): each stage's
     own parameters (embedding on the first, norm and head on the last; a tied embedding's copy on both), the

@@ -14,7 +14,9 @@ Pipeline (`--pipeline`): a Llama (vocab 8192, hidden 256, 8 layers, seq 256, mic
 m micro-batches per step (--pp-microbatches, default 4 and 8), 1F1B and GPipe. Step time: the median over
 --pp-steps steps of the slowest rank, after a warm-up step that builds the schedule. Bubble: each rank's compute is
 the time inside torch's forward_one_chunk and backward_one_chunk (a stage's forward, its loss, its backward); the
-measured bubble of a step is 1 - (mean compute over the ranks) / (step time), next to (p - 1) / (m + p - 1), the
+measured bubble of a step is 1 - (mean compute over the ranks) / (the schedule's time: the slowest rank's time in
+isotrain's Pipeline.backward, which runs every micro-batch through the stages; the step's counts, gradient sums,
+norm and update are outside it), next to (p - 1) / (m + p - 1), the
 idle share of an ideal 1F1B or GPipe schedule whose stages take equal time. PP 4 puts 4 processes on 2 cores: a
 rank waiting for its neighbour lends its core to another, so the measured bubble there is the layout's cost on this
 machine, not on 4 devices (the table marks it); the first and last stage also differ (embedding, head and loss).
@@ -112,21 +114,27 @@ def run_cp_worker(cp: int, style: str, lengths: list[int], out: str) -> None:
     shutdown_distributed()
 
 
-def _timed_chunks(seconds: list):
-    """Add the time of every forward_one_chunk and backward_one_chunk of torch's stages to `seconds[0]`."""
+def _timed(original, seconds: list, index: int):
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds[index] += time.perf_counter() - start
+    return run
+
+
+def _timed_schedule(seconds: list) -> None:
+    """Add the time of every forward_one_chunk and backward_one_chunk of torch's stages to `seconds[0]`, and the
+    time of the whole schedule (isotrain's Pipeline.backward: every micro-batch's forward and backward with their
+    sends and receives; not the step's counts, gradient sums, norm and update) to `seconds[1]`."""
     from torch.distributed.pipelining import PipelineStage
 
-    def timed(original):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                seconds[0] += time.perf_counter() - start
-        return run
+    from isotrain.parallel.pp import Pipeline
 
-    PipelineStage.forward_one_chunk = timed(PipelineStage.forward_one_chunk)
-    PipelineStage.backward_one_chunk = timed(PipelineStage.backward_one_chunk)
+    PipelineStage.forward_one_chunk = _timed(PipelineStage.forward_one_chunk, seconds, 0)
+    PipelineStage.backward_one_chunk = _timed(PipelineStage.backward_one_chunk, seconds, 0)
+    Pipeline.backward = _timed(Pipeline.backward, seconds, 1)
 
 
 def run_pp_worker(pp: int, microbatches: list[int], steps: int, out: str) -> None:
@@ -142,8 +150,8 @@ def run_pp_worker(pp: int, microbatches: list[int], steps: int, out: str) -> Non
     info = init_distributed()
     cfg = _config(PP_MODEL, PP_SEQ, max(microbatches), 1, {"pp": pp})
     model, optimizer, options, parallel = _build(cfg, info)
-    busy = [0.0]
-    _timed_chunks(busy)
+    busy = [0.0, 0.0]  # (compute in torch's stage, the schedule) of a step
+    _timed_schedule(busy)
     results = {}
     for schedule in ("1f1b", "gpipe"):
         for m in (m for m in microbatches if m >= pp):  # torch's single-stage schedules need m >= stages
@@ -154,10 +162,10 @@ def run_pp_worker(pp: int, microbatches: list[int], steps: int, out: str) -> Non
             times = []
             for _ in range(steps):
                 barrier()
-                busy[0] = 0.0
+                busy[:] = [0.0, 0.0]
                 start = time.perf_counter()
                 train_step(model, optimizer, batches, 3e-4, run, info.device)
-                times.append((time.perf_counter() - start, busy[0]))
+                times.append((time.perf_counter() - start, *busy))
             results[f"{schedule} {m}"] = times
     rows = _gather(info, {"rank": info.rank, "results": results})
     if info.is_main:
@@ -215,9 +223,10 @@ def pp_table(results: list[dict], load: str, cores: int):
         for key in result["ranks"][0]["results"]:
             schedule, m = key.split()
             m = int(m)
-            per_step = list(zip(*(r["results"][key] for r in result["ranks"])))  # per step: (time, busy) per rank
-            step_s = statistics.median(max(t for t, _ in ranks) for ranks in per_step)
-            bubble = statistics.median(1 - statistics.mean(b for _, b in ranks) / max(t for t, _ in ranks)
+            # per step, per rank: (step s, compute s, schedule s)
+            per_step = list(zip(*(r["results"][key] for r in result["ranks"])))
+            step_s = statistics.median(max(r[0] for r in ranks) for ranks in per_step)
+            bubble = statistics.median(1 - statistics.mean(r[1] for r in ranks) / max(r[2] for r in ranks)
                                        for ranks in per_step)
             note = f"oversubscribed: {pp} processes on {cores} cores" if pp > cores else ""
             table.add_row(str(pp), schedule, str(m), f"{step_s:.3f}", f"{m * PP_SEQ / step_s:,.0f}",

@@ -44,8 +44,7 @@ def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
 
     if degrees.pp_schedule == "interleaved_1f1b":
         raise ConfigError("isotrain estimate-memory does not estimate parallel.pp_schedule=interleaved_1f1b yet (its "
-                          "micro-batches in flight per stage); estimate with parallel.pp_schedule=1f1b, which holds "
-                          "at least as many on the first rank")
+                          "micro-batches in flight per stage); estimate parallel.pp_schedule=1f1b or gpipe instead")
     if degrees.fsdp or degrees.tp > 1:
         named = f"parallel.dp_shard={degrees.dp_shard}" if degrees.fsdp else f"parallel.tp={degrees.tp}"
         raise ConfigError(f"isotrain estimate-memory estimates pipeline stages beside DDP replicas only, not {named} "

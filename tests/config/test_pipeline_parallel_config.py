@@ -136,11 +136,16 @@ def test_config_show_refuses_more_interleaved_stages_than_layers(capsys):
                           "parallel.pp_schedule=1f1b with parallel.pp_stages_per_rank=1")
 
 
-def test_estimate_memory_refuses_pipeline_stages(capsys):
-    proc = cli(capsys, ["estimate-memory", *TINY, "parallel.pp=2", "train.global_batch_size=8",
-                        "train.micro_batch_size=2", "--world-size", "2"])
-    assert_error_sentence(proc, "isotrain estimate-memory does not estimate pipeline stages yet (parallel.pp=2: each "
-                          "stage's tensors and the schedule's activations in flight); estimate with parallel.pp=1")
+def test_estimate_memory_estimates_pipeline_stages_and_refuses_the_interleaved_schedule(capsys):
+    args = ["estimate-memory", *TINY, "parallel.pp=2", "train.global_batch_size=8", "train.micro_batch_size=2",
+            "--world-size", "2"]
+    proc = cli(capsys, args)
+    assert proc.returncode == 0, proc.stderr
+    assert "stage 0 MiB" in proc.stdout and "stage 1 MiB" in proc.stdout
+    proc = cli(capsys, [*args, "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"])
+    assert_error_sentence(proc, "isotrain estimate-memory does not estimate parallel.pp_schedule=interleaved_1f1b yet "
+                          "(its micro-batches in flight per stage); estimate parallel.pp_schedule=1f1b or gpipe "
+                          "instead")
 
 
 def test_config_show_refuses_more_stages_than_layers(capsys):

@@ -409,7 +409,8 @@ def parse_args():
     parser.add_argument("--experts", type=int, default=8, help="Experts of the MoE rows' model (top-2).")
     parser.add_argument("--json", type=Path, default=None, help="Also write the raw per-rank numbers here.")
     parser.add_argument("--cp-memory", action="store_true",
-                        help="Run the context-parallel memory rows (only these and --pipeline unless --layouts is given).")
+                        help="Run the context-parallel memory rows (only these and --pipeline unless --layouts is "
+                        "given).")
     parser.add_argument("--cp-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
                         help="Sequence lengths of the context-parallel rows.")
     parser.add_argument("--pipeline", action="store_true",

@@ -298,7 +298,8 @@ def estimate_memory(cfg: TrainRunConfig, world_size: int, dtype: str | None = No
     """Every term of one rank's memory (the largest rank: rank 0) for `cfg` on `world_size` processes computing on
     `device` ("cpu" or "cuda"; default: where a run started here would compute). The device decides the attention
     kernel, and with it what attention saves for backward (memory/fake_forward.py). Under pipeline parallelism
-    every stage is estimated (memory/pipeline.py) and the terms are those of `stage`, by default the largest."""
+    every stage is estimated (memory/pipeline.py) and the terms are those of `stage`, by default the largest
+    (under interleaved 1F1B: of pipeline rank `stage`, which holds several stages)."""
     from isotrain.models.loading import check_layout_fits, checked_config
     from isotrain.parallel.dims import check_model_fits, resolve_dims
     from isotrain.train.chunked_loss import check_chunked_loss_settings
@@ -358,8 +359,8 @@ def _pipeline_estimate(cfg, config, degrees: ParallelDims, dtype: str, device: s
     stages = [stage_terms(cfg, config, degrees, dtype, device, index, num_microbatches) for index in range(degrees.pp)]
     totals = [sum(t.bytes for t in terms) for terms in stages]
     chosen = stage if stage is not None else totals.index(max(totals))
-    settings.update(pp_schedule=degrees.pp_schedule, pp_microbatches=num_microbatches, stage=chosen,
-                    stage_totals_bytes=totals)
+    settings.update(pp_schedule=degrees.pp_schedule, pp_stages_per_rank=degrees.pp_stages_per_rank,
+                    pp_microbatches=num_microbatches, stage=chosen, stage_totals_bytes=totals)
     return MemoryEstimate(settings, stages[chosen], stages)
 
 
@@ -399,18 +400,20 @@ def memory_table(estimate: MemoryEstimate):
 
 
 def _stage_table(estimate: MemoryEstimate):
-    """One column of MiB per pipeline stage; the notes are the largest stage's."""
+    """One column of MiB per pipeline stage (per pipeline rank under interleaved 1F1B: its stages together); the
+    notes are the largest one's."""
     from rich.table import Table
 
     s = estimate.settings
-    title = (f"per-rank memory of each pipeline stage (pp {s['pp']}, {s['pp_schedule']}, {s['pp_microbatches']} "
+    what = "stage" if s["pp_stages_per_rank"] == 1 else "rank"
+    title = (f"per-rank memory of each pipeline {what} (pp {s['pp']}, {s['pp_schedule']}, {s['pp_microbatches']} "
              f"micro-batches; world {s['world_size']}, dp_replicate {s['dp_replicate']}; {s['dtype']} on "
-             f"{s['device']}; micro-batch {s['micro_batch_size']} × {s['max_seq_len']}; largest: stage {s['stage']})")
+             f"{s['device']}; micro-batch {s['micro_batch_size']} × {s['max_seq_len']}; largest: {what} {s['stage']})")
     table = Table(title=title)
     table.add_column("term")
     for index in range(len(estimate.stages)):
-        table.add_column(f"stage {index} MiB", justify="right")
-    table.add_column(f"how (stage {s['stage']})")
+        table.add_column(f"{what} {index} MiB", justify="right")
+    table.add_column(f"how ({what} {s['stage']})")
     for row, term in enumerate(estimate.terms):
         table.add_row(term.name, *(f"{terms[row].bytes / 2**20:,.2f}" for terms in estimate.stages), term.note)
     table.add_row("total", *(f"{total / 2**20:,.2f}" for total in s["stage_totals_bytes"]),

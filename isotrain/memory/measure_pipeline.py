@@ -21,7 +21,7 @@ from isotrain.memory.measure import gradient_bytes, optimizer_bytes, parameter_b
 from isotrain.memory.saved import SavedBytes, count_saved
 
 
-def _in_flight_bytes(per_microbatch: dict[int, SavedBytes]) -> dict[str, int]:
+def _in_flight_bytes(per_microbatch: dict[tuple[int, int], SavedBytes]) -> dict[str, int]:
     """Bytes by kind of the distinct storages the micro-batches in flight saved, and their logits."""
     by_kind: dict[str, int] = {}
     seen = set()
@@ -58,7 +58,7 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
     from isotrain.parallel.pp import PassThrough
 
     peak: dict[str, int] = {"buffers": 0}
-    per_microbatch: dict[int, SavedBytes] = {}
+    per_microbatch: dict[tuple[int, int], SavedBytes] = {}  # (stage, micro-batch) in flight
     current: dict = {"saved": None}
     stages = set()
     forward, backward = PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk
@@ -71,7 +71,7 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
     def forward_one_chunk(stage, chunk: int, *args, **kwargs):
         sample()  # the previous micro-batch's forward, and the last stage's loss after it, are done
         stages.add(stage)
-        saved = per_microbatch[chunk] = SavedBytes()
+        saved = per_microbatch[(stage.stage_index, chunk)] = SavedBytes()
         if not stage.is_first:  # the received hidden states are a receive buffer, counted as one
             for info in stage.args_recv_info[chunk]:
                 if getattr(info, "buffer", None) is not None:
@@ -83,7 +83,7 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
         sample()
         current["saved"] = None  # (a recompute in backward saves nothing for this count)
         result = backward(stage, chunk, *args, **kwargs)
-        per_microbatch.pop(chunk, None)
+        per_microbatch.pop((stage.stage_index, chunk), None)
         return result
 
     own = [layer for layer in decoder_layers(model) if not isinstance(layer, PassThrough)]

@@ -11,6 +11,9 @@ batch plan's gradient-accumulation micro-batches (the pipeline's, isotrain/sizes
     1f1b   stage s of p: min(p - s, m)   (torch's Schedule1F1B warms up with that many forwards, then
                                           alternates one backward and one forward)
     gpipe  m                             (every forward before the first backward)
+    interleaved_1f1b                     rank r holds V stages (r, r + p, ...): the most bytes its stages' micro-
+                                          batches hold at once in torch's own order of r's forwards and backwards
+                                          (`interleaved_order`), the stages' sizes differing (embedding, head)
 
 The logits (and the loss's saved tensors) of a micro-batch exist on the last stage only, once per micro-batch in
 flight (the schedule keeps each stage output until its backward). Autocast's low-precision weight copies are made
@@ -32,19 +35,45 @@ from isotrain.parallel.dims import ParallelDims
 
 
 def microbatches_in_flight(schedule: str, stage: int, pp: int, num_microbatches: int) -> int:
-    """Micro-batches whose forward has run and whose backward has not, at most, on `stage` (see the docstring)."""
+    """Micro-batches whose forward has run and whose backward has not, at most, on `stage` of a schedule with one
+    stage per rank (see the docstring)."""
     if schedule == "gpipe":
         return num_microbatches
     return min(pp - stage, num_microbatches)
 
 
+def interleaved_order(rank: int, pp: int, per_rank: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """The forwards ("F") and backwards ("B") of (stage) that torch's ScheduleInterleaved1F1B runs on `rank`, in
+    order: its own computation of the order (`_calculate_single_rank_operations`, which reads nothing but these
+    sizes), as every rank of a real run computes it."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    rounds = max(1, num_microbatches // pp)
+    sizes = SimpleNamespace(n_local_stages=per_rank, pp_group_size=pp, _n_microbatches=num_microbatches,
+                            number_of_rounds=rounds, microbatches_per_round=num_microbatches // rounds)
+    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(sizes, rank)
+    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
+    return [(kinds[a.computation_type], a.stage_index) for a in actions if a is not None]
+
+
+def peak_in_flight(degrees: ParallelDims, rank: int, num_microbatches: int, bytes_of: dict[int, int]) -> int:
+    """The most bytes that the micro-batches in flight on `rank` hold at once, when one micro-batch of stage s
+    holds `bytes_of[s]`: 1F1B and GPipe by their counts; interleaved 1F1B by walking torch's order."""
+    if degrees.pp_stages_per_rank == 1:
+        return microbatches_in_flight(degrees.pp_schedule, rank, degrees.pp, num_microbatches) * bytes_of[rank]
+    held = peak = 0
+    for kind, stage in interleaved_order(rank, degrees.pp, degrees.pp_stages_per_rank, num_microbatches):
+        held += bytes_of[stage] if kind == "F" else -bytes_of[stage]
+        peak = max(peak, held)
+    return peak
+
+
 def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
-    """The pipelines estimated: one stage per rank (1f1b, gpipe), beside DDP replicas, for SFT."""
+    """The pipelines estimated: every schedule, beside DDP replicas, for SFT."""
     from isotrain.config import RLRunConfig
 
-    if degrees.pp_schedule == "interleaved_1f1b":
-        raise ConfigError("isotrain estimate-memory does not estimate parallel.pp_schedule=interleaved_1f1b yet (its "
-                          "micro-batches in flight per stage); estimate parallel.pp_schedule=1f1b or gpipe instead")
     if degrees.fsdp or degrees.tp > 1:
         named = f"parallel.dp_shard={degrees.dp_shard}" if degrees.fsdp else f"parallel.tp={degrees.tp}"
         raise ConfigError(f"isotrain estimate-memory estimates pipeline stages beside DDP replicas only, not {named} "
@@ -55,53 +84,70 @@ def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
                           "only; estimate the RL run with parallel.pp=1")
 
 
-def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, stage: int,
-                num_microbatches: int) -> list[Term]:
-    """Every term of the ranks that hold pipeline stage `stage`."""
+def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str, stages: list[int],
+                    checkpointing: bool) -> dict:
+    """stage -> (SavedBytes of one micro-batch, bytes received, bytes sent) of each of `stages`."""
     from isotrain.memory.fake_forward import fake_stage_forward
     from isotrain.models.checks import attention_kernel
-    from isotrain.parallel.pp import apply_pp, stage_layers
     from transformers import AutoModelForCausalLM
 
-    pp, last = degrees.pp, stage == degrees.pp - 1
-    model = meta_model(cfg, config)
-    apply_pp(model, stage, pp)
     _, compute = DTYPES[dtype]
-    checkpointing = cfg.train.activation_checkpointing == "full"
     kernel = attention_kernel(cfg.model.attn_implementation, config, AutoModelForCausalLM)
-    saved, received, sent = fake_stage_forward(
-        config, kernel, stage=stage, pp=pp, micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
-        autocast_dtype=compute if compute != torch.float32 else None, activation_checkpointing=checkpointing,
-        device=device)
-    flight = microbatches_in_flight(degrees.pp_schedule, stage, pp, num_microbatches)
+    return {stage: fake_stage_forward(config, kernel, stage=stage, pp=degrees.pp_stages, device=device,
+                                      micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
+                                      autocast_dtype=compute if compute != torch.float32 else None,
+                                      activation_checkpointing=checkpointing)
+            for stage in stages}
+
+
+def _logits_bytes(saved) -> int:
     upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype not in (None, torch.float32) else 0
-    logits = saved.by_kind["logits_loss"] + saved.logits_bytes + upcast
-    m = num_microbatches
-    buffers = m * received + (m + flight) * sent
+    return saved.by_kind["logits_loss"] + saved.logits_bytes + upcast
+
+
+def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, rank: int,
+                num_microbatches: int) -> list[Term]:
+    """Every term of the ranks at pipeline position `rank`: stage `rank`, or under interleaved 1F1B its
+    pp_stages_per_rank stages rank, rank + pp, ..."""
+    from isotrain.parallel.pp import apply_pp, rank_stages, stage_layers
+
+    pp, per_rank, m = degrees.pp, degrees.pp_stages_per_rank, num_microbatches
+    stages = rank_stages(rank, pp, per_rank)
+    last_stage = degrees.pp_stages - 1
+    model = meta_model(cfg, config)
+    apply_pp(model, rank, pp, per_rank)
+    checkpointing = cfg.train.activation_checkpointing == "full"
+    forwards = _stage_forwards(cfg, config, degrees, dtype, device, stages, checkpointing)
+    activations = peak_in_flight(degrees, rank, m, {s: f[0].by_kind["activations"] for s, f in forwards.items()})
+    logits = peak_in_flight(degrees, rank, m, {s: _logits_bytes(f[0]) if s == last_stage else 0
+                                               for s, f in forwards.items()})
+    kept = peak_in_flight(degrees, rank, m, {s: f[2] for s, f in forwards.items()})
+    buffers = sum(m * (received + sent) for _, received, sent in forwards.values()) + kept
     recomputed = []
     if checkpointing:
-        full, _, _ = fake_stage_forward(
-            config, kernel, stage=stage, pp=pp, micro_batch_size=cfg.train.micro_batch_size,
-            seq_len=cfg.data.max_seq_len, autocast_dtype=compute if compute != torch.float32 else None,
-            activation_checkpointing=False, device=device)
+        full = _stage_forwards(cfg, config, degrees, dtype, device, stages, False)
         body = lambda s: s.by_kind["activations"] + s.by_kind["compute_copies"]  # noqa: E731
-        own = len(stage_layers(config.num_hidden_layers, pp, stage))
-        recomputed = [Term("recomputed layer", max(0, body(full) - body(saved)) // own,
-                           "one decoder layer's activations, rebuilt in backward")]
-    schedule = f"{degrees.pp_schedule}: {flight} of {m} micro-batches in flight on stage {stage} of {pp}"
+        layer = max((body(full[s][0]) - body(forwards[s][0])) // len(stage_layers(config.num_hidden_layers,
+                                                                                   degrees.pp_stages, s))
+                    for s in stages)
+        recomputed = [Term("recomputed layer", max(0, layer), "one decoder layer's activations, rebuilt in backward")]
+    if per_rank == 1:
+        flight = microbatches_in_flight(degrees.pp_schedule, rank, pp, m)
+        schedule = f"{degrees.pp_schedule}: {flight} of {m} micro-batches in flight on stage {rank} of {pp}"
+    else:
+        schedule = (f"interleaved_1f1b: stages {', '.join(map(str, stages))} of {degrees.pp_stages}, the most held "
+                    f"at once in torch's order of their {m} micro-batches each")
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
+    holds_last = last_stage in stages
     return [*model_state_terms(model, config, degrees, dtype),
-            Term("activations", flight * saved.by_kind["activations"],
-                 f"saved for backward, {tokens} per micro-batch × {flight} ({schedule})"
+            Term("activations", activations, f"saved for backward, {tokens} per micro-batch ({schedule})"
                  + (", layer inputs only (checkpointing)" if checkpointing else "")),
-            Term("compute copies", saved.by_kind["compute_copies"],
+            Term("compute copies", sum(f[0].by_kind["compute_copies"] for f in forwards.values()),
                  "autocast's low-precision weight copies, made once per step (one autocast region)"),
-            Term("logits and loss", flight * logits if last else 0,
-                 f"head/loss saved tensors + logits, × {flight} micro-batches in flight" if last
-                 else "none: the last stage computes them"),
+            Term("logits and loss", logits, "head/loss saved tensors + logits of the micro-batches in flight"
+                 if holds_last else "none: the last stage computes them"),
             Term("pipeline buffers", buffers,
-                 f"receive buffers of {m} micro-batches ({'hidden states' if stage else ''}"
-                 f"{' and ' if stage and not last else ''}{'their gradients' if not last else ''}) + the hidden "
-                 f"states sent on, kept for {flight} in flight; one schedule's (parallel/pp.py keeps up to "
-                 "2 shapes')" if buffers else "none"),
+                 f"receive buffers of {m} micro-batches per stage (hidden states after the first stage, their "
+                 "gradients before the last) + the hidden states sent on, kept while in flight; one schedule's "
+                 "(parallel/pp.py keeps up to 2 shapes')" if buffers else "none"),
             *recomputed]

@@ -4,9 +4,10 @@
                                                        (dp_replicate x dp_shard x tp, expert parallel N,
                                                        chunked loss of N tokens, vocabulary N instead of 64,
                                                        context parallel N in that style)
-                                                       [-ppN[-gpipe][-tied]] (pipeline of N stages, 1f1b or
-                                                       gpipe, PP_MICROBATCHES micro-batches per step; tied
-                                                       input and output embeddings) [-fp32] (fp32 without
+                                                       [-ppN[-gpipe|-interleaved][-tied]] (pipeline of N ranks,
+                                                       1f1b or gpipe with PP_MICROBATCHES micro-batches per step,
+                                                       or interleaved 1f1b: 2 stages per rank, 2N layers, 2N
+                                                       micro-batches; tied input and output embeddings) [-fp32] (fp32 without
                                                        checkpointing only; else fp32 and bf16, none and full)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
@@ -86,25 +87,30 @@ def context_parallel(layout: str) -> tuple[int, str]:
 
 
 def pipeline(layout: str) -> tuple[int, str]:
-    """(parallel.pp, parallel.pp_schedule) of a layout: `-pp2` (1f1b) or `-pp2-gpipe`, else (1, "1f1b")."""
+    """(parallel.pp, parallel.pp_schedule) of a layout: `-pp2` (1f1b), `-pp2-gpipe` or `-pp2-interleaved` (2 stages
+    per rank), else (1, "1f1b")."""
     parts = layout.split("-")
     pp = next((int(part[2:]) for part in parts if part.startswith("pp")), 1)
-    return pp, "gpipe" if "gpipe" in parts else "1f1b"
+    return pp, "gpipe" if "gpipe" in parts else "interleaved_1f1b" if "interleaved" in parts else "1f1b"
 
 
 def run_config(layout: str, dtype: str, checkpointing: str):
     moe, replicate, shard, tp, ep, chunk, vocab = parse_layout(layout)
     cp, style = context_parallel(layout)
     pp, schedule = pipeline(layout)
-    steps = PP_MICROBATCHES if pp > 1 else 1
+    interleaved = schedule == "interleaved_1f1b"  # 2 stages per rank of one layer each; micro-batches in rounds of pp
+    steps = (2 * pp if interleaved else PP_MICROBATCHES) if pp > 1 else 1
     tied = "tied" in layout.split("-")
-    return build_config({"model": {"config": {**MODELS[moe], "vocab_size": vocab, "tie_word_embeddings": tied},
-                                   "dtype": dtype},
+    model = {**MODELS[moe], "vocab_size": vocab, "tie_word_embeddings": tied}
+    if interleaved:
+        model["num_hidden_layers"] = 2 * pp
+    return build_config({"model": {"config": model, "dtype": dtype},
                          "data": {"max_seq_len": SEQ},
                          "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard * steps,
                                    "activation_checkpointing": checkpointing, "loss_chunk_tokens": chunk},
                          "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "ep": ep, "cp": cp,
-                                      "cp_style": style, "pp": pp, "pp_schedule": schedule}})
+                                      "cp_style": style, "pp": pp, "pp_schedule": schedule,
+                                      "pp_stages_per_rank": 2 if interleaved else 1}})
 
 
 def balanced_routing(model) -> None:
@@ -132,7 +138,8 @@ def measure(cfg, info, tokenizer) -> dict:
     optimizer = build_optimizer(model, cfg.train)
     options = step_options(cfg, parallel, router=router_settings(cfg.moe, hf_model(model).config))
     if degrees.pp > 1:
-        steps = [[micro_batch(100 * step + 10 * parallel.dp_rank + index) for index in range(PP_MICROBATCHES)]
+        num_microbatches = cfg.train.global_batch_size // (MICRO * degrees.dp_size)
+        steps = [[micro_batch(100 * step + 10 * parallel.dp_rank + index) for index in range(num_microbatches)]
                  for step in range(2)]
         return measure_pipeline_terms(model, optimizer, options, (steps[0], steps[1]), info.device), parallel.pp_rank
     return measure_terms(model, optimizer, options, (micro_batch(parallel.dp_rank), micro_batch(10 + parallel.dp_rank)),

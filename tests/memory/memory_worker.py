@@ -1,14 +1,12 @@
 """Measure every memory term on this rank of a real run and estimate the same run from its config.
 
-    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-|mixtral-]RxSxT[-epN][-cN][-vN][-ulyssesN|-ringN]
-                                                       (dp_replicate x dp_shard x tp, expert parallel N,
-                                                       chunked loss of N tokens, vocabulary N instead of 64,
-                                                       context parallel N in that style)
-                                                       [-ppN[-gpipe|-interleaved][-tied]] (pipeline of N ranks,
-                                                       1f1b or gpipe with PP_MICROBATCHES micro-batches per step,
-                                                       or interleaved 1f1b: 2 stages per rank, 2N layers, 2N
-                                                       micro-batches; tied input and output embeddings) [-fp32] (fp32 without
-                                                       checkpointing only; else fp32 and bf16, none and full)
+    memory_worker.py OUT.json LAYOUT [LAYOUT ...]
+
+    LAYOUT: [moe-|mixtral-]RxSxT[-epN][-cN][-vN][-ulyssesN|-ringN][-ppN[-gpipe|-interleaved][-tied]][-fp32]
+        dp_replicate x dp_shard x tp, expert parallel N, chunked loss of N tokens, vocabulary N instead of 64,
+        context parallel N in that style, a pipeline of N ranks (1f1b or gpipe with PP_MICROBATCHES micro-batches
+        per step, or interleaved 1f1b: 2 stages per rank, 2N layers, 2N micro-batches; tied input and output
+        embeddings), fp32 without checkpointing only (else fp32 and bf16, checkpointing none and full)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
 Llama, or with `moe-` a qwen3_moe, with `mixtral-` a mixtral, of 4 experts, top-2) with isotrain's builder, run one real `train_step`

@@ -55,6 +55,9 @@ load 7 and 1200 at load 3 on the same machine, minutes apart).
                                         moe_ep2xtp2 moe_hf]
                              [--experts 8] [--json results.json]
     python bench/parallel.py --hidden 64 --layers 2 --steps 2 --warmup 1   # quick check, a minute or two
+    python bench/parallel.py --cp-memory [--cp-lengths 1024 2048 4096 8192] --pipeline [--pp-microbatches 4 8]
+                                                    # only the context-parallel memory and pipeline rows
+                                                    # (bench/parallel_rows.py says what they measure)
 
 Run from a checkout with PYTHONPATH=. (the workers import the isotrain that this script imports; the script's
 folder, not the current one, comes first on sys.path, so an installed isotrain would be measured otherwise).
@@ -76,6 +79,7 @@ from pathlib import Path
 
 import numpy as np
 
+import parallel_rows
 from checkpoint import reset_peak_rss, rss_bytes  # bench/ is the script's folder, so on sys.path
 
 CORES = 2
@@ -192,7 +196,7 @@ def run_worker(args) -> None:
     from isotrain.parallel.tp import check_replicated
     from isotrain.train.setup import prepare_model
     from isotrain.train.setup import step_options
-from isotrain.train.step import train_step
+    from isotrain.train.step import train_step
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     info = init_distributed()
@@ -283,18 +287,24 @@ def hf_step(model, optimizer, batch: dict) -> tuple[float, int]:
 # ----- the parent: one torchrun launch per layout, then the table -----------------------------
 def launch(key: str, args, out: Path, log: Path) -> dict:
     """Run one layout under torchrun; its rank 0's JSON result, or {"error": ...}."""
+    worker = ["--worker", key, "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
+              "--layers", str(args.layers), "--global-batch", str(args.global_batch), "--experts", str(args.experts)]
+    result = run_torchrun(num_processes(key), worker, out, log)
+    return {"layout": key, **result} if "error" in result else result
+
+
+def run_torchrun(nproc: int, worker: list[str], out: Path, log: Path) -> dict:
+    """Run this script's worker (`worker`: its arguments) on `nproc` processes under torchrun; rank 0's JSON
+    result with the launch's wall time and load average, or {"error": ..., "log_tail": ...}."""
     import isotrain
 
-    nproc = num_processes(key)
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(max(CORES // nproc, 1))
     # The workers import the same isotrain as this process, whatever is installed.
     env["PYTHONPATH"] = os.pathsep.join([str(Path(isotrain.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
     env.setdefault("HF_HUB_OFFLINE", "1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               __file__, "--worker", key, "--out", str(out), "--steps", str(args.steps), "--warmup",
-               str(args.warmup), "--hidden", str(args.hidden), "--layers", str(args.layers), "--global-batch",
-               str(args.global_batch), "--experts", str(args.experts)]
+               __file__, *worker, "--out", str(out)]
     load_before, start = os.getloadavg()[0], time.perf_counter()
     with log.open("w") as f:
         done = subprocess.run(command, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -304,7 +314,7 @@ def launch(key: str, args, out: Path, log: Path) -> dict:
         # The exception each rank raised (torchrun's own summary after it does not name it).
         errors = list(dict.fromkeys(line.split("]: ", 1)[-1] for line in lines if "Error: " in line))
         tail = errors[-3:] or lines[-12:]
-        return {"layout": key, "error": f"exit code {done.returncode}", "log_tail": tail}
+        return {"error": f"exit code {done.returncode}", "log_tail": tail}
     return {**json.loads(out.read_text()), "launch_wall_s": wall_s, "load_before": load_before,
             "load_after": load_after}
 
@@ -398,21 +408,68 @@ def parse_args():
     parser.add_argument("--global-batch", type=int, default=8, help="Sequences per optimizer step (divisible by 2).")
     parser.add_argument("--experts", type=int, default=8, help="Experts of the MoE rows' model (top-2).")
     parser.add_argument("--json", type=Path, default=None, help="Also write the raw per-rank numbers here.")
+    parser.add_argument("--cp-memory", action="store_true",
+                        help="Run the context-parallel memory rows (only these and --pipeline unless --layouts is "
+                        "given).")
+    parser.add_argument("--cp-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192],
+                        help="Sequence lengths of the context-parallel rows.")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="Run the pipeline rows (only these and --cp-memory unless --layouts is given).")
+    parser.add_argument("--pp-microbatches", type=int, nargs="+", default=[4, 8], help="Micro-batches per step.")
+    parser.add_argument("--pp-steps", type=int, default=5, help="Timed steps of each pipeline row.")
     parser.add_argument("--worker", choices=list(LAYOUTS), help=argparse.SUPPRESS)
+    parser.add_argument("--cp-worker", nargs=2, help=argparse.SUPPRESS)  # CP STYLE
+    parser.add_argument("--pp-worker", type=int, help=argparse.SUPPRESS)  # PP
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.layouts_given = any(a == "--layouts" for a in sys.argv)
+    return args
+
+
+def run_sections(console, args, tmp: Path) -> None:
+    """The context-parallel memory rows and the pipeline rows (bench/parallel_rows.py), each degree one launch."""
+    loads = []
+    if args.cp_memory:
+        results = []
+        for cp, style in parallel_rows.CP_LAUNCHES:
+            worker = ["--cp-worker", str(cp), style, "--cp-lengths", *map(str, args.cp_lengths)]
+            result = run_torchrun(cp, worker, tmp / f"cp{cp}{style}.json", tmp / f"cp{cp}{style}.log")
+            results.append({"cp": cp, "style": style, **result})
+            loads += [result.get("load_before", 0), result.get("load_after", 0)]
+            console.print(f"CP {cp} {style}: {result.get('error', 'done')} ({result.get('launch_wall_s', 0):.0f} s)")
+        load = f"{CORES} cores, load average {min(loads):.1f}-{max(loads):.1f}"
+        console.print(parallel_rows.cp_table(results, args.cp_lengths, load))
+    if args.pipeline:
+        results, loads = [], []
+        for pp in (2, 4):
+            worker = ["--pp-worker", str(pp), "--pp-microbatches", *map(str, args.pp_microbatches), "--pp-steps",
+                      str(args.pp_steps)]
+            result = run_torchrun(pp, worker, tmp / f"pp{pp}.json", tmp / f"pp{pp}.log")
+            results.append({"pp": pp, **result})
+            loads += [result.get("load_before", 0), result.get("load_after", 0)]
+            console.print(f"PP {pp}: {result.get('error', 'done')} ({result.get('launch_wall_s', 0):.0f} s)")
+        load = f"{CORES} cores, load average {min(loads):.1f}-{max(loads):.1f}"
+        console.print(parallel_rows.pp_table(results, load, CORES))
 
 
 def main() -> None:
     args = parse_args()
     if args.worker:
         return run_worker(args)
+    if args.cp_worker:
+        return parallel_rows.run_cp_worker(int(args.cp_worker[0]), args.cp_worker[1], args.cp_lengths, args.out)
+    if args.pp_worker:
+        return parallel_rows.run_pp_worker(args.pp_worker, args.pp_microbatches, args.pp_steps, args.out)
     from rich.console import Console
 
     console = Console(width=None if os.isatty(1) else 240)
     console.print(f"uptime: {Path('/proc/loadavg').read_text().strip()} (load averages 1/5/15 min, runnable/total)")
     results = []
     with tempfile.TemporaryDirectory(prefix="isotrain-parallel-bench-") as tmp:
+        if args.cp_memory or args.pipeline:
+            run_sections(console, args, Path(tmp))
+            if not args.layouts_given:
+                return
         for key in args.layouts:
             result = launch(key, args, Path(tmp) / f"{key}.json", Path(tmp) / f"{key}.log")
             results.append(result)

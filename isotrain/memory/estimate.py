@@ -29,12 +29,13 @@ the objective count on their own (docs/memory.md).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from isotrain.config import RLRunConfig, TrainRunConfig
 from isotrain.errors import ConfigError
+from isotrain.memory.fake_cp import piece_length
 from isotrain.memory.shards import expert_parameter_names, local_numel, tp_split_dims
 from isotrain.parallel.dims import ParallelDims
 
@@ -46,6 +47,10 @@ DTYPES = {
     "float8": (torch.float8_e4m3fn, torch.bfloat16),
 }
 FP32_BYTES = torch.float32.itemsize
+EXCHANGE_NOTES = {"ulysses": "one all-to-all's send + receive buffers (the largest: q or the output, heads × L/cp), "
+                             "while attention runs",
+                  "ring": "backward's key/value block held + arriving, beside their dK, dV travelling + arriving "
+                          "(fp32 at least), while attention runs"}
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,11 @@ class Term:
 
 @dataclass
 class MemoryEstimate:
+    """The terms of one rank; under pipeline parallelism those of the stage `settings["stage"]` (the largest
+    unless asked), and every stage's in `stages`."""
     settings: dict
     terms: list[Term] = field(default_factory=list)
+    stages: list[list[Term]] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -68,8 +76,11 @@ class MemoryEstimate:
         return next(t.bytes for t in self.terms if t.name == name)
 
     def as_json(self) -> str:
-        return json.dumps({"settings": self.settings, "terms": [asdict(t) for t in self.terms],
-                           "total_bytes": self.total_bytes}, indent=2)
+        report = {"settings": self.settings, "terms": [asdict(t) for t in self.terms], "total_bytes": self.total_bytes}
+        if self.stages:
+            report["stages"] = [{"stage": index, "terms": [asdict(t) for t in terms],
+                                 "total_bytes": sum(t.bytes for t in terms)} for index, terms in enumerate(self.stages)]
+        return json.dumps(report, indent=2)
 
 
 def model_state_terms(model, config, degrees: ParallelDims, dtype: str, tp_rank: int = 0,
@@ -80,7 +91,7 @@ def model_state_terms(model, config, degrees: ParallelDims, dtype: str, tp_rank:
     split = tp_split_dims(model, config) if degrees.tp > 1 else {}
     # Measured: under TP the vocabulary-parallel embedding's gradient arrives whole on every TP rank (all
     # vocabulary rows, as a partial sum) and is split only by the update's redistribution.
-    embedding = model.get_input_embeddings().weight
+    embedding = getattr(model.get_input_embeddings(), "weight", None)  # (a later pipeline stage has none)
     experts = expert_parameter_names(model)
     padded = unpadded = tensors = trained_tensors = grads = trained = 0
     for name, param in model.named_parameters():
@@ -204,11 +215,15 @@ def activation_terms(cfg: TrainRunConfig, config, degrees: ParallelDims, dtype: 
                   autocast_dtype=compute if lowp and not fsdp else None, packed=cfg.data.packing)
     router = router_settings(cfg.moe, config)
     chunk = cfg.train.loss_chunk_tokens
-    kwargs.update(ep=degrees.ep, router=router, chunk_tokens=chunk, device=device)
+    kwargs.update(ep=degrees.ep, router=router, chunk_tokens=chunk, device=device, cp=degrees.cp,
+                  cp_style=degrees.cp_style)
     kernel = attention_kernel(cfg.model.attn_implementation, config, AutoModelForCausalLM)
     saved = fake_forward(config, kernel, activation_checkpointing=checkpointing, **kwargs)
     upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype != torch.float32 else 0
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
+    if degrees.cp > 1:
+        tokens = (f"{cfg.train.micro_batch_size} × {piece_length(cfg.data.max_seq_len, degrees.cp, degrees.cp_style)}"
+                  f" tokens (this rank's piece of {cfg.data.max_seq_len}: CP {degrees.cp} {degrees.cp_style})")
     routing = ""
     if router is not None:
         routing = (f"; MoE: top-{router.top_k} of {router.num_experts} experts, "
@@ -225,6 +240,8 @@ def activation_terms(cfg: TrainRunConfig, config, degrees: ParallelDims, dtype: 
     if router is not None:
         terms.append(Term("router logits and terms", saved.by_kind["router"],
                           "router logits kept for the aux / z-loss, their fp32 probabilities"))
+    if degrees.cp > 1:
+        terms.append(Term("context-parallel exchange buffers", saved.exchange_bytes, EXCHANGE_NOTES[degrees.cp_style]))
     if checkpointing:
         full = fake_forward(config, kernel, activation_checkpointing=False, **kwargs)
         body = lambda s: s.by_kind["activations"] + s.by_kind["compute_copies"]  # noqa: E731
@@ -277,10 +294,12 @@ def default_device() -> str:
 
 
 def estimate_memory(cfg: TrainRunConfig, world_size: int, dtype: str | None = None, vocab_size: int | None = None,
-                    checked=None, device: str | None = None) -> MemoryEstimate:
+                    checked=None, device: str | None = None, stage: int | None = None) -> MemoryEstimate:
     """Every term of one rank's memory (the largest rank: rank 0) for `cfg` on `world_size` processes computing on
     `device` ("cpu" or "cuda"; default: where a run started here would compute). The device decides the attention
-    kernel, and with it what attention saves for backward (memory/fake_forward.py)."""
+    kernel, and with it what attention saves for backward (memory/fake_forward.py). Under pipeline parallelism
+    every stage is estimated (memory/pipeline.py) and the terms are those of `stage`, by default the largest
+    (under interleaved 1F1B: of pipeline rank `stage`, which holds several stages)."""
     from isotrain.models.loading import check_layout_fits, checked_config
     from isotrain.parallel.dims import check_model_fits, resolve_dims
     from isotrain.train.chunked_loss import check_chunked_loss_settings
@@ -292,10 +311,10 @@ def estimate_memory(cfg: TrainRunConfig, world_size: int, dtype: str | None = No
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r} cannot be estimated; use one of {', '.join(DTYPES)}")
     degrees = resolve_dims(cfg.parallel, world_size)
-    if degrees.pp > 1:  # a whole-model estimate would overstate a stage's tensors and miss the in-flight activations
-        raise ConfigError(f"isotrain estimate-memory does not estimate pipeline stages yet (parallel.pp={degrees.pp}: "
-                          "each stage's tensors and the schedule's activations in flight); estimate with "
-                          "parallel.pp=1")
+    if degrees.pp > 1:
+        from isotrain.memory.pipeline import check_pipeline_estimate
+
+        check_pipeline_estimate(cfg, degrees)
     config = checked if checked is not None else checked_config(cfg)
     check_layout_fits(cfg.model, degrees)
     how = "given"
@@ -309,11 +328,40 @@ def estimate_memory(cfg: TrainRunConfig, world_size: int, dtype: str | None = No
                 "micro_batch_size": cfg.train.micro_batch_size, "max_seq_len": cfg.data.max_seq_len,
                 "activation_checkpointing": cfg.train.activation_checkpointing,
                 "loss_chunk_tokens": cfg.train.loss_chunk_tokens,
+                **({"cp_style": degrees.cp_style} if degrees.cp > 1 else {}),
                 "vocab_size": vocab_size, "vocab_size_source": how, **_step_settings(cfg),
                 "parameters": sum(p.numel() for p in model.parameters())}
-    terms = [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),
+    if degrees.pp > 1:
+        return _pipeline_estimate(cfg, config, degrees, dtype, device, settings, stage)
+    sharding = _sharding(degrees)
+    terms = [*model_state_terms(model, config, sharding, dtype), *fsdp_terms(model, config, sharding, dtype),
              *activation_terms(cfg, config, degrees, dtype, device)]
     return MemoryEstimate(settings, terms)
+
+
+def _sharding(degrees: ParallelDims) -> ParallelDims:
+    """The degrees that split the model states: under context parallelism FSDP2 shards over dp_shard × cp
+    (parallel/mesh.py), so a CP rank holds 1/(dp_shard·cp) of the weights and AdamW state."""
+    if degrees.cp == 1 or not degrees.fsdp:
+        return degrees
+    return replace(degrees, dp_shard=degrees.dp_shard * degrees.cp)
+
+
+def _pipeline_estimate(cfg, config, degrees: ParallelDims, dtype: str, device: str, settings: dict,
+                       stage: int | None) -> MemoryEstimate:
+    """Every stage's terms; the estimate's own are those of `stage`, or of the largest stage."""
+    from isotrain.memory.pipeline import stage_terms
+    from isotrain.sizes import plan_batches
+
+    if stage is not None and not 0 <= stage < degrees.pp:
+        raise ConfigError(f"stage {stage} is not a stage of parallel.pp={degrees.pp}; use 0 to {degrees.pp - 1}")
+    num_microbatches = plan_batches(cfg, degrees).grad_accum_steps
+    stages = [stage_terms(cfg, config, degrees, dtype, device, index, num_microbatches) for index in range(degrees.pp)]
+    totals = [sum(t.bytes for t in terms) for terms in stages]
+    chosen = stage if stage is not None else totals.index(max(totals))
+    settings.update(pp_schedule=degrees.pp_schedule, pp_stages_per_rank=degrees.pp_stages_per_rank,
+                    pp_microbatches=num_microbatches, stage=chosen, stage_totals_bytes=totals)
+    return MemoryEstimate(settings, stages[chosen], stages)
 
 
 def _step_settings(cfg) -> dict:
@@ -330,8 +378,11 @@ def _step_settings(cfg) -> dict:
 def memory_table(estimate: MemoryEstimate):
     from rich.table import Table
 
+    if estimate.stages:
+        return _stage_table(estimate)
     s = estimate.settings
     ep = f", ep {s['ep']}" if "ep" in s else ""
+    ep += f", cp {s['cp']} ({s['cp_style']})" if "cp" in s else ""
     title = (f"per-rank memory (rank 0 of {s['world_size']}: dp_replicate {s['dp_replicate']}, dp_shard "
              f"{s['dp_shard']}, tp {s['tp']}{ep}; {s['dtype']} on {s['device']}; "
              f"micro-batch {s['micro_batch_size']} × {s['max_seq_len']}; step: {s['step']})")
@@ -345,4 +396,27 @@ def memory_table(estimate: MemoryEstimate):
     table.add_row("total", f"{estimate.total_bytes / 2**20:,.2f}", f"{estimate.total_bytes:,}",
                   f"{s['parameters']:,} parameters; vocabulary {s['vocab_size']:,} ({s['vocab_size_source']})"
                   + (f"; not counted: {s['not_counted']}" if "not_counted" in s else ""))
+    return table
+
+
+def _stage_table(estimate: MemoryEstimate):
+    """One column of MiB per pipeline stage (per pipeline rank under interleaved 1F1B: its stages together); the
+    notes are the largest one's."""
+    from rich.table import Table
+
+    s = estimate.settings
+    what = "stage" if s["pp_stages_per_rank"] == 1 else "rank"
+    title = (f"per-rank memory of each pipeline {what} (pp {s['pp']}, {s['pp_schedule']}, {s['pp_microbatches']} "
+             f"micro-batches; world {s['world_size']}, dp_replicate {s['dp_replicate']}; {s['dtype']} on "
+             f"{s['device']}; micro-batch {s['micro_batch_size']} × {s['max_seq_len']}; largest: {what} {s['stage']})")
+    table = Table(title=title)
+    table.add_column("term")
+    for index in range(len(estimate.stages)):
+        table.add_column(f"{what} {index} MiB", justify="right")
+    table.add_column(f"how ({what} {s['stage']})")
+    for row, term in enumerate(estimate.terms):
+        table.add_row(term.name, *(f"{terms[row].bytes / 2**20:,.2f}" for terms in estimate.stages), term.note)
+    table.add_row("total", *(f"{total / 2**20:,.2f}" for total in s["stage_totals_bytes"]),
+                  f"{s['parameters']:,} parameters in all stages; vocabulary {s['vocab_size']:,} "
+                  f"({s['vocab_size_source']})")
     return table

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from isotrain.memory.fake_cp import context_parallel_on_one_process, piece_length
 from isotrain.memory.fake_experts import balance_expert_parallel, grouped_mm_as_saved
 from isotrain.memory.saved import SavedBytes, count_saved, forward_loss
 from isotrain.parallel.apply import apply_activation_checkpointing, decoder_layers
@@ -132,16 +133,18 @@ def _one_document_per_row(enabled: bool):
 def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq_len: int, tp: int,
                  param_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
                  activation_checkpointing: bool, packed: bool = False, ep: int = 1, router=None,
-                 chunk_tokens: int = 0, device: str = "cpu") -> SavedBytes:
+                 chunk_tokens: int = 0, device: str = "cpu", cp: int = 1,
+                 cp_style: str = "ulysses") -> SavedBytes:
     """What one rank's forward of a full micro-batch (every position a trained token) keeps for backward.
     `ep`: the expert-parallel degree; `router`: an MoE model's RouterSettings (its router terms join the loss);
     `chunk_tokens`: train.loss_chunk_tokens; `device`: where the run computes ("cpu" or "cuda"), which decides
-    the attention kernel."""
+    the attention kernel; `cp`, `cp_style`: context parallelism (memory/fake_cp.py: the rank's piece of every row,
+    attention by the style's own code; `saved.exchange_bytes` gets its exchange buffers)."""
     from transformers import AutoModelForCausalLM
 
     config = tp_rank_config(config, tp)
     with (FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(not packed),
-          grouped_mm_as_saved()):
+          grouped_mm_as_saved(), contextlib.ExitStack() as stack):
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_implementation)
         model.config.use_cache = False
         if ep > 1:
@@ -149,6 +152,11 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
         if activation_checkpointing:
             apply_activation_checkpointing(model)
         model.train()
+        exchange = None
+        if cp > 1:
+            exchange = stack.enter_context(context_parallel_on_one_process(model, cp, cp_style, micro_batch_size,
+                                                                           seq_len))
+            seq_len = piece_length(seq_len, cp, cp_style)
         input_ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
         # Separate [B, L] tensors, as the collated batch holds them (data/collate.py).
         position_ids = torch.arange(seq_len).expand(micro_batch_size, seq_len).contiguous()
@@ -157,7 +165,51 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
         with count_saved(model, decoder_layers(model)) as saved:
             forward_loss(model, input_ids, position_ids, labels, weights, autocast_dtype, router=router, saved=saved,
                          chunk_tokens=chunk_tokens)
+    saved.exchange_bytes = exchange.bytes if exchange is not None else 0
     return saved
+
+
+def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int, micro_batch_size: int,
+                       seq_len: int, autocast_dtype: torch.dtype | None, activation_checkpointing: bool,
+                       device: str = "cpu") -> tuple[SavedBytes, int, int]:
+    """What one micro-batch's forward of pipeline stage `stage` of `pp` keeps for its backward (parallel/pp.py: the
+    Hugging Face model reduced to the stage, run by the schedule's `StageModule`, the last stage's loss after it),
+    with (bytes of the hidden states it receives, bytes of what it sends on; 0 at the first / last stage). The
+    received hidden states are the schedule's receive buffer, counted with those (memory/pipeline.py), not here."""
+    from transformers import AutoModelForCausalLM
+
+    from isotrain.parallel.pp import PassThrough, StageModule, apply_pp
+    from isotrain.train.loss import loss_weights, token_losses
+
+    autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    with FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(True):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model.config.use_cache = False
+        apply_pp(model, stage, pp)  # first, as parallel/apply.py does
+        if activation_checkpointing:
+            apply_activation_checkpointing(model)
+        model.train()
+        module = StageModule(model, stage, pp)
+        position_ids = torch.arange(seq_len).expand(micro_batch_size, seq_len).contiguous()
+        received = 0
+        if stage == 0:
+            x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
+        else:  # the residual stream between stages is fp32 (fp32 parameters; autocast leaves the residual adds)
+            x = torch.zeros(micro_batch_size, seq_len, config.hidden_size, requires_grad=True)
+            received = x.nbytes
+        own = [layer for layer in decoder_layers(model) if not isinstance(layer, PassThrough)]
+        with count_saved(model, own) as saved:
+            if stage > 0:
+                saved.skip(x)  # the receive buffer: counted with the pipeline's buffers
+            with autocast:
+                output = module(x, position_ids=position_ids)
+                if stage == pp - 1:  # the step's loss_fn (train/step.py): target = [labels, segment ids]
+                    labels, segments = torch.zeros(2, micro_batch_size, seq_len, dtype=torch.long)
+                    weights, _ = loss_weights(labels, segments, "token")
+                    (token_losses(output, labels) * weights).sum() / torch.ones((), dtype=torch.long)
+        sent = output.nbytes if stage < pp - 1 else 0
+    return saved, received, sent
 
 
 @contextlib.contextmanager

@@ -43,26 +43,83 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     return storage_bytes(t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
 
 
+class _Tracked:
+    """A point-to-point work whose wait tells `exchange_buffers` that its buffers are no longer in flight."""
+
+    def __init__(self, work, pending: dict, key: int):
+        self.work, self.pending, self.key = work, pending, key
+
+    def wait(self, *args, **kwargs):
+        result = self.work.wait(*args, **kwargs)
+        self.pending.pop(self.key, None)
+        return result
+
+
+@contextlib.contextmanager
+def exchange_buffers() -> Iterator[dict]:
+    """Peak bytes of context parallelism's exchange buffers on this rank ("bytes"): the send and receive buffers of
+    each all-to-all (Ulysses), and the buffers of every point-to-point batch not yet waited for (ring attention's
+    blocks and their gradients in flight), sampled at each collective's start."""
+    import torch.distributed as dist
+
+    peak, pending = {"bytes": 0}, {}
+    all_to_all, batch = dist.all_to_all_single, dist.batch_isend_irecv
+
+    def all_to_all_single(output, input, *args, **kwargs):
+        peak["bytes"] = max(peak["bytes"], storage_bytes([output, input]))
+        return all_to_all(output, input, *args, **kwargs)
+
+    def batch_isend_irecv(ops):
+        works = batch(ops)
+        key = id(ops)
+        pending[key] = [op.tensor for op in ops]
+        peak["bytes"] = max(peak["bytes"], storage_bytes(t for tensors in pending.values() for t in tensors))
+        return [_Tracked(work, pending, key) for work in works]
+
+    dist.all_to_all_single, dist.batch_isend_irecv = all_to_all_single, batch_isend_irecv
+    try:
+        yield peak
+    finally:
+        dist.all_to_all_single, dist.batch_isend_irecv = all_to_all, batch
+
+
+def _context_parallel(micro_batch: dict, weights: torch.Tensor, parallel):
+    """This CP rank's piece of `micro_batch` and `weights` and the context its forward and backward run in, as the
+    SFT step cuts and runs them (train/step.py); the micro-batch itself without CP."""
+    from isotrain.parallel.cp import context_parallel_attention, local_piece, pad_rows, padded_length
+
+    if parallel is None or parallel.dims.cp == 1:
+        return micro_batch, weights, contextlib.nullcontext()
+    dims = parallel.dims
+    piece, weights = local_piece(micro_batch, parallel.cp_rank, dims.cp, weights, dims.cp_style)
+    positions = micro_batch["position_ids"]
+    positions = pad_rows(positions, padded_length(positions.shape[1], dims.cp, dims.cp_style), None)
+    return piece, weights, context_parallel_attention(parallel.cp_group, positions, dims.cp_style)
+
+
 def activation_bytes(model: nn.Module, micro_batch: dict, autocast_dtype, loss_parallel: bool,
-                     router=None, chunk_tokens: int = 0) -> dict[str, int]:
-    """What a real forward of `micro_batch` keeps for backward, by kind, plus the logits (memory/saved.py)."""
+                     router=None, chunk_tokens: int = 0, parallel=None) -> dict[str, int]:
+    """What a real forward of `micro_batch` keeps for backward, by kind, plus the logits (memory/saved.py); under
+    context parallelism (`parallel`, the run's ParallelState) of this rank's piece, with the exchanges' buffers."""
     from isotrain.models.unwrap import hf_model
     from isotrain.train.loss import loss_weights
 
+    weights, _ = loss_weights(micro_batch["labels"], micro_batch["segment_ids"], "token")
+    micro_batch, weights, attention = _context_parallel(micro_batch, weights, parallel)
     labels = micro_batch["labels"]
-    weights, _ = loss_weights(labels, micro_batch["segment_ids"], "token")
     parallel_loss = contextlib.nullcontext()
     if loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel as parallel_loss_context
 
         parallel_loss = parallel_loss_context()
-    with parallel_loss:
+    with parallel_loss, attention, exchange_buffers() as exchange:
         inner = hf_model(model)  # the Hugging Face model inside a DDP wrapper
         with count_saved(inner, decoder_layers(inner)) as saved:
             loss = forward_loss(model, micro_batch["input_ids"], micro_batch["position_ids"], labels, weights,
                                 autocast_dtype, router=router, saved=saved, chunk_tokens=chunk_tokens)
         loss.backward()  # frees what was counted (FSDP2 also expects the backward of every forward)
     result = dict(saved.by_kind)
+    result["exchange"] = exchange["bytes"]
     result["logits"] = saved.logits_bytes
     result["logits_numel"] = saved.logits_numel
     result["logits_fp32"] = saved.logits_dtype == torch.float32
@@ -169,7 +226,7 @@ def measure_terms(model: nn.Module, optimizer: torch.optim.Optimizer, options, b
     on_device = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batches[1].items()}
     with fsdp_buffers(model) as buffers:
         saved = activation_bytes(model, on_device, options.autocast_dtype, options.loss_parallel, options.router,
-                                 options.loss_chunk_tokens)
+                                 options.loss_chunk_tokens, options.parallel)
     if fsdp_groups(model):
         measured["FSDP2 all-gather buffers"] = buffers["gathered"]
         measured["FSDP2 reduce-scatter buffers"] = buffers["reduce"]
@@ -179,4 +236,6 @@ def measure_terms(model: nn.Module, optimizer: torch.optim.Optimizer, options, b
     measured["logits and loss"] = saved["logits_loss"] + saved["logits"] + upcast
     if options.router is not None:
         measured["router logits and terms"] = saved["router"]
+    if options.parallel is not None and options.parallel.dims.cp > 1:
+        measured["context-parallel exchange buffers"] = saved["exchange"]
     return measured

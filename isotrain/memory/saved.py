@@ -66,11 +66,18 @@ class SavedBytes:
 
     by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     storages: dict = field(default_factory=dict)
+    kinds: dict = field(default_factory=dict)  # storage key -> the kind it was counted as
     in_head: bool = False
     in_router: bool = False
     logits_bytes: int = 0  # the logits tensor itself (alive until the loss is formed, then freed)
     logits_dtype: torch.dtype | None = None
     logits_numel: int = 0
+    exchange_bytes: int = 0  # context parallelism: the exchanges' largest buffers at once (memory/fake_cp.py)
+
+    def skip(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage as seen, for nothing: memory counted elsewhere (a pipeline's receive buffer)."""
+        storage = local_tensor(t).untyped_storage()
+        self.storages[storage._cdata] = storage
 
     def add(self, t: torch.Tensor, kind: str | None = None) -> None:
         if not isinstance(t, torch.Tensor):
@@ -86,6 +93,7 @@ class SavedBytes:
         if kind is None:
             kind = ("compute_copies" if origin == "copy" else "router" if self.in_router
                     else "logits_loss" if self.in_head else "activations")
+        self.kinds[key] = kind
         self.by_kind[kind] += storage.nbytes()
 
 
@@ -101,25 +109,38 @@ def tensors_in(values) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def count_saved(model: nn.Module, layers: list[nn.Module]):
+def count_saved(model: nn.Module, layers: list[nn.Module], target=None):
     """Count, while the block runs a forward (only: a backward would add the recomputed layers), what `model`
     keeps for backward. `layers`: its decoder layers (their inputs are kept under activation checkpointing).
-    A model without an output head (AutoModel) has no `logits_loss` part: all it saves is `activations`."""
-    saved = SavedBytes()
+    A model without an output head (AutoModel) has no `logits_loss` part: all it saves is `activations`.
+    `target`: a function giving the SavedBytes to count into at each moment (None: count nothing then), for a
+    caller that splits the count (a pipeline's micro-batches); without it one SavedBytes is yielded."""
+    saved = SavedBytes() if target is None else None
+    current = (lambda: saved) if target is None else target
+
+    def head_starts(mod, args):
+        if current() is not None:
+            current().in_head = True
+
+    def head_ends(mod, args, out):
+        if current() is not None:
+            _note_logits(current(), out)
+
     head = model.get_output_embeddings()  # None for a base model without a head (an embedding encoder)
-    handles = [] if head is None else [
-        head.register_forward_pre_hook(lambda mod, args: setattr(saved, "in_head", True)),
-        head.register_forward_hook(lambda mod, args, out: _note_logits(saved, out)),
-    ]
+    handles = [] if head is None else [head.register_forward_pre_hook(head_starts),
+                                       head.register_forward_hook(head_ends)]
+
     def layer_inputs(mod, args, kwargs):
-        for t in tensors_in([*args, *kwargs.values()]):
-            saved.add(t, "activations")
+        if current() is not None:
+            for t in tensors_in([*args, *kwargs.values()]):
+                current().add(t, "activations")
 
     for layer in layers:
         handles.append(layer.register_forward_pre_hook(layer_inputs, with_kwargs=True))
 
     def pack(t):
-        saved.add(t)
+        if current() is not None:
+            current().add(t)
         return t
 
     try:

@@ -1,8 +1,12 @@
 """Measure every memory term on this rank of a real run and estimate the same run from its config.
 
-    memory_worker.py OUT.json LAYOUT [LAYOUT ...]      LAYOUT: [moe-|mixtral-]RxSxT[-epN][-cN][-vN]
-                                                       (dp_replicate x dp_shard x tp, expert parallel N,
-                                                       chunked loss of N tokens, vocabulary N instead of 64)
+    memory_worker.py OUT.json LAYOUT [LAYOUT ...]
+
+    LAYOUT: [moe-|mixtral-]RxSxT[-epN][-cN][-vN][-ulyssesN|-ringN][-ppN[-gpipe|-interleaved][-tied]][-fp32]
+        dp_replicate x dp_shard x tp, expert parallel N, chunked loss of N tokens, vocabulary N instead of 64,
+        context parallel N in that style, a pipeline of N ranks (1f1b or gpipe with PP_MICROBATCHES micro-batches
+        per step, or interleaved 1f1b: 2 stages per rank, 2N layers, 2N micro-batches; tied input and output
+        embeddings), fp32 without checkpointing only (else fp32 and bf16, checkpointing none and full)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
 Llama, or with `moe-` a qwen3_moe, with `mixtral-` a mixtral, of 4 experts, top-2) with isotrain's builder, run one real `train_step`
@@ -27,6 +31,7 @@ import torch
 from isotrain.config import build_config
 from isotrain.memory.estimate import estimate_memory
 from isotrain.memory.measure import measure_terms
+from isotrain.memory.measure_pipeline import measure_pipeline_terms
 from isotrain.models.build import build
 from isotrain.models.tokenizer import train_tokenizer
 from isotrain.models.unwrap import hf_model
@@ -46,6 +51,7 @@ TINY_MIXTRAL = {**TINY, "model_type": "mixtral", "num_local_experts": 4, "num_ex
                 "sliding_window": None}
 MODELS = {None: TINY, "moe": TINY_MOE, "mixtral": TINY_MIXTRAL}
 MICRO, SEQ = 2, 16
+PP_MICROBATCHES = 3  # 1f1b on 2 stages: 2 in flight on the first, 1 on the last; gpipe: 3 on both
 
 
 def micro_batch(seed: int) -> dict:
@@ -63,19 +69,46 @@ def parse_layout(layout: str) -> tuple[str | None, int, int, int, int, int, int]
     moe = parts[0] if parts[0] in MODELS else None
     dims = parts[1] if moe else parts[0]
     ep = next((int(part[2:]) for part in parts if part.startswith("ep")), 1)
-    chunk = next((int(part[1:]) for part in parts if part.startswith("c")), 0)
+    chunk = next((int(part[1:]) for part in parts if part.startswith("c") and part[1:].isdigit()), 0)
     vocab = next((int(part[1:]) for part in parts if part.startswith("v")), TINY["vocab_size"])
     replicate, shard, tp = (int(x) for x in dims.split("x"))
     return moe, replicate, shard, tp, ep, chunk, vocab
 
 
+def context_parallel(layout: str) -> tuple[int, str]:
+    """(parallel.cp, parallel.cp_style) of a layout: `-ulysses2` or `-ring2`, else (1, "ulysses")."""
+    for part in layout.split("-"):
+        for style in ("ulysses", "ring"):
+            if part.startswith(style):
+                return int(part[len(style):]), style
+    return 1, "ulysses"
+
+
+def pipeline(layout: str) -> tuple[int, str]:
+    """(parallel.pp, parallel.pp_schedule) of a layout: `-pp2` (1f1b), `-pp2-gpipe` or `-pp2-interleaved` (2 stages
+    per rank), else (1, "1f1b")."""
+    parts = layout.split("-")
+    pp = next((int(part[2:]) for part in parts if part.startswith("pp")), 1)
+    return pp, "gpipe" if "gpipe" in parts else "interleaved_1f1b" if "interleaved" in parts else "1f1b"
+
+
 def run_config(layout: str, dtype: str, checkpointing: str):
     moe, replicate, shard, tp, ep, chunk, vocab = parse_layout(layout)
-    return build_config({"model": {"config": {**MODELS[moe], "vocab_size": vocab}, "dtype": dtype},
+    cp, style = context_parallel(layout)
+    pp, schedule = pipeline(layout)
+    interleaved = schedule == "interleaved_1f1b"  # 2 stages per rank of one layer each; micro-batches in rounds of pp
+    steps = (2 * pp if interleaved else PP_MICROBATCHES) if pp > 1 else 1
+    tied = "tied" in layout.split("-")
+    model = {**MODELS[moe], "vocab_size": vocab, "tie_word_embeddings": tied}
+    if interleaved:
+        model["num_hidden_layers"] = 2 * pp
+    return build_config({"model": {"config": model, "dtype": dtype},
                          "data": {"max_seq_len": SEQ},
-                         "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard,
+                         "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard * steps,
                                    "activation_checkpointing": checkpointing, "loss_chunk_tokens": chunk},
-                         "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "ep": ep}})
+                         "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "ep": ep, "cp": cp,
+                                      "cp_style": style, "pp": pp, "pp_schedule": schedule,
+                                      "pp_stages_per_rank": 2 if interleaved else 1}})
 
 
 def balanced_routing(model) -> None:
@@ -102,8 +135,13 @@ def measure(cfg, info, tokenizer) -> dict:
         balanced_routing(model)
     optimizer = build_optimizer(model, cfg.train)
     options = step_options(cfg, parallel, router=router_settings(cfg.moe, hf_model(model).config))
+    if degrees.pp > 1:
+        num_microbatches = cfg.train.global_batch_size // (MICRO * degrees.dp_size)
+        steps = [[micro_batch(100 * step + 10 * parallel.dp_rank + index) for index in range(num_microbatches)]
+                 for step in range(2)]
+        return measure_pipeline_terms(model, optimizer, options, (steps[0], steps[1]), info.device), parallel.pp_rank
     return measure_terms(model, optimizer, options, (micro_batch(parallel.dp_rank), micro_batch(10 + parallel.dp_rank)),
-                         info.device)
+                         info.device), None
 
 
 def main() -> None:
@@ -111,12 +149,14 @@ def main() -> None:
     info = init_distributed()
     tokenizer = train_tokenizer(["0123456789 abcdefghij+="] * 4, "char", 64)
     rows = []
+    # `-fp32`: fp32 without checkpointing only (a 4-process layout, kept short)
     variants = [(layout, dtype, checkpointing) for layout in layouts for dtype in ("float32", "bfloat16")
-                for checkpointing in ("none", "full")]
+                for checkpointing in ("none", "full")
+                if "fp32" not in layout.split("-") or (dtype, checkpointing) == ("float32", "none")]
     for layout, dtype, checkpointing in variants:
         cfg = run_config(layout, dtype, checkpointing)
-        measured = measure(cfg, info, tokenizer)
-        estimate = estimate_memory(cfg, info.world_size, vocab_size=parse_layout(layout)[-1])
+        measured, stage = measure(cfg, info, tokenizer)
+        estimate = estimate_memory(cfg, info.world_size, vocab_size=parse_layout(layout)[-1], stage=stage)
         estimated = {t.name: t.bytes for t in estimate.terms}
         gathered = [None] * info.world_size
         row = {"variant": f"{layout} {dtype} ac={checkpointing}", "rank": info.rank, "measured": measured,

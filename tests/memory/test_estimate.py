@@ -95,6 +95,77 @@ def test_estimate_matches_measurement_on_every_layout(tmp_path):
     assert single["float32 ac=full"]["activations"] < single["float32 ac=none"]["activations"]
 
 
+@pytest.mark.slow
+def test_estimate_matches_measurement_under_context_parallelism(tmp_path):
+    """CP 2 with Ulysses and with ring attention (one 2-process launch): each rank's piece of the 16-token rows, the
+    style's own attention (Ulysses: SDPA over the whole rows for half the heads; ring: the merged output and
+    log-sum-exp it saves for its recomputing backward), and the exchange buffers in flight, measured at every
+    collective. Ring's rank 0 holds the zig-zag chunks 0 and 3, whose position ids jump: transformers builds a mask
+    for them that rank 1 does not have, so the ranks differ and the estimate (of rank 0) meets rank 0."""
+    rows = _measure(tmp_path, 2, "1x1x1-ulysses2", "1x1x1-ring2")
+    assert len(rows) == 4 * 2 * 2
+    _check_terms(rows)
+    by = {(row["variant"], row["rank"]): row["measured"] for row in rows}
+    for variant in ("float32 ac=none", "bfloat16 ac=none"):
+        ulysses, ring = by[(f"1x1x1-ulysses2 {variant}", 0)], by[(f"1x1x1-ring2 {variant}", 0)]
+        assert ulysses["context-parallel exchange buffers"] > 0 and ring["context-parallel exchange buffers"] > 0
+        assert ring["activations"] > by[(f"1x1x1-ring2 {variant}", 1)]["activations"]
+    single = {row["variant"].split(" ", 1)[1]: row for row in _measure(tmp_path, 1, "1x1x1")}
+    for variant, row in single.items():
+        # half the tokens: the logits and loss half (but for the loss scalar's 4 bytes, counted on both), the
+        # activations about half (attention's extras)
+        cp = by[(f"1x1x1-ulysses2 {variant}", 0)]
+        assert 2 * cp["logits and loss"] - 4 == row["measured"]["logits and loss"], variant
+        assert cp["activations"] < 0.6 * row["measured"]["activations"], variant
+
+
+@pytest.mark.slow
+def test_estimate_matches_measurement_on_fsdp2_with_context_parallelism(tmp_path):
+    """FSDP2 2 × ring CP 2 (4 processes, fp32 only): FSDP2 shards over dp_shard × cp, so each rank holds a quarter
+    of the weights and AdamW state, and FSDP2's buffers are padded to 4 chunks."""
+    rows = _measure(tmp_path, 4, "1x2x1-ring2-fp32")
+    assert len(rows) == 4
+    _check_terms(rows)
+    assert "FSDP2 all-gather buffers" in rows[0]["measured"]
+
+
+@pytest.mark.slow
+def test_estimate_matches_measurement_per_pipeline_stage(tmp_path):
+    """PP 2 with 1F1B and with GPipe (tied embeddings), 3 micro-batches per step (one 2-process launch): each stage's
+    own parameters (embedding on the first, norm and head on the last; a tied embedding's copy on both), the
+    micro-batches in flight as the schedule really runs them (1F1B: 2 on the first stage, 1 on the last; GPipe: all
+    3 on both), the logits on the last stage only, and torch's receive buffers. Every rank is compared with the
+    estimate of its own stage."""
+    rows = _measure(tmp_path, 2, "1x1x1-pp2", "1x1x1-pp2-gpipe-tied")
+    assert len(rows) == 4 * 2 * 2
+    _check_terms(rows)
+    by = {(row["variant"], row["rank"]): row for row in rows}
+    for variant in ("float32 ac=none", "bfloat16 ac=full"):
+        first, last = (by[(f"1x1x1-pp2 {variant}", rank)]["measured"] for rank in (0, 1))
+        gpipe_first, gpipe_last = (by[(f"1x1x1-pp2-gpipe-tied {variant}", rank)]["measured"] for rank in (0, 1))
+        assert 3 * first["activations"] == 2 * gpipe_first["activations"], variant
+        assert first["logits and loss"] == 0 < last["logits and loss"], variant
+        assert gpipe_last["activations"] > last["activations"]
+        assert gpipe_last["logits and loss"] > last["logits and loss"]
+        assert first["pipeline buffers"] > 0 and last["pipeline buffers"] > 0
+        # the tied copies: the same stages, the head's weight being the embedding's on the last stage
+        assert (gpipe_first["parameters"], gpipe_last["parameters"]) == (first["parameters"], last["parameters"])
+
+
+@pytest.mark.slow
+def test_estimate_matches_measurement_on_interleaved_pipeline_ranks(tmp_path):
+    """Interleaved 1F1B on PP 2, 2 stages of one layer per rank, 4 micro-batches: the estimate walks torch's own
+    order of each rank's forwards and backwards (memory/pipeline.py), and each rank is compared with the estimate of
+    its two stages together. (The estimate counts a micro-batch's position ids once per stage in flight; the two
+    stages of a rank share them: 256 bytes high, 0.04 %.)"""
+    rows = _measure(tmp_path, 2, "1x1x1-pp2-interleaved")
+    assert len(rows) == 4 * 2
+    _check_terms(rows)
+    by = {(row["variant"], row["rank"]): row["measured"] for row in rows}
+    first, last = by[("1x1x1-pp2-interleaved float32 ac=none", 0)], by[("1x1x1-pp2-interleaved float32 ac=none", 1)]
+    assert first["logits and loss"] == 0 < last["logits and loss"] and first["activations"] > last["activations"]
+
+
 def test_float8_parameters_are_one_byte_plus_a_scale_per_tensor():
     """float8 sizing against real float8 tensors' bytes, and the fp32 masters beside them."""
     from isotrain.config import build_config
@@ -118,6 +189,28 @@ def test_float8_parameters_are_one_byte_plus_a_scale_per_tensor():
     assert fp8.term("fp32 master weights") == masters == fp32.term("parameters")
     assert fp32.term("fp32 master weights") == 0
     assert torch.empty(3, dtype=torch.float8_e5m2).nbytes == 3
+
+
+def test_estimate_memory_command_shows_every_pipeline_stage_and_refuses_what_it_cannot_estimate():
+    args = ["estimate-memory", "model.config.hidden_size=64", "model.config.intermediate_size=128",
+            "model.config.num_hidden_layers=4", "model.config.vocab_size=128", "data.max_seq_len=32",
+            "train.global_batch_size=8", "train.micro_batch_size=2", "parallel.pp=2", "parallel.dp_replicate=1",
+            "--world-size", "2"]
+    table = run_isotrain(args)
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert "stage 0 MiB" in table.stdout and "stage 1 MiB" in table.stdout and "pipeline buffers" in table.stdout
+    report = json.loads(run_isotrain([*args, "--json"]).stdout)
+    assert [stage["stage"] for stage in report["stages"]] == [0, 1]
+    assert report["settings"]["pp_microbatches"] == 4
+    logits = [next(t["bytes"] for t in stage["terms"] if t["name"] == "logits and loss") for stage in report["stages"]]
+    assert logits[0] == 0 < logits[1]
+    gpipe = json.loads(run_isotrain([*args, "parallel.pp_schedule=gpipe", "--json"]).stdout)
+    first = [next(t["bytes"] for t in r["stages"][0]["terms"] if t["name"] == "activations") for r in (report, gpipe)]
+    assert 4 * first[0] == 2 * first[1]  # 1F1B: min(2 - 0, 4) in flight on the first stage; GPipe: all 4
+    interleaved = run_isotrain([*args, "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"])
+    assert interleaved.returncode == 0 and "rank 0 MiB" in interleaved.stdout, interleaved.stderr[-2000:]
+    proc = run_isotrain([*args, "parallel.dp_shard=2", "--world-size", "4"])
+    assert proc.returncode == 2 and "parallel.dp_shard=2" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_estimate_memory_command_prints_json_and_refuses_bad_sizes():

@@ -1,0 +1,119 @@
+"""The per-stage terms (memory/pipeline.py) measured on a live pipeline rank, through a real step's schedule.
+
+The schedule decides when each micro-batch's forward and backward run, so the measurement follows it instead of
+assuming it: what each micro-batch's forward (and the last stage's loss after it) saves for backward is counted
+apart (memory/saved.py, split by micro-batch), and at every forward and backward the schedule starts, the storages
+of the micro-batches whose backward has not run yet are added up (each storage once: autocast's weight copies are
+shared by every micro-batch of a step). The peak of each kind over the step is its term. The pipeline's buffers
+are read off torch's stages: the receive buffers of every micro-batch, and at each of those moments the stage
+outputs kept for backward (a stage before the last: the hidden states it sent on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from isotrain.memory.measure import gradient_bytes, optimizer_bytes, parameter_bytes, storage_bytes
+from isotrain.memory.saved import SavedBytes, count_saved
+
+
+def _in_flight_bytes(per_microbatch: dict[tuple[int, int], SavedBytes]) -> dict[str, int]:
+    """Bytes by kind of the distinct storages the micro-batches in flight saved, and their logits."""
+    by_kind: dict[str, int] = {}
+    seen = set()
+    for saved in per_microbatch.values():
+        for key, storage in saved.storages.items():
+            if key in seen or key not in saved.kinds:
+                continue
+            seen.add(key)
+            by_kind[saved.kinds[key]] = by_kind.get(saved.kinds[key], 0) + storage.nbytes()
+    upcast = sum(s.logits_numel * 4 for s in per_microbatch.values() if s.logits_dtype not in (None, torch.float32))
+    by_kind["logits"] = sum(s.logits_bytes for s in per_microbatch.values()) + upcast
+    return by_kind
+
+
+def _receive_buffers(stages) -> int:
+    infos = [info for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
+             for infos in table.values() for info in infos]
+    return storage_bytes(getattr(info, "buffer", None) for info in infos)
+
+
+def _kept_outputs(stages) -> int:
+    """The stage outputs a stage before the last keeps until each micro-batch's backward (torch's fwd_cache)."""
+    return storage_bytes(t for stage in stages if not stage.is_last for output, _ in stage.fwd_cache.values()
+                         for t in output if isinstance(t, torch.Tensor))
+
+
+@contextlib.contextmanager
+def pipeline_saved(model: nn.Module) -> Iterator[dict]:
+    """Peak bytes, by kind, that the micro-batches in flight on this stage hold for backward during the steps run
+    inside ("activations", "compute_copies", "logits_loss", "logits"), and of the pipeline's buffers ("buffers")."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from isotrain.parallel.apply import decoder_layers
+    from isotrain.parallel.pp import PassThrough
+
+    peak: dict[str, int] = {"buffers": 0}
+    per_microbatch: dict[tuple[int, int], SavedBytes] = {}  # (stage, micro-batch) in flight
+    current: dict = {"saved": None}
+    stages = set()
+    forward, backward = PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk
+
+    def sample() -> None:
+        for kind, value in _in_flight_bytes(per_microbatch).items():
+            peak[kind] = max(peak.get(kind, 0), value)
+        peak["buffers"] = max(peak["buffers"], _receive_buffers(stages) + _kept_outputs(stages))
+
+    def forward_one_chunk(stage, chunk: int, *args, **kwargs):
+        sample()  # the previous micro-batch's forward, and the last stage's loss after it, are done
+        stages.add(stage)
+        saved = per_microbatch[(stage.stage_index, chunk)] = SavedBytes()
+        if not stage.is_first:  # the received hidden states are a receive buffer, counted as one
+            for info in stage.args_recv_info[chunk]:
+                if getattr(info, "buffer", None) is not None:
+                    saved.skip(info.buffer)
+        current["saved"] = saved
+        return forward(stage, chunk, *args, **kwargs)
+
+    def backward_one_chunk(stage, chunk: int, *args, **kwargs):
+        sample()
+        current["saved"] = None  # (a recompute in backward saves nothing for this count)
+        result = backward(stage, chunk, *args, **kwargs)
+        per_microbatch.pop((stage.stage_index, chunk), None)
+        return result
+
+    own = [layer for layer in decoder_layers(model) if not isinstance(layer, PassThrough)]
+    PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    try:
+        with count_saved(model, own, target=lambda: current["saved"]):
+            yield peak
+        sample()
+    finally:
+        PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk = forward, backward
+
+
+def measure_pipeline_terms(model: nn.Module, optimizer: torch.optim.Optimizer, options, steps: tuple[list, list],
+                           device: torch.device) -> dict[str, int]:
+    """Every per-stage term, by name, on this live pipeline rank: one real `train_step` on the micro-batches of
+    `steps[0]` (gradients between backward and update, optimizer state after it; its schedule is built then), then
+    the in-flight peaks during a second step on `steps[1]`, which reuses that schedule."""
+    from isotrain.models.unwrap import hf_model
+    from isotrain.train.step import train_step
+
+    measured = {"parameters": parameter_bytes(model)}
+    train_step(model, optimizer, steps[0], 1e-3, options, device,
+               before_update=lambda: measured.update(gradients=gradient_bytes(model)))
+    measured["optimizer moments"] = optimizer_bytes(optimizer)
+    with pipeline_saved(hf_model(model)) as peak:
+        train_step(model, optimizer, steps[1], 1e-3, options, device)
+    measured["activations"] = peak.get("activations", 0)
+    measured["compute copies"] = peak.get("compute_copies", 0)
+    # (an earlier stage's HandOff is its "head": what it hands on is counted with the buffers, not as logits)
+    last = options.parallel.pp_rank == options.parallel.dims.pp - 1
+    measured["logits and loss"] = peak.get("logits_loss", 0) + peak.get("logits", 0) if last else 0
+    measured["pipeline buffers"] = peak["buffers"]
+    return measured

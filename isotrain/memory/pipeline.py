@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from isotrain.errors import ConfigError
-from isotrain.memory.estimate import DTYPES, FP32_BYTES, Term, meta_model, model_state_terms
+from isotrain.memory.terms import DTYPES, FP32_BYTES, Term, meta_model, model_state_terms
 from isotrain.parallel.dims import ParallelDims
 
 

@@ -939,6 +939,21 @@ def parse_override(text: str) -> tuple[str, Any]:
 # Keys that moved to another section: the hint names the new place instead of a look-alike.
 _MOVED = {"data.add_special_tokens": "model.add_special_tokens"}
 
+# Keys of a section that only some recipes read: refused by name with what to set instead, before the did-you-mean
+# search. RL's prompts and embed's pairs are read from one source; a weighted mixture of them is not built yet.
+_RECIPE_KEYS = {
+    "data.sources": ("train", "a weighted mixture of sources is read by isotrain train only; set data.path to one "
+                              "source instead (a file, a glob or a directory of shards holding all the rows)"),
+}
+
+
+def _check_recipe_keys(tree: dict, recipe: str) -> None:
+    for dotted, (owner, fix) in _RECIPE_KEYS.items():
+        section, key = dotted.split(".")
+        value = tree.get(section)
+        if recipe != owner and isinstance(value, dict) and key in value:
+            raise ConfigError(f"{dotted} is not read by isotrain {recipe}: {fix}")
+
 
 def _check_sections(tree: dict, recipe: str) -> None:
     """A section of another recipe is refused by name, before the did-you-mean search could offer a look-alike."""
@@ -1036,6 +1051,7 @@ def build_config(tree: dict, recipe: Recipe = "train") -> RunConfig:
         raise ConfigError(f"recipe {recipe!r} is unknown; use one of {', '.join(RECIPE_ROOTS)}")
     root = RECIPE_ROOTS[recipe]
     _check_sections(tree, recipe)
+    _check_recipe_keys(tree, recipe)
     _check_keys(tree, root, "")
     if "model" not in tree:
         raise ConfigError("the config has no model section; set model.name_or_path or model.config")

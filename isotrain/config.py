@@ -187,7 +187,33 @@ class SourceConfig(Section):
         return last or self.path
 
 
-class SFTDataConfig(DataConfig):
+class MixtureDataConfig(DataConfig):
+    """A data section that reads one source (`data.path`) or a weighted mixture (`data.sources`, declared by each
+    recipe with what a sample is there); the checks they share."""
+
+    @model_validator(mode="after")
+    def _one_kind_of_source(self) -> MixtureDataConfig:
+        if self.sources is None:
+            return self
+        if self.path:
+            raise ValueError(f"data.path={self.path!r} and data.sources are both set; keep one of them (a single "
+                             "source is data.sources=[{path: ...}])")
+        if not self.sources:
+            raise ValueError("data.sources is an empty list; give at least one {path, weight} or set data.path")
+        for i, source in enumerate(self.sources):
+            if source.weight <= 0:
+                raise ValueError(f"data.sources[{i}].weight={source.weight:g} must be > 0 (a source's share of each "
+                                 "mixture epoch is its weight / the sum of weights); give it a positive weight or "
+                                 "remove the source")
+        labels = [source.label for source in self.sources]
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                raise ValueError(f"data.sources[{labels.index(label)}] and data.sources[{i}] are both named {label!r} "
+                                 "(in logs and metrics); give one of them another `name`")
+        return self
+
+
+class SFTDataConfig(MixtureDataConfig):
     """`isotrain train`'s data: DataConfig and what becomes of a row longer than data.max_seq_len."""
 
     sources: list[SourceConfig] | None = Field(
@@ -221,27 +247,6 @@ class SFTDataConfig(DataConfig):
         if self.overflow == "split" and fmt is not None:
             raise ValueError(f"data.overflow=split applies to data.format=text only: a piece of a {fmt} row "
                              "would train without its prompt; set data.overflow=truncate or drop")
-        return self
-
-    @model_validator(mode="after")
-    def _one_kind_of_source(self) -> SFTDataConfig:
-        if self.sources is None:
-            return self
-        if self.path:
-            raise ValueError(f"data.path={self.path!r} and data.sources are both set; keep one of them (a single "
-                             "source is data.sources=[{path: ...}])")
-        if not self.sources:
-            raise ValueError("data.sources is an empty list; give at least one {path, weight} or set data.path")
-        for i, source in enumerate(self.sources):
-            if source.weight <= 0:
-                raise ValueError(f"data.sources[{i}].weight={source.weight:g} must be > 0 (a source's share of each "
-                                 "mixture epoch is its weight / the sum of weights); give it a positive weight or "
-                                 "remove the source")
-        labels = [source.label for source in self.sources]
-        for i, label in enumerate(labels):
-            if label in labels[:i]:
-                raise ValueError(f"data.sources[{labels.index(label)}] and data.sources[{i}] are both named {label!r} "
-                                 "(in logs and metrics); give one of them another `name`")
         return self
 
     @property
@@ -832,9 +837,29 @@ class TrainRunConfig(RunConfig):
         return self
 
 
+class RLDataConfig(MixtureDataConfig):
+    """`isotrain rl`'s prompts: one prompt_completion source or a weighted mixture of them."""
+
+    sources: list[SourceConfig] | None = Field(
+        None,
+        description="A weighted mixture of prompt sources instead of `data.path`: a list of {path, weight, name} of "
+        "prompt_completion rows. The prompts of generation round k are the k-th batch of rl.prompts_per_step of the "
+        "mixture, a function of (seed, sources, weights, rl.prompts_per_step) only, as SFT's batches (docs/data.md).",
+    )
+
+    @model_validator(mode="after")
+    def _prompt_sources(self) -> RLDataConfig:
+        for i, source in enumerate(self.sources or ()):
+            if source.format not in (None, "prompt_completion"):
+                raise ValueError(f"data.sources[{i}].format={source.format} is not read by isotrain rl, whose "
+                                 "prompts are prompt_completion rows ({prompt, completion}); remove the format")
+        return self
+
+
 class RLRunConfig(RunConfig):
     """`isotrain rl`: the policy trains like SFT (MoE, LoRA) from rollouts; the global batch is derived."""
 
+    data: RLDataConfig = RLDataConfig()
     train: RLTrainConfig = RLTrainConfig()
     moe: MoeConfig = MoeConfig()
     lora: LoraConfig = LoraConfig()
@@ -937,6 +962,22 @@ def parse_override(text: str) -> tuple[str, Any]:
 # Keys that moved to another section: the hint names the new place instead of a look-alike.
 _MOVED = {"data.add_special_tokens": "model.add_special_tokens"}
 
+# Keys of a section that only some recipes read: refused by name with what to set instead, before the did-you-mean
+# search. Embed's pairs are read from one source; a weighted mixture of them is not built yet.
+_RECIPE_KEYS = {
+    "data.sources": (("train", "rl"), "a weighted mixture of sources is read by isotrain train and rl only; set "
+                                      "data.path to one source instead (a file, a glob or a directory of shards "
+                                      "holding all the rows)"),
+}
+
+
+def _check_recipe_keys(tree: dict, recipe: str) -> None:
+    for dotted, (owners, fix) in _RECIPE_KEYS.items():
+        section, key = dotted.split(".")
+        value = tree.get(section)
+        if recipe not in owners and isinstance(value, dict) and key in value:
+            raise ConfigError(f"{dotted} is not read by isotrain {recipe}: {fix}")
+
 
 def _check_sections(tree: dict, recipe: str) -> None:
     """A section of another recipe is refused by name, before the did-you-mean search could offer a look-alike."""
@@ -1034,6 +1075,7 @@ def build_config(tree: dict, recipe: Recipe = "train") -> RunConfig:
         raise ConfigError(f"recipe {recipe!r} is unknown; use one of {', '.join(RECIPE_ROOTS)}")
     root = RECIPE_ROOTS[recipe]
     _check_sections(tree, recipe)
+    _check_recipe_keys(tree, recipe)
     _check_keys(tree, root, "")
     if "model" not in tree:
         raise ConfigError("the config has no model section; set model.name_or_path or model.config")

@@ -56,32 +56,23 @@ def apportion(total: int, weights: Sequence[float]) -> np.ndarray:
     return np.array(counts, dtype=np.int64)
 
 
-class Mixture(Sequence):
-    """The concatenated samples of several prepared sources, and the samples each mixture epoch holds."""
+class MixtureOrder:
+    """Which mixture indices each mixture epoch holds, for sources of `sizes` samples and `weights` (module
+    docstring): what a mixture of prepared stores (`Mixture`) and of RL's prompt sets have in common."""
 
-    def __init__(self, datasets: list[Dataset], weights: list[float], names: list[str], seed: int,
-                 trained_counts: list[np.ndarray]):
-        self.datasets, self.weights, self.names, self.seed = datasets, list(weights), list(names), seed
-        self.sizes = np.array([len(dataset) for dataset in datasets], dtype=np.int64)
+    def __init__(self, sizes: Sequence[int], weights: Sequence[float], names: Sequence[str], seed: int):
+        self.weights, self.names, self.seed = list(weights), list(names), seed
+        self.sizes = np.array(sizes, dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)])
         self.counts = apportion(int(self.sizes.sum()), weights)
         for i, count in enumerate(self.counts):
             if count == 0:
                 raise DataError(f"data.sources[{i}] ({names[i]!r}, weight {weights[i]:g}) gets 0 of the "
                                 f"{len(self)} samples of a mixture epoch; raise its weight or remove the source")
-        # Per mixture index, read from the stores' indexes once: 8 bytes per sample each, like the index itself.
-        self.input_tokens = np.concatenate([dataset.samples.lengths() for dataset in datasets]).astype(np.int64)
-        self.trained_tokens = np.concatenate(trained_counts).astype(np.int64)
         self._memo: tuple[int, np.ndarray] | None = None
-        self.stats = self._epoch_stats()
-        self.cache_path = None
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
-
-    def __getitem__(self, index: int) -> Sample:
-        source = self.source_of(np.array([index]))[0]
-        return self.datasets[source][int(index) - int(self.offsets[source])]
 
     def source_of(self, indices: np.ndarray) -> np.ndarray:
         """The source of each mixture index."""
@@ -104,6 +95,24 @@ class Mixture(Sequence):
             parts.append(rng.permutation(size)[position : position + take])
             start, count = start + take, count - take
         return np.concatenate(parts) + self.offsets[source]
+
+
+class Mixture(MixtureOrder, Sequence):
+    """The concatenated samples of several prepared sources, and the samples each mixture epoch holds."""
+
+    def __init__(self, datasets: list[Dataset], weights: list[float], names: list[str], seed: int,
+                 trained_counts: list[np.ndarray]):
+        super().__init__([len(dataset) for dataset in datasets], weights, names, seed)
+        self.datasets = datasets
+        # Per mixture index, read from the stores' indexes once: 8 bytes per sample each, like the index itself.
+        self.input_tokens = np.concatenate([dataset.samples.lengths() for dataset in datasets]).astype(np.int64)
+        self.trained_tokens = np.concatenate(trained_counts).astype(np.int64)
+        self.stats = self._epoch_stats()
+        self.cache_path = None
+
+    def __getitem__(self, index: int) -> Sample:
+        source = self.source_of(np.array([index]))[0]
+        return self.datasets[source][int(index) - int(self.offsets[source])]
 
     def tally(self, indices: np.ndarray) -> np.ndarray:
         """[3, n]: samples, input tokens and trained tokens of each source among the mixture `indices`."""

@@ -83,7 +83,7 @@ def tokenize_chunk(rows: list[dict], row_ids: list[int], tokenizer, fmt: str, ma
         if fmt == "prompt_completion":
             documents = list(_prompt_completion_documents(rows, tokenizer))
         elif fmt == "chat":
-            documents = [_chat_document(row["messages"], tokenizer) for row in rows]
+            documents = _chat_documents([row["messages"] for row in rows], tokenizer)
         else:
             raise ValueError(f"unknown data format {fmt!r}")
         stats.skipped = [(row_id, doc) for row_id, doc in zip(row_ids, documents) if isinstance(doc, str)]
@@ -184,17 +184,21 @@ def _text_documents(rows: list[dict], tokenizer) -> tuple[np.ndarray, np.ndarray
     return ids, targets, lengths
 
 
-def _encode_flat(tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens of all texts concatenated, tokens per text), without special tokens. A fast tokenizer's Rust
-    backend encodes the batch on every core (`encode_batch_fast` skips the character offsets, which nothing here
-    reads); its ids are the tokenizer's own call's, which sets the backend's truncation and padding off first, so
-    the backend is called directly only when those are off."""
+def _encode_lists(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of each text, without special tokens. A fast tokenizer's Rust backend encodes the batch on every
+    core (`encode_batch_fast` skips the character offsets, which nothing here reads); its ids are the tokenizer's
+    own call's, which sets the backend's truncation and padding off first, so the backend is called directly only
+    when those are off."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and backend.truncation is None and backend.padding is None:
+    if backend is not None and backend.truncation is None and backend.padding is None and texts:
         encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-        encoded = [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
-    else:
-        encoded = _encode_many(tokenizer, texts)
+        return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
+    return _encode_many(tokenizer, texts)
+
+
+def _encode_flat(tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens of all texts concatenated, tokens per text), without special tokens (`_encode_lists`)."""
+    encoded = _encode_lists(tokenizer, texts)
     counts = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     return np.fromiter(chain.from_iterable(encoded), dtype=np.int64, count=int(counts.sum())), counts
 
@@ -213,18 +217,14 @@ def _prompt_completion_documents(rows: list[dict], tokenizer):
         yield ids, [False] * (len(bos) + len(prompt)) + [True] * (len(completion) + len(eos))
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 # What a user's Jinja chat template can raise on a conversation it does not expect (templates
 # often `raise_exception(...)` on role orders they reject); such a row is skipped and reported.
 _TEMPLATE_ERRORS = (TemplateError, ValueError, TypeError, KeyError, IndexError)
+_NO_CHAT_TEMPLATE = "the tokenizer has no chat_template; use a tokenizer with one or data.format=text"
 
 
-def _chat_document(messages: list[dict], tokenizer):
-    """(ids, targets) of a conversation whose assistant turns are the targets, or a skip reason.
+def _chat_documents(conversations: list[list[dict]], tokenizer) -> list:
+    """[(ids, targets) of a conversation whose assistant turns are the targets, or a skip reason] per conversation.
 
     The span of assistant turn i is found by rendering, not by searching for marker strings:
         prompt_i = render(messages[:i], add_generation_prompt=True)
@@ -232,20 +232,47 @@ def _chat_document(messages: list[dict], tokenizer):
     tokens [len(prompt_i), len(upto_i)) of the full rendering are turn i (content and the
     template's end-of-turn tokens). This holds only if prompt_i is a token prefix of upto_i and
     upto_i of the full rendering; a template or tokenizer that breaks that is reported.
+
+    The templates are rendered in Python, conversation by conversation; every rendering of the chunk is then
+    encoded in one batch call (on every core), and the prefix checks run on the results in the order a
+    conversation-at-a-time pass would make them, so each conversation gets the same ids, targets or reason.
     """
     if getattr(tokenizer, "chat_template", None) is None:
-        return "the tokenizer has no chat_template; use a tokenizer with one or data.format=text"
+        return [_NO_CHAT_TEMPLATE] * len(conversations)
+    rendered = [_chat_renderings(messages, tokenizer) for messages in conversations]
+    encoded = iter(_encode_lists(tokenizer, [text for texts, _, _ in rendered for text in texts]))
+    return [_chat_targets([next(encoded) for _ in texts], turns, error) for texts, turns, error in rendered]
+
+
+def _chat_renderings(messages: list[dict], tokenizer) -> tuple[list[str], list[int], str | None]:
+    """(texts, assistant turns, error): texts are the full rendering, then prompt_i and upto_i of each assistant
+    turn i, in order, up to the first rendering the template refused (error: its reason, else None)."""
+    def render(upto: int | None, add_generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+    turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    texts = []
     try:
-        full = _render(tokenizer, messages, add_generation_prompt=False)
-        targets = [False] * len(full)
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
-            upto = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
-            if upto[: len(prompt)] != prompt or full[: len(upto)] != upto or len(upto) == len(prompt):
-                return f"chat template does not render assistant turn {i} as a token-prefix extension of the chat"
-            targets[len(prompt) : len(upto)] = [True] * (len(upto) - len(prompt))
+        texts.append(render(None, False))
+        for i in turns:
+            texts.append(render(i, True))
+            texts.append(render(i + 1, False))
     except _TEMPLATE_ERRORS as err:
-        return f"chat template failed to render the messages ({type(err).__name__}: {err})"
-    return full, targets
+        return texts, turns, f"chat template failed to render the messages ({type(err).__name__}: {err})"
+    return texts, turns, None
+
+
+def _chat_targets(encoded: list[list[int]], turns: list[int], error: str | None):
+    """(ids, targets) from the encoded renderings of `_chat_renderings`, or the first reason to skip the row: a turn
+    that is not a token-prefix extension before the template's error, if any, else that error."""
+    if not encoded:
+        return error
+    full = encoded[0]
+    targets = [False] * len(full)
+    for k, i in enumerate(turns[: (len(encoded) - 1) // 2]):
+        prompt, upto = encoded[1 + 2 * k], encoded[2 + 2 * k]
+        if upto[: len(prompt)] != prompt or full[: len(upto)] != upto or len(upto) == len(prompt):
+            return f"chat template does not render assistant turn {i} as a token-prefix extension of the chat"
+        targets[len(prompt) : len(upto)] = [True] * (len(upto) - len(prompt))
+    return error or (full, targets)

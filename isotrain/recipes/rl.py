@@ -23,7 +23,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from isotrain.config import RLRunConfig
-from isotrain.data.cache import source_fingerprint
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.checks import check_prompt_room
 from isotrain.models.loading import check_layout_fits, checked_config, count_parameters, model_config
@@ -39,7 +38,7 @@ from isotrain.rl.metrics import rl_metrics_row
 from isotrain.rl.packing import row_layout
 from isotrain.rl.pieces import Pieces
 from isotrain.rl.policy import build_policy, make_engine, start_fingerprint
-from isotrain.rl.prompts import PromptStream, read_prompts
+from isotrain.rl.prompts import PromptStream, prompts_fingerprint, read_prompt_sources, read_prompts
 from isotrain.rl.rewards import format_gated, load_reward
 from isotrain.rl.sync_check import check_checksums, recording_checksums, sync_adapter_and_verify, sync_and_verify
 from isotrain.rl.update import UpdateContext, advantages, recomputes_old_logprobs, run_updates
@@ -70,7 +69,11 @@ class RL(Recipe):
         self.reward_fn = load_reward(cfg.rl.reward)
         if cfg.rl.format_pattern:
             self.reward_fn = format_gated(self.reward_fn, cfg.rl.format_pattern, cfg.rl.format_penalty)
-        self.prompts = read_prompts(cfg.data.path)
+        self.mixture = None  # data.sources: which prompts each round draws (rl/prompts.py)
+        if cfg.data.sources:
+            self.prompts, self.mixture = read_prompt_sources(cfg.data.sources, cfg.train.seed)
+        else:
+            self.prompts = read_prompts(cfg.data.path)
         self.held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples, "eval.path") if cfg.eval.path else None
         if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.url is not None:
             from isotrain.rl.engine_vllm import logprobs_mode_for, vllm_lora_rank
@@ -92,7 +95,7 @@ class RL(Recipe):
         self.session = session
         self.tokenizer = prepare_tokenizer(cfg, info, session.output_dir, session.log)
         self._check_lengths()
-        self.stream = PromptStream(len(self.prompts.prompts), plan.prompts_per_step, cfg.train.seed)
+        self.stream = PromptStream(len(self.prompts.prompts), plan.prompts_per_step, cfg.train.seed, self.mixture)
         self.model, self.optimizer, self.reference = build_policy(cfg, info.device, self.tokenizer, parallel)
         critic, critic_optimizer = None, None
         if cfg.rl.advantage == "gae":
@@ -102,6 +105,10 @@ class RL(Recipe):
                     + (f" ({skipped} malformed rows skipped)" if skipped else "")
                     + ("; frozen reference for the KL" if self.reference is not None else "")
                     + (f"; critic: {count_parameters(critic):,} parameters" if critic is not None else ""))
+        if self.mixture is not None:
+            session.log("prompt mixture, per mixture epoch of {} prompts: {}".format(len(self.mixture), ", ".join(
+                f"{name} (weight {weight:g}) {count} of its {size}" for name, weight, count, size in zip(
+                    self.mixture.names, self.mixture.weights, self.mixture.counts, self.mixture.sizes))))
         layout = row_layout(cfg.rl.pack_sequences, cfg.model.dtype, parallel, info.device, session.log, self.model,
                             critic)  # probed on these models
         options = step_options(cfg, parallel, loss_parallel=False,
@@ -148,13 +155,14 @@ class RL(Recipe):
                               "eos_token and save it with save_pretrained")
         limit = cfg.data.max_seq_len
         check_prompt_room(tokenizer, self.prompts.prompts, cfg.rl.max_new_tokens, "rl.max_new_tokens", limit,
-                          f"data.max_seq_len={limit}", f"data.path={cfg.data.path!r}")
+                          f"data.max_seq_len={limit}",
+                          "data.sources" if cfg.data.sources else f"data.path={cfg.data.path!r}")
         if self.held_out is not None:
             check_prompt_room(tokenizer, self.held_out.prompts, cfg.eval.max_new_tokens, "eval.max_new_tokens", limit,
                               f"data.max_seq_len={limit}", f"eval.path={cfg.eval.path!r}")
 
     def extra_state(self) -> dict:
-        return {"sampler": self.stream.state_dict(), "data_fingerprint": source_fingerprint(self.cfg.data.path),
+        return {"sampler": self.stream.state_dict(), "data_fingerprint": prompts_fingerprint(self.cfg.data),
                 "start_model_sha256": start_fingerprint(self.cfg),
                 "max_off_policy_steps": self.cfg.rl.max_off_policy_steps}
 

@@ -5,12 +5,20 @@ prompt rows, so the stream is a function of (seed, data, P) only (invariant 3): 
 any number of ranks draws exactly the next prompts. Rank r generates for the contiguous slice
 [r·P/DP, (r+1)·P/DP) of each round. Dynamic sampling may use several rounds per RL step, so the
 checkpoint counts rounds, not steps.
+
+A weighted mixture of prompt sources (`data.sources`) is SFT's (data/mixture.py, `MixtureOrder`): the prompts are
+the sources' concatenation, and round k draws the k-th batch of the mixture's epochs, a function of (seed, sources,
+weights and sizes, P) only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
+from isotrain.data.cache import source_fingerprint
+from isotrain.data.mixture import MixtureOrder
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.data.sources import read_rows
 from isotrain.errors import DataError
@@ -34,9 +42,29 @@ def read_prompts(path: str, max_rows: int | None = None, field: str = "data.path
     return PromptSet([row["prompt"] for row in rows], [row["completion"] for row in rows], len(result.skipped))
 
 
+def read_prompt_sources(sources, seed: int) -> tuple[PromptSet, MixtureOrder]:
+    """The prompts of every source of a mixture (`data.sources`), concatenated in order, and their mixture."""
+    parts = [read_prompts(source.path, field=f"data.sources[{i}].path") for i, source in enumerate(sources)]
+    prompts = PromptSet([p for part in parts for p in part.prompts], [a for part in parts for a in part.answers],
+                        sum(part.num_skipped for part in parts))
+    order = MixtureOrder([len(part.prompts) for part in parts], [source.weight for source in sources],
+                         [source.label for source in sources], seed)
+    return prompts, order
+
+
+def prompts_fingerprint(data_cfg) -> str:
+    """What a resume must match: data.path's data, or every source's data and weight, in order."""
+    if not data_cfg.sources:
+        return source_fingerprint(data_cfg.path)
+    spec = [[source_fingerprint(source.path, f"data.sources[{i}].path"), repr(float(source.weight))]
+            for i, source in enumerate(data_cfg.sources)]
+    return "mixture-" + hashlib.sha256(json.dumps(spec).encode()).hexdigest()
+
+
 class PromptStream:
-    def __init__(self, num_prompts: int, prompts_per_round: int, seed: int):
-        self.sampler = GlobalBatchSampler(num_prompts, prompts_per_round, seed)
+    def __init__(self, num_prompts: int, prompts_per_round: int, seed: int, mixture: MixtureOrder | None = None):
+        self.sampler = GlobalBatchSampler(num_prompts, prompts_per_round, seed,
+                                          epoch_table=mixture.epoch_table if mixture is not None else None)
 
     def round_indices(self, round_index: int, dp_rank: int, dp_size: int) -> list[int]:
         """This rank's prompt indices in generation round `round_index`."""

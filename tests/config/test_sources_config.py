@@ -35,3 +35,11 @@ def test_bad_sources_are_one_sentence(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert message in str(err.value)
+
+
+def test_sources_are_refused_by_embed_which_reads_one_source():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.sources=[{path: a.jsonl, weight: 2}, {path: b.jsonl}]"], recipe="embed")
+    assert str(err.value) == (
+        "data.sources is not read by isotrain embed: a weighted mixture of sources is read by isotrain train and rl "
+        "only; set data.path to one source instead (a file, a glob or a directory of shards holding all the rows)")

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from isotrain.data.tokenize import IGNORE_INDEX, tokenize_rows
+from isotrain.data.tokenize import IGNORE_INDEX, shifted_labels, tokenize_rows
 from isotrain.models.tokenizer import train_tokenizer
 
 X = IGNORE_INDEX
@@ -96,3 +96,91 @@ def test_chat_masking_with_a_byte_level_bpe_tokenizer():
     [example], stats = tokenize_rows([{"messages": messages}], [1], bpe, "chat", max_seq_len=256)
     targets = [int(t) for t in example.labels if t != X]
     assert bpe.decode(targets) == "is two\n</s>the sum is\n</s>"
+
+
+# Chat rows are tokenized a chunk at a time (every rendering in one batch call); this is the conversation-at-a-time
+# implementation it replaced, kept as the reference the batched one must equal exactly.
+def _reference_chat_document(messages, tokenizer):
+    from jinja2 import TemplateError
+
+    def render(messages, add_generation_prompt):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        return "the tokenizer has no chat_template; use a tokenizer with one or data.format=text"
+    try:
+        full = render(messages, add_generation_prompt=False)
+        targets = [False] * len(full)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = render(messages[:i], add_generation_prompt=True)
+            upto = render(messages[: i + 1], add_generation_prompt=False)
+            if upto[: len(prompt)] != prompt or full[: len(upto)] != upto or len(upto) == len(prompt):
+                return f"chat template does not render assistant turn {i} as a token-prefix extension of the chat"
+            targets[len(prompt) : len(upto)] = [True] * (len(upto) - len(prompt))
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as err:
+        return f"chat template failed to render the messages ({type(err).__name__}: {err})"
+    return full, targets
+
+
+def _conversations(num, seed=0):
+    """Conversations of 1 to 4 exchanges, some with a system turn, some ending on a user turn."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["the", "sum", "of", "one", "and", "two", "is", "three", "1+1", "=2"]
+    say = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))  # noqa: E731
+    conversations = []
+    for _ in range(num):
+        messages = [{"role": "system", "content": say()}] if rng.random() < 0.4 else []
+        for _ in range(rng.randint(1, 4)):
+            messages += [{"role": "user", "content": say()}, {"role": "assistant", "content": say()}]
+        conversations.append(messages[:-1] if rng.random() < 0.2 else messages)
+    return conversations
+
+
+_BREAKS_PREFIXES = (  # the generation prompt differs from how an assistant turn starts
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>:' }}{% endif %}"
+)
+_THREE = "{% if messages|length == 3 %}{{ raise_exception('no three') }}{% endif %}"
+_REFUSES_THREE = (  # renders like the char tokenizer's own template, but refuses a 3-message prefix
+    _THREE +
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["own", "breaks_prefixes", "refuses_three", "breaks_and_refuses", "none"])
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_batched_chat_equals_the_conversation_at_a_time_reference(kind, template):
+    texts = ["the sum of one and two is three 1+1=2 <|:>\n"] * 30
+    tokenizer = train_tokenizer(texts, kind, vocab_size=300)
+    tokenizer.chat_template = {"own": tokenizer.chat_template, "breaks_prefixes": _BREAKS_PREFIXES,
+                               "refuses_three": _REFUSES_THREE, "none": None,
+                               "breaks_and_refuses": _THREE + _BREAKS_PREFIXES,
+                               }[template]
+    conversations = _conversations(120, seed=len(kind) + len(template))
+    examples, stats = tokenize_rows([{"messages": m} for m in conversations], list(range(120)), tokenizer, "chat",
+                                    max_seq_len=10_000)
+    expected = [(row_id, _reference_chat_document(m, tokenizer)) for row_id, m in enumerate(conversations)]
+    # A conversation without an assistant turn has nothing to train: skipped after tokenization.
+    expected = [(row_id, doc if isinstance(doc, str) or any(doc[1]) else
+                 "no trained token within data.max_seq_len=10000") for row_id, doc in expected]
+    assert stats.skipped == [(row_id, doc) for row_id, doc in expected if isinstance(doc, str)]
+    kept = [(row_id, doc) for row_id, doc in expected if not isinstance(doc, str)]
+    assert [e.row_id for e in examples] == [row_id for row_id, _ in kept]
+    for example, (_, (ids, targets)) in zip(examples, kept):
+        assert example.input_ids.tolist() == ids
+        assert example.labels.tolist() == shifted_labels(ids, targets).tolist()
+    # Each variant exercises what it is named for.
+    reasons = {reason.split(" (")[0].split(" turn")[0] for _, reason in stats.skipped} - {"no trained token within data.max_seq_len=10000"}
+    assert reasons == {"own": set(), "breaks_prefixes": {"chat template does not render assistant"},
+                       "refuses_three": {"chat template failed to render the messages"},
+                       "breaks_and_refuses": {"chat template does not render assistant",
+                                              "chat template failed to render the messages"},
+                       "none": {"the tokenizer has no chat_template; use a tokenizer with one or data.format=text"},
+                       }[template]
+    assert len(examples) > {"own": 60, "refuses_three": 5}.get(template, -1)

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from helpers import COUNTED, HANG_S, REPO, kill_after_commit, model_weights, run_concurrently, subprocess_env, torchrun
-from zygote import run_forked_ranks
+from helpers import COUNTED, kill_after_commit, model_weights, run_concurrently, torchrun
+from zygote import run_forked_ranks, run_isotrain
 from isotrain.checkpoint.layout import write_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -154,14 +154,12 @@ def test_load_only_model_starts_a_new_run_from_themodel_weights(tmp_path, fsdp2_
 def test_a_resume_that_changes_the_math_is_refused(tmp_path, fsdp2_reference):
     run_dir = tmp_path / "run"
     shutil.copytree(fsdp2_reference / "checkpoints", run_dir / "checkpoints")
-    base = [sys.executable, "-m", "isotrain", "train", *TINY, "train.micro_batch_size=4", f"output_dir={run_dir}"]
-    proc = subprocess.run([*base, "train.global_batch_size=32"], env=subprocess_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=HANG_S)
+    base = ["train", *TINY, "train.micro_batch_size=4", f"output_dir={run_dir}"]
+    proc = run_isotrain([*base, "train.global_batch_size=32"])
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "train.global_batch_size differs from checkpoint" in proc.stderr
     assert "(16 in the checkpoint, 32 now)" in proc.stderr and "checkpoint.allow_changes" in proc.stderr
-    proc = subprocess.run([*base, "train.seed=7", "checkpoint.allow_changes=[seed]", "train.max_steps=13"],
-                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    proc = run_isotrain([*base, "train.seed=7", "checkpoint.allow_changes=[seed]", "train.max_steps=13"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
 
@@ -183,15 +181,18 @@ def test_async_saves_write_the_same_bytes_as_sync_saves(tmp_path, fsdp2_referenc
 def test_bf16_checkpoints_hold_bf16_weights_and_fp32_masters_and_resume_exactly(tmp_path):
     from safetensors import safe_open
 
-    bf16 = ["model.dtype=bfloat16", "train.max_steps=8"]
+    bf16 = ["train", *TINY, "train.micro_batch_size=8", "model.dtype=bfloat16", "train.max_steps=8"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    for run_dir in (straight, resumed):
-        proc = torchrun(1, ["-m", "isotrain", "train", *TINY, "train.micro_batch_size=8", *bf16,
-                            f"output_dir={run_dir}"])
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_isotrain([*bf16, f"output_dir={straight}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The straight run as it stood after its checkpoint at step 4 (checkpoint.every_steps=4).
+    shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step-00000008")
-    proc = torchrun(1, ["-m", "isotrain", "train", *TINY, "train.micro_batch_size=8", *bf16, f"output_dir={resumed}"])
-    assert "resumed from" in proc.stdout, proc.stderr[-3000:]
+    shutil.rmtree(resumed / "model")
+    write_latest(resumed / "checkpoints", "step-00000004")
+    proc = run_isotrain([*bf16, f"output_dir={resumed}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "step-00000004" in proc.stdout, proc.stderr[-3000:]
     a, b = straight / "checkpoints" / "step-00000008", resumed / "checkpoints" / "step-00000008"
     for name in tensor_files(a):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
@@ -205,9 +206,8 @@ def test_bf16_checkpoints_hold_bf16_weights_and_fp32_masters_and_resume_exactly(
 def test_a_checkpoint_of_another_model_shape_is_refused(tmp_path, fsdp2_reference):
     run_dir = tmp_path / "run"
     shutil.copytree(fsdp2_reference / "checkpoints", run_dir / "checkpoints")
-    proc = subprocess.run([sys.executable, "-m", "isotrain", "train", *TINY, "train.micro_batch_size=4",
-                           "model.config.intermediate_size=96", f"output_dir={run_dir}"],
-                          env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
+    proc = run_isotrain(["train", *TINY, "train.micro_batch_size=4", "model.config.intermediate_size=96",
+                         f"output_dir={run_dir}"])
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "model.layers.0.mlp.gate_proj.weight of shape [128, 64] but the model has [96, 64]" in proc.stderr
 

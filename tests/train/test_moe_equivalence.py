@@ -29,10 +29,13 @@ REFERENCE = ((1, 1, 1), 8)  # 1 process, the whole global batch of 8 rows in one
 
 @pytest.fixture(scope="module")
 def single():
-    """Every single-process run: the reference and GA 4, both scopes."""
+    """Every single-process run: the reference and GA 4; `micro_batch` scope only where its control reads it
+    (unpacked, fp32)."""
     from moe_worker import run_all
 
-    return run_all([REFERENCE, ((1, 1, 1), 2)])
+    runs = [REFERENCE, ((1, 1, 1), 2)]
+    return run_all(runs, scopes=("global",)) | run_all(runs, scopes=("micro_batch",), packings=(False,),
+                                                        dtypes=(torch.float32,))
 
 
 def assert_equivalent(results: dict, layout, micro_batch: int, reference: dict, scope: str = "global",

@@ -162,7 +162,9 @@ class RL(Recipe):
                               f"data.max_seq_len={limit}", f"eval.path={cfg.eval.path!r}")
 
     def extra_state(self) -> dict:
-        return {"sampler": self.stream.state_dict(), "data_fingerprint": prompts_fingerprint(self.cfg.data),
+        data = self.cfg.data
+        sources = [(source.path, source.weight) for source in data.sources or ()]
+        return {"sampler": self.stream.state_dict(), "data_fingerprint": prompts_fingerprint(data.path, sources),
                 "start_model_sha256": start_fingerprint(self.cfg),
                 "max_off_policy_steps": self.cfg.rl.max_off_policy_steps}
 

@@ -52,12 +52,12 @@ def read_prompt_sources(sources, seed: int) -> tuple[PromptSet, MixtureOrder]:
     return prompts, order
 
 
-def prompts_fingerprint(data_cfg) -> str:
-    """What a resume must match: data.path's data, or every source's data and weight, in order."""
-    if not data_cfg.sources:
-        return source_fingerprint(data_cfg.path)
-    spec = [[source_fingerprint(source.path, f"data.sources[{i}].path"), repr(float(source.weight))]
-            for i, source in enumerate(data_cfg.sources)]
+def prompts_fingerprint(path: str | None, sources: list[tuple[str, float]]) -> str:
+    """What a resume must match: data.path's data, or every source's (path, weight): its data and weight, in order."""
+    if not sources:
+        return source_fingerprint(path)
+    spec = [[source_fingerprint(source, f"data.sources[{i}].path"), repr(float(weight))]
+            for i, (source, weight) in enumerate(sources)]
     return "mixture-" + hashlib.sha256(json.dumps(spec).encode()).hexdigest()
 
 

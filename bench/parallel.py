@@ -123,6 +123,19 @@ def release_free_heap() -> None:
         pass
 
 
+def fresh_memory_window() -> int:
+    """Start a peak measurement on every rank together: garbage collected, free pages given back, the ranks lined up,
+    the peak reset; returns the resident bytes now, from which the window's peak (VmHWM) counts."""
+    from isotrain.parallel.dist import barrier
+
+    gc.collect()
+    release_free_heap()
+    barrier()
+    base = rss_bytes("VmRSS")
+    reset_peak_rss()
+    return base
+
+
 # ----- the worker (one rank of one layout, under torchrun) ----------------------------------
 def llama(hidden: int, layers: int) -> dict:
     heads = max(hidden // 64, 4)  # at least 4, so that TP 2 splits the heads of small test models too
@@ -214,12 +227,7 @@ def run_worker(args) -> None:
     warm_model, warm_optimizer = prepare_model(bench_config(64, 1, args.global_batch, micro_batch, experts and 4),
                                                info, tokenizer, parallel)
     del warm_model, warm_optimizer
-    gc.collect()
-    release_free_heap()
-
-    barrier()
-    base_rss = rss_bytes("VmRSS")
-    reset_peak_rss()
+    base_rss = fresh_memory_window()
     start = time.perf_counter()
     model, optimizer = prepare_model(cfg, info, tokenizer, parallel)
     if args.worker == "moe_hf":

@@ -24,14 +24,13 @@ machine, not on 4 devices (the table marks it); the first and last stage also di
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import statistics
 import time
 from pathlib import Path
 
-from checkpoint import reset_peak_rss, rss_bytes  # bench/ is the script's folder, so on sys.path
+from checkpoint import rss_bytes  # bench/ is the script's folder, so on sys.path
 
 VOCAB = 8192
 CP_MODEL = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 128, "num_hidden_layers": 2,
@@ -89,9 +88,9 @@ def _gather(info, row) -> list:
 def run_cp_worker(cp: int, style: str, lengths: list[int], out: str) -> None:
     import torch
 
-    from isotrain.parallel.dist import barrier, init_distributed, shutdown_distributed
+    from isotrain.parallel.dist import init_distributed, shutdown_distributed
     from isotrain.train.step import train_step
-    from parallel import release_free_heap
+    from parallel import fresh_memory_window
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     info = init_distributed()
@@ -100,11 +99,7 @@ def run_cp_worker(cp: int, style: str, lengths: list[int], out: str) -> None:
     train_step(model, optimizer, [_micro_batch(512, 0)], 3e-4, options, info.device)  # the moments exist now
     peaks = {}
     for length in lengths:
-        gc.collect()
-        release_free_heap()
-        barrier()
-        base = rss_bytes("VmRSS")
-        reset_peak_rss()
+        base = fresh_memory_window()
         start = time.perf_counter()
         train_step(model, optimizer, [_micro_batch(length, length)], 3e-4, options, info.device)
         peaks[length] = {"peak_bytes": rss_bytes("VmHWM") - base, "step_s": time.perf_counter() - start}

@@ -23,16 +23,18 @@ from zygote import run_forked_ranks, run_isotrain
 DATA = REPO / "isotrain" / "recipes" / "data" / "addition_train.jsonl"
 REWARD = f"rl.reward={Path(__file__).with_name('rl_e2e_rewards.py')}:leading_one"
 CAP = 2.0
-ASYNC = [
+# A tiny RL run on the bundled addition prompts (also test_rl_cp_e2e.py's).
+TINY_RL = [
     "model.name_or_path=null", "model.config.model_type=llama", "model.config.hidden_size=32",
     "model.config.intermediate_size=64",
     "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
     "model.config.max_position_embeddings=64", "tokenizer.type=char", f"data.path={DATA}",
     "data.format=prompt_completion", "data.max_seq_len=16", "eval.path=null", "logging.progress=false",
-    "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=5", REWARD, "rollout.engine=process",
-    "rl.max_off_policy_steps=1", "rl.rollout_correction=token_tis", f"rl.rollout_is_cap={CAP}",
-    "train.micro_batch_size=4", "train.lr=1e-2", "train.warmup_steps=0", "train.deterministic=true",
+    "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=5", REWARD,
+    "train.lr=1e-2", "train.warmup_steps=0", "train.deterministic=true",
 ]
+ASYNC = [*TINY_RL, "rollout.engine=process", "rl.max_off_policy_steps=1", "rl.rollout_correction=token_tis",
+         f"rl.rollout_is_cap={CAP}", "train.micro_batch_size=4"]
 # dr_grpo's advantages without the std division, and the token mean: the loss is a short formula by hand.
 HAND = ["rl.algorithm=dr_grpo", "rl.loss_agg=token-mean", "train.max_steps=4", "checkpoint.every_steps=1",
         "checkpoint.keep_last=10"]

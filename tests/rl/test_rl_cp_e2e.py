@@ -7,27 +7,14 @@ asynchronous RL (the process engine, rollouts generated ahead and shared over a 
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 
-from helpers import REPO
+from test_async_rl import TINY_RL, metrics, untimed
 from zygote import run_forked_ranks
 
-DATA = REPO / "isotrain" / "recipes" / "data" / "addition_train.jsonl"
-REWARD = f"rl.reward={Path(__file__).with_name('rl_e2e_rewards.py')}:leading_one"
-TINY = [
-    "model.name_or_path=null", "model.config.model_type=llama", "model.config.hidden_size=32",
-    "model.config.intermediate_size=64",
-    "model.config.num_hidden_layers=2", "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
-    "model.config.max_position_embeddings=64", "tokenizer.type=char", f"data.path={DATA}",
-    "data.format=prompt_completion", "data.max_seq_len=16", "eval.path=null", "logging.progress=false",
-    "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=5", REWARD, "rl.kl_coef=0.05",
-    "train.micro_batch_size=8", "train.lr=1e-2", "train.warmup_steps=0", "train.deterministic=true",
-    "train.max_steps=3", "checkpoint.every_steps=0",
-]
+TINY = [*TINY_RL, "rl.kl_coef=0.05", "train.micro_batch_size=8", "train.max_steps=3", "checkpoint.every_steps=0"]
 EXACT = ("step", "samples_seen", "tokens_seen", "trained_tokens", "optimizer_steps", "behaviour_version")
 
 
@@ -35,8 +22,7 @@ def _rows(nproc: int, run_dir, overrides: list[str], cp: int) -> list[dict]:
     proc = run_forked_ranks(nproc, ["rl", *TINY, f"output_dir={run_dir}", *overrides])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(rf"│ cp +│ {cp} ", proc.stdout) or cp == 1, proc.stdout[-2000:]  # the run's own size table
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if not k.endswith("_s") and k != "tokens_per_s"} for row in rows]
+    return untimed(metrics(run_dir))
 
 
 VARIANTS = {

@@ -54,9 +54,9 @@ def reference(tmp_path_factory):
     return _single(tmp_path_factory.mktemp("pp-ref"), micro_batch=8, family=FAMILY)
 
 
-def _pipeline(tmp_path, layouts: list[str], *flags: str, nproc: int = 2) -> dict:
-    out = tmp_path / f"pp-{nproc}-{'-'.join(flags)}.pt"
-    proc = run_forked_ranks(nproc, [str(out), ",".join(layouts), str(MICRO_BATCH), f"families={FAMILY}", *flags],
+def _pipeline(tmp_path, layouts: list[str], *flags: str, nproc: int = 2, family: str = FAMILY) -> dict:
+    out = tmp_path / f"{family}-{nproc}-{'-'.join(flags)}.pt"
+    proc = run_forked_ranks(nproc, [str(out), ",".join(layouts), str(MICRO_BATCH), f"families={family}", *flags],
                             script=WORKER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
@@ -168,11 +168,7 @@ def tied_reference(tmp_path_factory):
 
 
 def _tied(tmp_path, layouts: list[str], *flags: str, nproc: int = 2) -> dict:
-    out = tmp_path / f"tied-{nproc}-{'-'.join(flags)}.pt"
-    proc = run_forked_ranks(nproc, [str(out), ",".join(layouts), str(MICRO_BATCH), f"families={TIED}", *flags],
-                            script=WORKER)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)
+    return _pipeline(tmp_path, layouts, *flags, nproc=nproc, family=TIED)
 
 
 def assert_same_norms(result: dict, reference: dict) -> None:
@@ -234,10 +230,8 @@ def test_pp4_with_tied_embeddings_matches_single_process(tmp_path):
     """PP 4 (one decoder layer per stage): the tied weight's copies are on stages 0 and 3, summed over a group of the
     two alone (the middle stages hold none)."""
     family = "llama_tied_4layers"
-    out = tmp_path / "pp4.pt"
-    proc = run_forked_ranks(4, [str(out), "1x1x1:pp4-1f1b", str(MICRO_BATCH), f"families={family}"], script=WORKER)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result, reference = torch.load(out)[(family, ("pp", 4, "1f1b"))], _single(tmp_path, micro_batch=8, family=family)
+    result = _pipeline(tmp_path, ["1x1x1:pp4-1f1b"], nproc=4, family=family)[(family, ("pp", 4, "1f1b"))]
+    reference = _single(tmp_path, micro_batch=8, family=family)
     assert_pipeline_equivalent(result, reference)
     assert_same_norms(result, reference)
     for run in result.values():
@@ -287,11 +281,8 @@ def test_pp2_interleaved_with_ddp_and_tp_matches_single_process(tmp_path, refere
 def test_pp2_interleaved_with_tied_embeddings_matches_single_process(tmp_path):
     """Interleaved 1F1B with tied embeddings: the copies on rank 0 (stage 0 of 4) and rank 1 (stage 3)."""
     family = "llama_tied_4layers"
-    out = tmp_path / "tied-interleaved.pt"
-    proc = run_forked_ranks(2, [str(out), "1x1x1:pp2-interleaved_1f1b", str(MICRO_BATCH), f"families={family}"],
-                            script=WORKER)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = torch.load(out)[(family, ("pp", 2, "interleaved_1f1b"))]
+    result = _pipeline(tmp_path, ["1x1x1:pp2-interleaved_1f1b"], family=family)
+    result = result[(family, ("pp", 2, "interleaved_1f1b"))]
     reference = _single(tmp_path, micro_batch=8, family=family)
     assert_pipeline_equivalent(result, reference)
     assert_same_norms(result, reference)

@@ -240,6 +240,19 @@ class SFTDataConfig(MixtureDataConfig):
         "To find what a step learned from; a resumed run first drops the lines after its checkpoint.",
     )
 
+    prepare_chunk_mb: float = Field(
+        1.0, gt=0, allow_inf_nan=False,
+        description="Text read and tokenized at a time while a source is prepared (millions of characters). "
+        "Preparing holds a few chunks' tokens (about 100 bytes each) and up to one chunk per tokenizer thread or "
+        "worker, whatever the corpus's size (docs/data-preparation.md). It never changes the samples.",
+    )
+    prepare_workers: int | None = Field(
+        None, ge=0,
+        description="Processes that render chat templates and tokenize `chat` rows while a source is prepared; "
+        "0 or 1: in the run's process. Default: the CPU cores the process may use. Text rows are encoded on the "
+        "Rust tokenizer's own threads (RAYON_NUM_THREADS caps them). It never changes the samples.",
+    )
+
     @model_validator(mode="after")
     def _split_needs_text(self) -> SFTDataConfig:
         formats = [source.format or self.format for source in self.sources or ()] or [self.format]
@@ -856,6 +869,25 @@ class RLDataConfig(MixtureDataConfig):
         return self
 
 
+class EmbedDataConfig(MixtureDataConfig):
+    """`isotrain embed`'s pairs: one source of {query, positive, negatives} rows or a weighted mixture of them."""
+
+    sources: list[SourceConfig] | None = Field(
+        None,
+        description="A weighted mixture of pair sources instead of `data.path`: a list of {path, weight, name} of "
+        "{query, positive, negatives} rows. Global batch k holds the k-th batch of the mixture, a function of (seed, "
+        "sources, weights, train.global_batch_size) only, as SFT's batches (docs/data.md).",
+    )
+
+    @model_validator(mode="after")
+    def _pair_sources(self) -> EmbedDataConfig:
+        for i, source in enumerate(self.sources or ()):
+            if source.format is not None:
+                raise ValueError(f"data.sources[{i}].format={source.format} is not read by isotrain embed, whose rows "
+                                 "are {query, positive, negatives} pairs; remove the format")
+        return self
+
+
 class RLRunConfig(RunConfig):
     """`isotrain rl`: the policy trains like SFT (MoE, LoRA) from rollouts; the global batch is derived."""
 
@@ -900,6 +932,7 @@ class RLRunConfig(RunConfig):
 class EmbedRunConfig(RunConfig):
     """`isotrain embed`: a contrastive loss, which has no router terms (no `moe`) and trains every weight (no `lora`)."""
 
+    data: EmbedDataConfig = EmbedDataConfig()
     embed: EmbedConfig = EmbedConfig()
 
     @model_validator(mode="after")
@@ -963,13 +996,13 @@ def parse_override(text: str) -> tuple[str, Any]:
 _MOVED = {"data.add_special_tokens": "model.add_special_tokens"}
 
 # Keys of a section that only some recipes read: refused by name with what to set instead, before the did-you-mean
-# search. Embed's pairs are read from one source; a weighted mixture of them is not built yet.
+# search.
+_NO_STORE = ("isotrain rl and embed read their rows in the run's process, without a token store to prepare; remove "
+             "it")
 _RECIPE_KEYS = {
-    "data.sources": (("train", "rl"), "a weighted mixture of sources is read by isotrain train and rl only; set "
-                                      "data.path to one source instead (a file, a glob or a directory of shards "
-                                      "holding all the rows)"),
+    "data.prepare_workers": (("train",), _NO_STORE),
+    "data.prepare_chunk_mb": (("train",), _NO_STORE),
 }
-
 
 def _check_recipe_keys(tree: dict, recipe: str) -> None:
     for dotted, (owners, fix) in _RECIPE_KEYS.items():

@@ -1,6 +1,7 @@
 """The data entry point: rows on disk -> tokenized, optionally packed samples, cached.
 
-    checked_rows -> tokenize_chunk (CHUNK_ROWS at a time, one chunk ahead in a thread)
+    checked_rows -> tokenize_chunk (a chunk at a time: one ahead in a thread, or in worker processes for chat;
+                    data/workers.py)
         [-> windows of PACK_WINDOW_TOKENS -> pack_plan] -> StoreWriter -> cache entry (a token store) -> Dataset
 
 The dataset's own totals (`DataStats.total_input_tokens`, `total_trained_tokens`) are what one
@@ -13,7 +14,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -27,6 +27,7 @@ from isotrain.data.packing import Sample, pack_plan
 from isotrain.data.sources import FORMATS, Source, checked_rows, no_rows_message, resolve_source, row_label, row_problem
 from isotrain.data.store import StoreMismatch, StoreWriter, TokenStore, token_dtype
 from isotrain.data.tokenize import IGNORE_INDEX, Pieces, TokenizeStats, tokenize_chunk
+from isotrain.data.workers import resolve_workers, tokenized_in_order
 from isotrain.errors import DataError
 
 MAX_REPORTED_SKIPS = 20  # skipped rows kept in the stats; all are counted
@@ -65,6 +66,12 @@ class Dataset:
     epoch_table: ClassVar = None  # every epoch holds the same samples (a mixture's differ: data/mixture.py)
 
     def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def epoch_samples(self) -> int:
+        """The samples one epoch orders (the sampler leaves out its last len % G; a mixture's epoch is whole
+        global batches, data/mixture.py)."""
         return len(self.samples)
 
     @property
@@ -155,9 +162,12 @@ def _key_source(source: Source):
     return list(zip(source.names, source.files)) if source.names else source.path
 
 
-# Rows read and tokenized at a time: up to CHUNK_ROWS rows and CHUNK_CHARS characters of text. The tokenizer's
-# output for a chunk is what preparing a corpus holds in memory (about 60 bytes per token), besides the index.
-CHUNK_ROWS, CHUNK_CHARS = 4096, 1 << 20
+# Rows read and tokenized at a time: up to CHUNK_ROWS rows and data.prepare_chunk_mb of text (CHAT_CHUNK_ROWS for
+# chat rows in worker processes, so that a few thousand conversations keep every worker busy). The chunking never
+# changes the store. What preparing holds besides the store's index is a few chunks' tokenizer output, about 100
+# bytes per token, and up to one chunk's per tokenizer thread: glibc gives each thread of the Rust tokenizer its
+# own malloc arena, which keeps the largest share of a chunk that thread ever encoded (docs/data-preparation.md).
+CHUNK_ROWS, CHAT_CHUNK_ROWS = 4096, 256
 # Packing plans over consecutive windows of examples: a window closes with the example that brings it to
 # PACK_WINDOW_TOKENS tokens (so the windows depend on the examples alone, not on how rows were chunked). A window
 # is held in the store's dtype (2 or 4 bytes per id and per label): memory stays bounded however large the corpus.
@@ -167,8 +177,9 @@ PACK_WINDOW_TOKENS = 1 << 22
 def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path, field: str = "data.path") -> DataStats:
     """Read, tokenize and (optionally) pack the rows of data.path into a token store at `directory`, a chunk of
     rows at a time: the tokens go to disk as they come. A worker thread tokenizes the next chunk (the Rust
-    tokenizer runs on every core, without the GIL) while this one reads rows and writes the last chunk's tokens.
-    Messages name the setting `field` that points at the rows."""
+    tokenizer runs on every core, without the GIL), or for chat rows data.prepare_workers processes render and
+    tokenize chunks, while this one reads rows and writes the last chunk's tokens (data/workers.py). Messages name
+    the setting `field` that points at the rows."""
     fmt, max_seq_len = data_cfg.format, data_cfg.max_seq_len
     if fmt not in FORMATS:
         raise DataError(f"data.format={fmt!r} is not supported; use one of {', '.join(FORMATS)}")
@@ -183,23 +194,26 @@ def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path, field: str 
 
     def tokenize(chunk):
         valid = [(row_id, row) for row_id, row, reason in chunk if reason is None]
-        return chunk, len(valid), tokenize_chunk([row for _, row in valid], [row_id for row_id, _ in valid],
-                                                 tokenizer, fmt, max_seq_len, data_cfg.overflow_rule)
+        return len(valid), tokenize_chunk([row for _, row in valid], [row_id for row_id, _ in valid], tokenizer,
+                                          fmt, max_seq_len, data_cfg.overflow_rule)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="isotrain-tokenize") as pool:
-        for chunk, valid, (pieces, stats) in _one_ahead(pool, tokenize, _chunks(rows)):
-            num_rows_read += len(chunk)
-            num_valid += valid
-            tally.add(sorted([(row_id, reason) for row_id, _, reason in chunk if reason is not None] + stats.skipped))
-            tokens += len(pieces.input_ids)
-            trained += int(np.count_nonzero(pieces.labels != IGNORE_INDEX))
-            if window is not None:
-                window.add(pieces)
-            else:
-                writer.add_samples(pieces.input_ids, pieces.labels, pieces.lengths, pieces.row_ids)
-            for name in ("num_examples", "num_rows", "num_truncated", "num_split", "corpus_tokens",
-                         "corpus_trained_tokens"):
-                setattr(totals, name, getattr(totals, name) + getattr(stats, name))
+    # Chat templates render in Python: worker processes, on chunks small enough to keep them all busy.
+    processes = resolve_workers(data_cfg.prepare_workers) if fmt == "chat" else 1
+    rows_per_chunk = min(CHUNK_ROWS, CHAT_CHUNK_ROWS) if processes > 1 else CHUNK_ROWS
+    chunks = _chunks(rows, rows_per_chunk, int(data_cfg.prepare_chunk_mb * (1 << 20)))
+    for chunk, (valid, (pieces, stats)) in tokenized_in_order(tokenize, chunks, processes):
+        num_rows_read += len(chunk)
+        num_valid += valid
+        tally.add(sorted([(row_id, reason) for row_id, _, reason in chunk if reason is not None] + stats.skipped))
+        tokens += len(pieces.input_ids)
+        trained += int(np.count_nonzero(pieces.labels != IGNORE_INDEX))
+        if window is not None:
+            window.add(pieces)
+        else:
+            writer.add_samples(pieces.input_ids, pieces.labels, pieces.lengths, pieces.row_ids)
+        for name in ("num_examples", "num_rows", "num_truncated", "num_split", "corpus_tokens",
+                     "corpus_trained_tokens"):
+            setattr(totals, name, getattr(totals, name) + getattr(stats, name))
     if window is not None:
         window.flush_all()
     writer.close()
@@ -221,25 +235,13 @@ def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path, field: str 
         corpus_trained_tokens=totals.corpus_trained_tokens, shards=list(source.names))
 
 
-def _one_ahead(pool, work, items):
-    """work(item) for each item, in order, computed in `pool` one item ahead of the consumer."""
-    pending = None
-    for item in items:
-        submitted = pool.submit(work, item)
-        if pending is not None:
-            yield pending.result()
-        pending = submitted
-    if pending is not None:
-        yield pending.result()
-
-
-def _chunks(rows):
-    """Lists of consecutive (row id, row, reason) of at most CHUNK_ROWS rows and about CHUNK_CHARS characters."""
+def _chunks(rows, max_rows: int, max_chars: int):
+    """Lists of consecutive (row id, row, reason) of at most `max_rows` rows and about `max_chars` characters."""
     chunk, chars = [], 0
     for item in rows:
         chunk.append(item)
         chars += _characters(item[1])
-        if len(chunk) >= CHUNK_ROWS or chars >= CHUNK_CHARS:
+        if len(chunk) >= max_rows or chars >= max_chars:
             yield chunk
             chunk, chars = [], 0
     if chunk:

@@ -37,9 +37,18 @@ def test_bad_sources_are_one_sentence(overrides, message):
     assert message in str(err.value)
 
 
-def test_sources_are_refused_by_embed_which_reads_one_source():
+BERT = "model.config.model_type=bert"
+
+
+def test_embed_reads_sources_of_pairs_and_only_train_prepares_a_store():
+    cfg = load_config(None, [BERT, "data.sources=[{path: a.jsonl, weight: 2}, {path: b.jsonl}]"], recipe="embed")
+    assert [(s.label, s.weight) for s in cfg.data.sources] == [("a", 2.0), ("b", 1.0)]
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["data.sources=[{path: a.jsonl, weight: 2}, {path: b.jsonl}]"], recipe="embed")
-    assert str(err.value) == (
-        "data.sources is not read by isotrain embed: a weighted mixture of sources is read by isotrain train and rl "
-        "only; set data.path to one source instead (a file, a glob or a directory of shards holding all the rows)")
+        load_config(None, [BERT, "data.sources=[{path: a.jsonl, format: chat}]"], recipe="embed")
+    assert str(err.value) == ("data.sources[0].format=chat is not read by isotrain embed, whose rows are {query, "
+                              "positive, negatives} pairs; remove the format")
+    for recipe in ("rl", "embed"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, ["data.prepare_workers=4"], recipe=recipe)
+        assert str(err.value) == ("data.prepare_workers is not read by isotrain " + recipe + ": isotrain rl and embed "
+                                  "read their rows in the run's process, without a token store to prepare; remove it")

@@ -71,7 +71,8 @@ class RL(Recipe):
             self.reward_fn = format_gated(self.reward_fn, cfg.rl.format_pattern, cfg.rl.format_penalty)
         self.mixture = None  # data.sources: which prompts each round draws (rl/prompts.py)
         if cfg.data.sources:
-            self.prompts, self.mixture = read_prompt_sources(cfg.data.sources, cfg.train.seed)
+            self.prompts, self.mixture = read_prompt_sources(cfg.data.sources, cfg.train.seed,
+                                                                 self.plan.prompts_per_step)
         else:
             self.prompts = read_prompts(cfg.data.path)
         self.held_out = read_prompts(cfg.eval.path, cfg.eval.max_samples, "eval.path") if cfg.eval.path else None
@@ -106,7 +107,7 @@ class RL(Recipe):
                     + ("; frozen reference for the KL" if self.reference is not None else "")
                     + (f"; critic: {count_parameters(critic):,} parameters" if critic is not None else ""))
         if self.mixture is not None:
-            session.log("prompt mixture, per mixture epoch of {} prompts: {}".format(len(self.mixture), ", ".join(
+            session.log("prompt mixture, per mixture epoch of {} prompts: {}".format(self.mixture.epoch_samples, ", ".join(
                 f"{name} (weight {weight:g}) {count} of its {size}" for name, weight, count, size in zip(
                     self.mixture.names, self.mixture.weights, self.mixture.counts, self.mixture.sizes))))
         layout = row_layout(cfg.rl.pack_sequences, cfg.model.dtype, parallel, info.device, session.log, self.model,

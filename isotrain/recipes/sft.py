@@ -80,7 +80,7 @@ class SFT(Recipe):
         self.num_params = count_parameters(self.model)
         session.log(f"model: {self.num_params:,} parameters; data: {len(self.dataset)} samples, "
                     f"{self.data_stats.total_input_tokens:,} tokens, {self.data_stats.total_trained_tokens:,} trained")
-        self.sampler = GlobalBatchSampler(len(self.dataset), self.plan.global_batch_size, cfg.train.seed,
+        self.sampler = GlobalBatchSampler(self.dataset.epoch_samples, self.plan.global_batch_size, cfg.train.seed,
                                           epoch_table=self.dataset.epoch_table)
         self.options = step_options(cfg, parallel, document_mask=document_mask,
                                     router=router_settings(cfg.moe, hf_model(self.model).config))

@@ -42,13 +42,14 @@ def read_prompts(path: str, max_rows: int | None = None, field: str = "data.path
     return PromptSet([row["prompt"] for row in rows], [row["completion"] for row in rows], len(result.skipped))
 
 
-def read_prompt_sources(sources, seed: int) -> tuple[PromptSet, MixtureOrder]:
-    """The prompts of every source of a mixture (`data.sources`), concatenated in order, and their mixture."""
+def read_prompt_sources(sources, seed: int, prompts_per_round: int) -> tuple[PromptSet, MixtureOrder]:
+    """The prompts of every source of a mixture (`data.sources`), concatenated in order, and their mixture in
+    rounds of `prompts_per_round`."""
     parts = [read_prompts(source.path, field=f"data.sources[{i}].path") for i, source in enumerate(sources)]
     prompts = PromptSet([p for part in parts for p in part.prompts], [a for part in parts for a in part.answers],
                         sum(part.num_skipped for part in parts))
     order = MixtureOrder([len(part.prompts) for part in parts], [source.weight for source in sources],
-                         [source.label for source in sources], seed)
+                         [source.label for source in sources], seed, prompts_per_round)
     return prompts, order
 
 
@@ -63,7 +64,8 @@ def prompts_fingerprint(path: str | None, sources: list[tuple[str, float]]) -> s
 
 class PromptStream:
     def __init__(self, num_prompts: int, prompts_per_round: int, seed: int, mixture: MixtureOrder | None = None):
-        self.sampler = GlobalBatchSampler(num_prompts, prompts_per_round, seed,
+        self.sampler = GlobalBatchSampler(num_prompts if mixture is None else mixture.epoch_samples, prompts_per_round,
+                                          seed,
                                           epoch_table=mixture.epoch_table if mixture is not None else None)
 
     def round_indices(self, round_index: int, dp_rank: int, dp_size: int) -> list[int]:

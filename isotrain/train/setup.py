@@ -108,7 +108,7 @@ def prepare_data(cfg: TrainRunConfig, info: DistInfo, tokenizer, log):
     log = log if info.is_main else _quiet
     if cfg.data.sources is not None:
         def prepare(first):
-            return prepare_mixture(cfg.data, tokenizer, cfg.train.seed, log=log)
+            return prepare_mixture(cfg.data, tokenizer, cfg.train.seed, cfg.train.global_batch_size, log=log)
     else:
         def prepare(first):
             return prepare_dataset(cfg.data, tokenizer, log=log)

@@ -21,14 +21,14 @@ def tok():
     return train_tokenizer(["smalrgeid 0123456789"], "char", vocab_size=0)
 
 
-def make_mixture(tmp_path, tok, seed=0, weights=WEIGHTS, packing=False) -> Mixture:
+def make_mixture(tmp_path, tok, seed=0, weights=WEIGHTS, packing=False, global_batch_size=7) -> Mixture:
     for name, size in SIZES.items():
         rows = [{"text": f"{name} {i}{'0' * (i % 3)}"} for i in range(size)]  # 6-12 tokens: one sample each
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     sources = ", ".join(f"{{path: {tmp_path / name}.jsonl, weight: {weights[name]}}}" for name in SIZES)
     cfg = load_config(None, [f"data.sources=[{sources}]", "data.format=text", "data.max_seq_len=16",
                              f"data.packing={str(packing).lower()}", f"data.cache_dir={tmp_path / 'cache'}"])
-    return prepare_mixture(cfg.data, tok, seed, log=lambda *_: None)
+    return prepare_mixture(cfg.data, tok, seed, global_batch_size, log=lambda *_: None)
 
 
 def test_largest_remainder_counts_are_exact_and_sum_to_the_epoch():
@@ -85,20 +85,20 @@ def test_the_order_is_a_pure_function_of_the_seed(tmp_path, tok):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_epoch_totals_and_source_counters_are_exact(tmp_path, tok, packing):
-    mixture = make_mixture(tmp_path, tok, packing=packing)
+    mixture = make_mixture(tmp_path, tok, packing=packing, global_batch_size=4)  # e.g. 48 of 49 per mixture epoch
     table = mixture.epoch_table(0)
     samples = [mixture[int(i)] for i in table]
-    assert mixture.stats.num_samples == len(mixture)
+    assert mixture.stats.num_samples == mixture.epoch_samples == len(table) == len(mixture) // 4 * 4
     assert mixture.stats.total_input_tokens == sum(len(s.input_ids) for s in samples)
     assert mixture.stats.total_trained_tokens == sum(int((s.labels != -100).sum()) for s in samples)
     for dataset in mixture.datasets:
         assert dataset.trained_counts().tolist() == [int((s.labels != -100).sum()) for s in dataset.samples]
-    one_epoch = GlobalBatchSampler(len(mixture), len(mixture), 0, epoch_table=mixture.epoch_table)
+    one_epoch = GlobalBatchSampler(len(table), len(table), 0, epoch_table=mixture.epoch_table)
     totals = SourceCounters(mixture, one_epoch, 0)
     totals.add_step(0)  # one step = mixture epoch 0: the logged totals, exactly
     assert totals.totals[1].sum() == mixture.stats.total_input_tokens
     assert totals.totals[2].sum() == mixture.stats.total_trained_tokens
-    sampler = GlobalBatchSampler(len(mixture), 4, 0, epoch_table=mixture.epoch_table)
+    sampler = GlobalBatchSampler(mixture.epoch_samples, 4, 0, epoch_table=mixture.epoch_table)
     counters = SourceCounters(mixture, sampler, 0)
     for step in range(sampler.steps_per_epoch * 2 + 3):
         row = counters.add_step(step)
@@ -146,7 +146,7 @@ def test_adding_a_source_tokenizes_only_that_one(tmp_path, tok):
     cfg = load_config(None, [f"data.sources=[{sources}]", "data.format=text", "data.max_seq_len=16",
                              f"data.cache_dir={tmp_path / 'cache'}"])
     logs = []
-    mixture = prepare_mixture(cfg.data, tok, 0, log=logs.append)
+    mixture = prepare_mixture(cfg.data, tok, 0, 6, log=logs.append)
     assert sum("loaded tokenized data from cache" in line for line in logs) == 3
     assert any(line.startswith("data new.jsonl: 5 rows") for line in logs)
     assert mixture.names == ["small", "large", "mid", "new"] and len(mixture) == 54

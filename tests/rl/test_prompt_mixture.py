@@ -25,7 +25,7 @@ def data_cfg(tmp_path):
 
 
 def test_prompts_drawn_follow_the_weights_and_do_not_depend_on_the_ranks(data_cfg):
-    prompts, mixture = read_prompt_sources(data_cfg.sources, seed=5)
+    prompts, mixture = read_prompt_sources(data_cfg.sources, seed=5, prompts_per_round=4)
     assert prompts.prompts[:12] == [f"b{i}=" for i in range(12)] and prompts.prompts[12:] == [f"s{i}=" for i in
                                                                                              range(4)]
     # A mixture epoch holds 16 prompts: weight 3 of 4 gives the 4-prompt source 12 seats (3 own epochs of it).
@@ -43,7 +43,7 @@ def test_prompts_drawn_follow_the_weights_and_do_not_depend_on_the_ranks(data_cf
         assert sorted(p for p in epoch_prompts if p.startswith("s")) == sorted([f"s{i}=" for i in range(4)] * 3)
     assert sorted(p for p in drawn if p.startswith("b")) == sorted(f"b{i}=" for i in range(12))
     # A function of the seed: another seed, another order of the same shares.
-    other = PromptStream(16, 4, seed=6, mixture=read_prompt_sources(data_cfg.sources, seed=6)[1])
+    other = PromptStream(16, 4, seed=6, mixture=read_prompt_sources(data_cfg.sources, seed=6, prompts_per_round=4)[1])
     assert [other.round_indices(k, 0, 1) for k in range(4)] != one[:4]
 
 

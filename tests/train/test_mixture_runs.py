@@ -128,5 +128,6 @@ def _rebuilt(data_dir, run_dir):
     from isotrain.models.tokenizer import load_tokenizer
 
     cfg = load_config(None, overrides(data_dir))
-    mixture = prepare_mixture(cfg.data, load_tokenizer(str(run_dir / "tokenizer")), cfg.train.seed, log=lambda *_: None)
-    return mixture, GlobalBatchSampler(len(mixture), 8, cfg.train.seed, epoch_table=mixture.epoch_table)
+    mixture = prepare_mixture(cfg.data, load_tokenizer(str(run_dir / "tokenizer")), cfg.train.seed,
+                               cfg.train.global_batch_size, log=lambda *_: None)
+    return mixture, GlobalBatchSampler(mixture.epoch_samples, 8, cfg.train.seed, epoch_table=mixture.epoch_table)

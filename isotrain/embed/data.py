@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import replace
 
+import numpy as np
+
 from isotrain.data.sources import RowsResult, sort_rows
 from isotrain.embed.batch import EmbedSample
 from isotrain.errors import DataError
@@ -100,15 +102,30 @@ def keep_rows_with_negatives(result: RowsResult, num_negatives: int) -> RowsResu
 def read_training_pairs(path: str, configured: int | None, field: str = "data.path") -> tuple[RowsResult, int, str]:
     """The usable rows of `path` with the hard negatives per query resolved from them (`resolve_hard_negatives`),
     and the line that says how many and why. Rows with fewer are skipped and reported, as `read_pairs` does."""
-    result = read_pairs(path, 0, field)
-    num_negatives = resolve_hard_negatives(result.rows, configured)
-    note = hard_negatives_note(result.rows, configured, num_negatives)
-    kept = keep_rows_with_negatives(result, num_negatives)
-    if not kept.rows:
-        first = kept.skipped[0]
-        raise DataError(f"{field} {path!r} has no usable {{query, positive, negatives}} rows (first: "
-                        f"{kept.label(first[0])}: {first[1]}); fix the rows or lower embed.hard_negatives")
+    [kept], num_negatives, note = read_training_sources([(path, field)], configured)
     return kept, num_negatives, note
+
+
+def read_training_sources(paths: list[tuple[str, str]], configured: int | None) -> tuple[list[RowsResult], int, str]:
+    """`read_training_pairs` of several sources, given as (path, config field): one count of hard negatives for
+    all of them (every query of a global batch needs the same count), resolved from all their rows."""
+    results = [read_pairs(path, 0, field) for path, field in paths]
+    rows = [row for result in results for row in result.rows]
+    num_negatives = resolve_hard_negatives(rows, configured)
+    note = hard_negatives_note(rows, configured, num_negatives)
+    kept = [keep_rows_with_negatives(result, num_negatives) for result in results]
+    for (path, field), result in zip(paths, kept):
+        if not result.rows:
+            first = result.skipped[0]
+            raise DataError(f"{field} {path!r} has no usable {{query, positive, negatives}} rows (first: "
+                            f"{result.label(first[0])}: {first[1]}); fix the rows or lower embed.hard_negatives")
+    return kept, num_negatives, note
+
+
+def sample_tokens(samples: list[EmbedSample]) -> np.ndarray:
+    """Each sample's tokens: its query, positive and negatives together, every one of them trained."""
+    return np.array([len(sample.query) + len(sample.positive) + sum(map(len, sample.negatives))
+                     for sample in samples], dtype=np.int64)
 
 
 def skipped_report(result: RowsResult, limit: int = 5) -> str | None:

@@ -1,7 +1,7 @@
 """Contrastive embedding training (`isotrain embed`): what the recipe adds to the run session (session.py).
 
     sizes      GA steps from the global batch (sizes.py); data parallel only; the rows read (skipped ones
-               reported) and the held-out rows
+               reported; `data.sources`: each source's, mixed by SFT's rule, data/mixture.py) and the held-out rows
     build      tokenizer -> tokenized (query, positive, negatives) samples -> encoder and optimizer
     start      retrieval metrics on the held-out rows before training
     step k     this rank's micro-batches of global batch k -> GradCache: every query scored against every
@@ -19,9 +19,11 @@ import torch
 from rich.console import Console
 
 from isotrain.config import EmbedRunConfig
+from isotrain.data.mixture import MixtureOrder, SourceCounters
 from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.embed.batch import EmbedMicroBatch
-from isotrain.embed.data import read_pairs, read_training_pairs, skipped_report, text_id, tokenize_rows
+from isotrain.embed.data import (read_pairs, read_training_sources, sample_tokens, skipped_report, text_id,
+                                 tokenize_rows)
 from isotrain.embed.evaluate import evaluate_retrieval
 from isotrain.embed.export import sentence_transformers_files
 from isotrain.embed.gradcache import embed_forward_backward
@@ -51,8 +53,11 @@ class Embed(Recipe):
         check_embed_settings(cfg)
         self.plan = plan_batches(cfg, degrees)
         self.eval_every = cfg.embed.eval_every
-        self.rows, self.num_negatives, self.negatives_note = read_training_pairs(cfg.data.path,
-                                                                                 cfg.embed.hard_negatives)
+        sources = cfg.data.sources or []
+        self.fields = [f"data.sources[{i}].path" for i in range(len(sources))] or ["data.path"]
+        self.paths = [source.path for source in sources] or [cfg.data.path]
+        self.sources, self.num_negatives, self.negatives_note = read_training_sources(
+            list(zip(self.paths, self.fields)), cfg.embed.hard_negatives)
         self.held_out = None  # read now: a wrong eval.path is reported before any work
         if cfg.eval.path is not None:
             self.held_out = read_pairs(cfg.eval.path, 0, "eval.path").rows[: cfg.eval.max_samples]
@@ -61,10 +66,11 @@ class Embed(Recipe):
         cfg, info, plan = self.cfg, session.info, self.plan
         self.session = session
         session.log(self.negatives_note)
-        report = skipped_report(self.rows)
-        if report:
-            session.log(f"data.path {cfg.data.path!r}: {report}")
-        rows = self.rows.rows
+        for field, path, result in zip(self.fields, self.paths, self.sources):
+            report = skipped_report(result)
+            if report:
+                session.log(f"{field} {path!r}: {report}")
+        rows = [row for result in self.sources for row in result.rows]
         self.texts = [t for row in rows for t in (row["query"], row["positive"], *(row.get("negatives") or []))]
         self.tokenizer = embed_tokenizer(cfg, self.texts, info, session.output_dir, session.log)
         self.samples = tokenize_rows(rows, self.tokenizer, cfg.data.max_seq_len, self.num_negatives,
@@ -74,7 +80,18 @@ class Embed(Recipe):
             session.log("note: the model's routers train without a load-balancing loss (isotrain embed has no "
                         "router terms)")
         self.optimizer = build_optimizer(self.model, cfg.train)
-        self.sampler = GlobalBatchSampler(len(self.samples), plan.global_batch_size, cfg.train.seed)
+        self.mixture = None
+        if cfg.data.sources:  # global batch k: the k-th of the mixture's epochs (data/mixture.py)
+            tokens = sample_tokens(self.samples)
+            self.mixture = MixtureOrder([len(result.rows) for result in self.sources],
+                                        [source.weight for source in cfg.data.sources],
+                                        [source.label for source in cfg.data.sources], cfg.train.seed,
+                                        plan.global_batch_size, tokens, tokens)
+            for line in self.mixture.describe("pairs"):
+                session.log(line)
+        self.sampler = GlobalBatchSampler(len(self.samples) if self.mixture is None else self.mixture.epoch_samples,
+                                          plan.global_batch_size, cfg.train.seed,
+                                          epoch_table=self.mixture.epoch_table if self.mixture is not None else None)
         negatives = self.num_negatives
         session.log(f"embedding {len(self.samples)} pairs ({negatives} hard negatives each), global batch "
                     f"{plan.global_batch_size}: every query is scored against all "
@@ -86,7 +103,10 @@ class Embed(Recipe):
     def extra_state(self) -> dict:
         # The count of hard negatives changes every query's candidates: a resume with another one is refused
         # like other data.
-        fingerprint = text_id("\n".join(self.texts) + f"\n{self.cfg.embed.query_prefix}\n{self.num_negatives}")
+        spec = "\n".join(self.texts) + f"\n{self.cfg.embed.query_prefix}\n{self.num_negatives}"
+        if self.mixture is not None:  # where each source starts and its weight decide the order too
+            spec += f"\n{self.mixture.sizes.tolist()}\n{[repr(float(w)) for w in self.mixture.weights]}"
+        fingerprint = text_id(spec)
         return {"sampler": self.sampler.state_dict(), "data_fingerprint": str(fingerprint)}
 
     def static_files(self) -> dict[str, bytes]:
@@ -95,6 +115,9 @@ class Embed(Recipe):
                                            cfg.data.max_seq_len)
 
     def start(self, state: RunState) -> dict | None:
+        # A mixture's per-source sums are a function of the step alone: a resumed run recomputes them.
+        self.source_counters = SourceCounters(self.mixture, self.sampler, state.step) \
+            if self.mixture is not None else None
         if self.held_out is None or state.step != 0:
             return None
         self.eval_before = self._evaluate("before training")
@@ -118,9 +141,12 @@ class Embed(Recipe):
         state.counters["tokens_seen"] += result.num_input_tokens
         state.counters["trained_tokens"] += result.num_input_tokens
         state.counters["samples_seen"] += result.num_samples
-        return {"loss": result.loss, "lr": lr, "grad_norm": norm, **state.counters,
-                "tokens_per_s": result.num_input_tokens / step_s, "pairs_per_s": result.num_samples / step_s,
-                "step_s": step_s}
+        row = {"loss": result.loss, "lr": lr, "grad_norm": norm, **state.counters,
+               "tokens_per_s": result.num_input_tokens / step_s, "pairs_per_s": result.num_samples / step_s,
+               "step_s": step_s}
+        if self.source_counters is not None:
+            row.update(self.source_counters.add_step(state.step))
+        return row
 
     def evaluate(self, step: int) -> dict:
         return self._evaluate(f"after step {step}")

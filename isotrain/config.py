@@ -165,9 +165,9 @@ class SourceConfig(Section):
     )
     weight: float = Field(
         1.0, allow_inf_nan=False,
-        description="Relative share, > 0: a mixture epoch of N samples (N = all sources' samples together) takes "
-        "N × weight / Σ weights from this source (largest remainder; docs/data.md), repeating a small source "
-        "and cycling a large one over the mixture epochs.",
+        description="Relative share, > 0: a mixture epoch of N samples (all sources' samples together, cut to whole "
+        "global batches) takes N × weight / Σ weights from this source (largest remainder; docs/data.md), repeating "
+        "a small source and cycling a large one over the mixture epochs.",
     )
     format: DataFormat | None = Field(None, description="The source's row format; default: `data.format`.")
     name: str | None = Field(
@@ -242,7 +242,7 @@ class SFTDataConfig(MixtureDataConfig):
 
     prepare_chunk_mb: float = Field(
         1.0, gt=0, allow_inf_nan=False,
-        description="Text read and tokenized at a time while a source is prepared (millions of characters). "
+        description="Text read and tokenized at a time while a source is prepared, in M characters (2^20). "
         "Preparing holds a few chunks' tokens (about 100 bytes each) and up to one chunk per tokenizer thread or "
         "worker, whatever the corpus's size (docs/data-preparation.md). It never changes the samples.",
     )

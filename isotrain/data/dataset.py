@@ -14,6 +14,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -201,19 +202,20 @@ def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path, field: str 
     processes = resolve_workers(data_cfg.prepare_workers) if fmt == "chat" else 1
     rows_per_chunk = min(CHUNK_ROWS, CHAT_CHUNK_ROWS) if processes > 1 else CHUNK_ROWS
     chunks = _chunks(rows, rows_per_chunk, int(data_cfg.prepare_chunk_mb * (1 << 20)))
-    for chunk, (valid, (pieces, stats)) in tokenized_in_order(tokenize, chunks, processes):
-        num_rows_read += len(chunk)
-        num_valid += valid
-        tally.add(sorted([(row_id, reason) for row_id, _, reason in chunk if reason is not None] + stats.skipped))
-        tokens += len(pieces.input_ids)
-        trained += int(np.count_nonzero(pieces.labels != IGNORE_INDEX))
-        if window is not None:
-            window.add(pieces)
-        else:
-            writer.add_samples(pieces.input_ids, pieces.labels, pieces.lengths, pieces.row_ids)
-        for name in ("num_examples", "num_rows", "num_truncated", "num_split", "corpus_tokens",
-                     "corpus_trained_tokens"):
-            setattr(totals, name, getattr(totals, name) + getattr(stats, name))
+    with closing(tokenized_in_order(tokenize, chunks, processes)) as results:  # a failure stops the workers now
+        for chunk, (valid, (pieces, stats)) in results:
+            num_rows_read += len(chunk)
+            num_valid += valid
+            tally.add(sorted([(row_id, reason) for row_id, _, reason in chunk if reason is not None] + stats.skipped))
+            tokens += len(pieces.input_ids)
+            trained += int(np.count_nonzero(pieces.labels != IGNORE_INDEX))
+            if window is not None:
+                window.add(pieces)
+            else:
+                writer.add_samples(pieces.input_ids, pieces.labels, pieces.lengths, pieces.row_ids)
+            for name in ("num_examples", "num_rows", "num_truncated", "num_split", "corpus_tokens",
+                         "corpus_trained_tokens"):
+                setattr(totals, name, getattr(totals, name) + getattr(stats, name))
     if window is not None:
         window.flush_all()
     writer.close()

@@ -8,7 +8,7 @@ as many whole global batches of G as all sources together fill (none of its samp
     count    c_i: M seats apportioned by largest remainder over the quotas q_i = M · w_i / Σ_k w_k, computed
              exactly (a float weight is an exact binary fraction): floor(q_i) each, then one more to each of the
              M - Σ floor(q_i) sources with the largest remainders q_i - floor(q_i), ties to the lower i. Σ c_i = M;
-             weights proportional to the sizes give c_i = N_i, one pass over every source. A source whose c_i
+             weights proportional to the sizes give c_i = N_i when G divides Σ N_k. A source whose c_i
              would be 0 is refused.
     stream   source i is read as an endless stream of its own epochs: own epoch f is the permutation of
              range(N_i) drawn from rng(seed, STREAM_TAG, i, f), and stream position t is sample

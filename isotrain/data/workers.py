@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
+from itertools import chain, islice
 
 _WORK: Callable | None = None  # the forked workers' task, inherited from the parent at fork time
 
@@ -34,9 +35,12 @@ def resolve_workers(configured: int | None) -> int:
 
 
 def tokenized_in_order(work: Callable, chunks: Iterable, processes: int) -> Iterator[tuple[object, object]]:
-    """(chunk, work(chunk)) for each chunk, in order: in `processes` forked processes when > 1, else one chunk
-    ahead in a thread (module docstring)."""
-    if processes <= 1:
+    """(chunk, work(chunk)) for each chunk, in order: in `processes` forked processes when > 1 and there are several
+    chunks, else one chunk ahead in a thread (module docstring)."""
+    chunks = iter(chunks)
+    head = list(islice(chunks, 2))
+    chunks = chain(head, chunks)
+    if processes <= 1 or len(head) < 2:  # one chunk: forking would only add the workers' start
         with ThreadPoolExecutor(1, thread_name_prefix="isotrain-tokenize") as pool:
             yield from _ahead(pool, work, chunks, 1)
         return

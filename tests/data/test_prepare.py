@@ -186,8 +186,9 @@ def test_preparing_a_corpus_takes_memory_for_its_buffers_not_its_size(tmp_path):
 
     Both at the same number of tokenizer threads (2): the buffers are per thread (each thread's malloc arena keeps
     its largest share of a chunk, docs/data-preparation.md), and with 16 threads 1 MB of text is too few chunks to
-    fill them all (measured with 16: 33 MiB at 1 MB, 45 at 8, 47 at 4 and 16 MB less the index: the buffers reach
-    their bound within 4 MB, then stay), so only a fixed count compares corpus sizes, not thread counts."""
+    fill them all (measured, RAYON_NUM_THREADS=16: 40, 49, 53 and 54 MiB at 1, 4, 8 and 16 MB; 2 threads: 13, 14.5
+    and 14.7 MiB at 1, 4 and 8 MB): the buffers reach their bound within a few MB, then stay. So a fixed thread
+    count compares corpus sizes, which the promise is about, not thread counts."""
     peaks = {}
     env = {**subprocess_env(), "RAYON_NUM_THREADS": "2"}
     for megabytes in (1, 8):

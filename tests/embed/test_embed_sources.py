@@ -30,7 +30,8 @@ def _write_sources(directory) -> str:
         rows = []
         for _ in range(size):
             topic = rng.sample(words, 3)
-            rows.append(json.dumps({"query": f"{name} " + " ".join(topic), "positive": " ".join(topic + rng.sample(words, 3)),
+            rows.append(json.dumps({"query": f"{name} " + " ".join(topic),
+                                    "positive": " ".join(topic + rng.sample(words, 3)),
                                     "negatives": [" ".join(rng.sample(words, 5))]}))
         (directory / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
     return "data.sources=[" + ", ".join(f"{{path: {directory / name}.jsonl, weight: {WEIGHTS[name]}}}"

@@ -42,7 +42,8 @@ from isotrain.train.step import optimizer_step
 
 
 def embed_train(cfg: EmbedRunConfig, console: Console | None = None) -> RunResult:
-    """Contrastive training of `cfg.model` on the (query, positive[, negatives]) rows of `cfg.data.path`."""
+    """Contrastive training of `cfg.model` on the (query, positive[, negatives]) rows of `cfg.data.path` (or
+    `cfg.data.sources`)."""
     return run_session(cfg, Embed, console)
 
 

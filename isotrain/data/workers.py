@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
@@ -52,6 +53,19 @@ def _run(chunk):
     return _WORK(chunk)
 
 
+def _end_with(parent: int) -> None:
+    """A worker's first act: end when the run's process does, even by SIGKILL (Linux), rather than live on with
+    the chunk it was given."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the run ended before the line above
+        os._exit(1)
+
+
 def _ahead(pool: Executor, work: Callable, chunks: Iterable, depth: int) -> Iterator[tuple[object, object]]:
     """(chunk, work(chunk)) in order, with up to `depth` chunks submitted beyond the one the consumer holds."""
     pending: deque = deque()
@@ -76,7 +90,8 @@ def _forked_pool(work: Callable, processes: int):
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"))
+        pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"), initializer=_end_with,
+                                   initargs=(os.getpid(),))
         pool.submit(int).result()  # a fork-context pool starts all its processes at the first submit
     finally:
         if saved is None:

@@ -366,7 +366,8 @@ class ParallelConfig(Section):
     pp: int = Field(
         1,
         gt=0,
-        description="Pipeline-parallel degree: the decoder layers split evenly into this many stages, one per rank "
+        description="Pipeline-parallel degree: the decoder layers split into this many stages (evenly, or as "
+        "pp_split says), one per rank "
         "of a pipeline (embeddings on the first, final norm, head and loss on the last); takes ranks of its own, "
         "outermost: world size = pp × dp_replicate × dp_shard × tp, each stage held by DP ranks (DDP, FSDP2 or HSDP) "
         "that run different micro-batches and split by TP; only the first and last stages read data (the middle "
@@ -388,16 +389,10 @@ class ParallelConfig(Section):
     pp_stages_per_rank: int = Field(
         1,
         gt=0,
-        description="Stages each pipeline rank holds (interleaved_1f1b only, 2 or more; 1 otherwise): the decoder "
-        "layers split evenly into pp × pp_stages_per_rank stages, rank r holding stages r, r + pp, r + 2·pp, ...; "
-        "the model needs at least that many decoder layers.",
-    )
-    pp_split: list[int] | None = Field(
-        None,
-        description="Decoder layers of each pipeline stage, in stage order (the order the layers run, whatever rank "
-        "holds the stage): pp × pp_stages_per_rank positive counts that sum to the model's num_hidden_layers, e.g. "
-        "[3,1] puts layers 0-2 on stage 0 and layer 3 on stage 1 (which also holds the head and the loss). null "
-        "splits them evenly (the first stages take one more when they do not divide).",
+        description="Stages each pipeline rank holds (interleaved_1f1b and interleaved_zb: 2 or more; zbv and "
+        "dualpipev: exactly 2; 1 otherwise): the decoder layers split into pp × pp_stages_per_rank stages (evenly, or "
+        "as pp_split says), rank r holding stages r, r + pp, r + 2·pp, ... (zbv, dualpipev: r and 2·pp - 1 - r); the "
+        "model needs at least that many decoder layers.",
     )
     pp_microbatches: int | None = Field(
         None,
@@ -405,6 +400,13 @@ class ParallelConfig(Section):
         description="Micro-batches the pipeline runs per optimizer step; they are the batch plan's gradient "
         "accumulation micro-batches, so it must equal train.global_batch_size / (train.micro_batch_size × DP size); "
         "null takes that number.",
+    )
+    pp_split: list[int] | None = Field(
+        None,
+        description="Decoder layers of each pipeline stage, in stage order (the order the layers run, whatever rank "
+        "holds the stage): pp × pp_stages_per_rank positive counts that sum to the model's num_hidden_layers, e.g. "
+        "[3,1] puts layers 0-2 on stage 0 and layer 3 on stage 1 (which also holds the head and the loss). null "
+        "splits them evenly (the first stages take one more when they do not divide).",
     )
     timeout_s: float = Field(
         600.0, gt=0, allow_inf_nan=False,

@@ -187,10 +187,10 @@ def check_pp_split(pp: int, per_rank: int, split) -> None:
         raise ConfigError(f"parallel.pp_split={shown} has {len(split)} entries, but the pipeline has parallel.pp="
                           f"{pp} × parallel.pp_stages_per_rank={per_rank} = {stages} stages; give one decoder-layer "
                           f"count per stage ({stages} entries), or parallel.pp_split=null for an even split")
-    bad = [n for n in split if n < 1]
+    bad = [stage for stage, n in enumerate(split) if n < 1]
     if bad:
-        raise ConfigError(f"parallel.pp_split={shown} gives a stage {bad[0]} decoder layers; every stage needs at "
-                          "least 1, so make every entry a positive count")
+        raise ConfigError(f"parallel.pp_split={shown} gives stage {bad[0]} {split[bad[0]]} decoder layers, and every "
+                          "stage needs at least one; make every entry a positive count")
 
 
 def check_ep(dims: ParallelDims) -> None:

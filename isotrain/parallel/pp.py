@@ -1,17 +1,21 @@
 """Pipeline parallelism (parallel.pp): a Hugging Face causal LM split into stages, one per rank (1F1B, GPipe) or
-several (interleaved 1F1B), run by the schedules of `torch.distributed.pipelining`.
+several (interleaved 1F1B, the zero-bubble schedules), run by the schedules of `torch.distributed.pipelining`.
 
 Stages. Stage s of `pp` holds the decoder layers `stage_layers(L, pp, s)`, an even split in order (the first
-L mod pp stages take one more); the first stage also holds the input embedding, the last the final norm and the LM
+L mod pp stages take one more), or parallel.pp_split's count for it; the first stage also holds the input embedding, the last the final norm and the LM
 head, and the loss is computed there. The model stays the Hugging Face model with its own names, as torchtitan keeps
 its model and deletes what a stage does not own: the layers of other stages become `PassThrough` (no parameters), a
 later stage's embedding is removed and an earlier stage's final norm is the identity and its head a `HandOff`. So
 `named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one
 process uses, and a model built on meta materialises only them (models/build.py).
 
-Several stages per rank (`interleaved_1f1b`, parallel.pp_stages_per_rank = V): the layers split into pp·V stages and
-rank r holds stages r, r + pp, ... (`rank_stages`), all in its one model as above; each of its stages runs a
-`stage_view` of that model, which shares its parameters and lets the rank's other stages' layers pass through.
+Several stages per rank (`interleaved_1f1b`, `interleaved_zb`, parallel.pp_stages_per_rank = V): the layers split
+into pp·V stages and rank r holds stages r, r + pp, ... (`rank_stages`), all in its one model as above; each of its
+stages runs a `stage_view` of that model, which shares its parameters and lets the rank's other stages' layers pass
+through. The V-shaped schedules (`zbv`, `dualpipev`: V = 2) place stages r and 2·pp - 1 - r on rank r, so rank 0
+holds the first and the last stage: the embedding, the final norm and the head are in its one model (a tied weight
+is one weight there, with nothing to sum). The zero-bubble schedules split each backward into an input half and a
+weight half (torch keeps the graph from one to the other); the gradients they accumulate are the same sums.
 
 Data parallelism beside it (a `pp × dp` mesh, parallel/mesh.py): the DP ranks of one stage hold the same stage and
 run different micro-batches. Every stage runs the Hugging Face model's own top-level forward, so that FSDP2, which

@@ -14,12 +14,12 @@ parallel/mesh.py); an MoE model's router terms sum their loads over DP × CP.
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
-even share of the decoder layers or the counts of `pp_split` (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not
-change with it. It composes with data and tensor parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the
-ranks of each stage, TP inside it); CP and EP beside it, and the interleaved schedule beside FSDP2, are refused
-(`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder layers, `pp ×
-pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank, every layer
-sparse).
+even share of the decoder layers or the counts of `pp_split` (parallel/pp.py), and every stage runs every
+micro-batch, so the DP size does not change with it. It composes with data and tensor parallelism (a `pp × dp × tp`
+mesh: DDP, FSDP2 or HSDP over the ranks of each stage, TP inside it); CP and EP beside it, and the interleaved
+schedule beside FSDP2, are refused (`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder
+layers, `pp × pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank,
+every layer sparse).
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """

@@ -1,13 +1,14 @@
 """Pipeline parallelism (parallel.pp): a Hugging Face causal LM split into stages, one per rank (1F1B, GPipe) or
 several (interleaved 1F1B, the zero-bubble schedules), run by the schedules of `torch.distributed.pipelining`.
 
-Stages. Stage s of `pp` holds the decoder layers `stage_layers(L, pp, s)`, an even split in order (the first
-L mod pp stages take one more), or parallel.pp_split's count for it; the first stage also holds the input embedding, the last the final norm and the LM
-head, and the loss is computed there. The model stays the Hugging Face model with its own names, as torchtitan keeps
-its model and deletes what a stage does not own: the layers of other stages become `PassThrough` (no parameters), a
-later stage's embedding is removed and an earlier stage's final norm is the identity and its head a `HandOff`. So
-`named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one
-process uses, and a model built on meta materialises only them (models/build.py).
+Stages. Stage s of `pp` holds the decoder layers `stage_layers(L, pp, s)`, an even split in order (the first L mod
+pp stages take one more), or parallel.pp_split's count for it; the first stage also holds the input embedding, the
+last the final norm and the LM head, and the loss is computed there. The model stays the Hugging Face model with its
+own names, as torchtitan keeps its model and deletes what a stage does not own: the layers of other stages become
+`PassThrough` (no parameters), a later stage's embedding is removed and an earlier stage's final norm is the
+identity and its head a `HandOff`. So `named_parameters()`, the optimizer and the checkpoint see exactly this
+stage's tensors under the names one process uses, and a model built on meta materialises only them
+(models/build.py).
 
 Several stages per rank (`interleaved_1f1b`, `interleaved_zb`, parallel.pp_stages_per_rank = V): the layers split
 into pp·V stages and rank r holds stages r, r + pp, ... (`rank_stages`), all in its one model as above; each of its
@@ -393,7 +394,8 @@ class Pipeline:
         import torch.distributed as dist
 
         num_stages, rank = 2 * self.pp, self.stage
-        down, up = (StageModule(model, stage, num_stages, 2, self, self.split) for stage in (rank, num_stages - 1 - rank))
+        down, up = (StageModule(model, stage, num_stages, 2, self, self.split)
+                    for stage in (rank, num_stages - 1 - rank))
         peer = lambda r: dist.get_global_rank(self.group, r)  # noqa: E731
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         shape = (*kwargs["position_ids"].shape, model.config.hidden_size)

@@ -379,26 +379,33 @@ class ParallelConfig(Section):
     pp: int = Field(
         1,
         gt=0,
-        description="Pipeline-parallel degree: the decoder layers split evenly into this many stages, one per rank "
+        description="Pipeline-parallel degree: the decoder layers split into this many stages (evenly, or as "
+        "pp_split says), one per rank "
         "of a pipeline (embeddings on the first, final norm, head and loss on the last); takes ranks of its own, "
         "outermost: world size = pp × dp_replicate × dp_shard × tp, each stage held by DP ranks (DDP, FSDP2 or HSDP) "
         "that run different micro-batches and split by TP; only the first and last stages read data (the middle "
         "ones get position ids and counts from the first); not combined with cp or ep yet (docs/parallelism.md); "
         "an MoE model's stages each add their layers' router terms, formed against the pool of all layers.",
     )
-    pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
+    pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"] = Field(
         "1f1b",
         description="Order in which the stages run the micro-batches' forward and backward passes: `1f1b` (one "
         "forward, one backward; activations of at most `pp` micro-batches in flight), `gpipe` (all forwards, then "
-        "all backwards) or `interleaved_1f1b` (parallel.pp_stages_per_rank stages on each rank, which shrinks the "
-        "bubble by that factor; the micro-batches a multiple of `pp`; not with FSDP2 yet).",
+        "all backwards), `interleaved_1f1b` (parallel.pp_stages_per_rank stages on each rank, which shrinks the "
+        "bubble by that factor; the micro-batches a multiple of `pp`), or the zero-bubble schedules, which split "
+        "each backward into its input-gradient and weight-gradient halves and fill the bubble with the latter: "
+        "`interleaved_zb` (ZB1P, stages placed as for interleaved_1f1b; the micro-batches a multiple of `pp`), "
+        "`zbv` and `dualpipev` (exactly 2 stages per rank placed in a V: rank r holds stages r and 2·pp - 1 - r, so "
+        "rank 0 holds the embedding, the head and the loss; dualpipev needs at least 2·pp micro-batches). The "
+        "several-stage schedules are not combined with FSDP2 or a mixture-of-experts model yet.",
     )
     pp_stages_per_rank: int = Field(
         1,
         gt=0,
-        description="Stages each pipeline rank holds (interleaved_1f1b only, 2 or more; 1 otherwise): the decoder "
-        "layers split evenly into pp × pp_stages_per_rank stages, rank r holding stages r, r + pp, r + 2·pp, ...; "
-        "the model needs at least that many decoder layers.",
+        description="Stages each pipeline rank holds (interleaved_1f1b and interleaved_zb: 2 or more; zbv and "
+        "dualpipev: exactly 2; 1 otherwise): the decoder layers split into pp × pp_stages_per_rank stages (evenly, or "
+        "as pp_split says), rank r holding stages r, r + pp, r + 2·pp, ... (zbv, dualpipev: r and 2·pp - 1 - r); the "
+        "model needs at least that many decoder layers.",
     )
     pp_microbatches: int | None = Field(
         None,
@@ -406,6 +413,13 @@ class ParallelConfig(Section):
         description="Micro-batches the pipeline runs per optimizer step; they are the batch plan's gradient "
         "accumulation micro-batches, so it must equal train.global_batch_size / (train.micro_batch_size × DP size); "
         "null takes that number.",
+    )
+    pp_split: list[int] | None = Field(
+        None,
+        description="Decoder layers of each pipeline stage, in stage order (the order the layers run, whatever rank "
+        "holds the stage): pp × pp_stages_per_rank positive counts that sum to the model's num_hidden_layers, e.g. "
+        "[3,1] puts layers 0-2 on stage 0 and layer 3 on stage 1 (which also holds the head and the loss). null "
+        "splits them evenly (the first stages take one more when they do not divide).",
     )
     timeout_s: float = Field(
         600.0, gt=0, allow_inf_nan=False,
@@ -1074,8 +1088,11 @@ _VALID = {
     "rl.rollout_is_cap": "a finite number > 0, e.g. 2.0",
     "rl.rollout_mask_low": "a finite number >= 0 and <= 1, e.g. 0.5",
     "rl.rollout_mask_high": "a finite number >= 1, e.g. 2.0",
-    "parallel.pp_schedule": "parallel.pp_schedule=1f1b, parallel.pp_schedule=gpipe or parallel.pp_schedule="
-                            "interleaved_1f1b (with parallel.pp_stages_per_rank=2 or more)",
+    "parallel.pp_schedule": "parallel.pp_schedule=1f1b, parallel.pp_schedule=gpipe, parallel.pp_schedule="
+                            "interleaved_1f1b or interleaved_zb (with parallel.pp_stages_per_rank=2 or more), or "
+                            "parallel.pp_schedule=zbv or dualpipev (with parallel.pp_stages_per_rank=2)",
+    "parallel.pp_split": "a list of positive decoder-layer counts, one per stage, e.g. parallel.pp_split=[3,1], or "
+                         "null for an even split",
     "parallel.timeout_s": "a finite number of seconds > 0, e.g. 600 (longer than a step or a save takes)",
     "checkpoint.preempt_grace_s": "a finite number of seconds > 0, e.g. 90, or null to always save after a signal",
 }

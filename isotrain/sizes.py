@@ -66,8 +66,9 @@ def plan_batches(cfg: TrainRunConfig | EmbedRunConfig, degrees: ParallelDims) ->
 
 def check_pipeline_microbatches(requested: int | None, grad_accum: int, per_rank: int, degrees: ParallelDims) -> None:
     """The pipeline's micro-batches are the batch plan's GA micro-batches, so parallel.pp_microbatches (when set)
-    must equal the GA steps; 1F1B also needs at least one micro-batch per stage (torch's Schedule1F1B), interleaved
-    1F1B a multiple of pp (its rounds of pp micro-batches: torch's ScheduleInterleaved1F1B)."""
+    must equal the GA steps; 1F1B also needs at least one micro-batch per stage (torch's Schedule1F1B), DualPipeV one
+    per stage of its 2·pp, interleaved 1F1B and interleaved zero bubble a multiple of pp (their rounds of pp
+    micro-batches: torch's ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)."""
     if requested is not None and per_rank % requested:
         raise ConfigError(
             f"parallel.pp_microbatches={requested} does not divide the {per_rank} samples each data-parallel rank "
@@ -79,11 +80,17 @@ def check_pipeline_microbatches(requested: int | None, grad_accum: int, per_rank
             f"micro-batches, which the pipeline runs; set train.micro_batch_size={per_rank // requested} or leave "
             "parallel.pp_microbatches unset"
         )
-    if degrees.pp_schedule == "interleaved_1f1b" and grad_accum % degrees.pp:
+    if degrees.pp_schedule in ("interleaved_1f1b", "interleaved_zb") and grad_accum % degrees.pp:
         raise ConfigError(
-            f"parallel.pp_schedule=interleaved_1f1b runs the micro-batches in rounds of parallel.pp={degrees.pp}, but "
+            f"parallel.pp_schedule={degrees.pp_schedule} runs the micro-batches in rounds of parallel.pp={degrees.pp}, but "
             f"the batch plan has {grad_accum}; choose train.micro_batch_size so that train.global_batch_size / "
             f"(train.micro_batch_size × DP size) is a multiple of {degrees.pp}"
+        )
+    if degrees.pp_schedule == "dualpipev" and grad_accum < 2 * degrees.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule=dualpipev needs at least one micro-batch per stage, {2 * degrees.pp} for "
+            f"parallel.pp={degrees.pp}, but the batch plan has {grad_accum}; lower train.micro_batch_size to at most "
+            f"{max(1, per_rank // (2 * degrees.pp))} or use parallel.pp_schedule=zbv"
         )
     if degrees.pp_schedule == "1f1b" and grad_accum < degrees.pp:
         raise ConfigError(

@@ -171,8 +171,9 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
 
 def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int, micro_batch_size: int,
                        seq_len: int, autocast_dtype: torch.dtype | None, activation_checkpointing: bool,
-                       device: str = "cpu") -> tuple[SavedBytes, int, int]:
-    """What one micro-batch's forward of pipeline stage `stage` of `pp` keeps for its backward (parallel/pp.py: the
+                       device: str = "cpu", split=None) -> tuple[SavedBytes, int, int]:
+    """What one micro-batch's forward of pipeline stage `stage` of `pp` (its layers: `split`, parallel.pp_split, or
+    an even share) keeps for its backward (parallel/pp.py: the
     Hugging Face model reduced to the stage, run by the schedule's `StageModule`, the last stage's loss after it),
     with (bytes of the hidden states it receives, bytes of what it sends on; 0 at the first / last stage). The
     received hidden states are the schedule's receive buffer, counted with those (memory/pipeline.py), not here."""
@@ -186,7 +187,7 @@ def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int,
     with FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(True):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
         model.config.use_cache = False
-        apply_pp(model, stage, pp)  # first, as parallel/apply.py does
+        apply_pp(model, stage, pp, split=split)  # first, as parallel/apply.py does
         if activation_checkpointing:
             apply_activation_checkpointing(model)
         model.train()

@@ -43,9 +43,13 @@ def _receive_buffers(stages) -> int:
 
 
 def _kept_outputs(stages) -> int:
-    """The stage outputs a stage before the last keeps until each micro-batch's backward (torch's fwd_cache)."""
-    return storage_bytes(t for stage in stages if not stage.is_last for output, _ in stage.fwd_cache.values()
-                         for t in output if isinstance(t, torch.Tensor))
+    """The stage outputs a stage before the last keeps until each micro-batch's backward (torch's fwd_cache; under a
+    zero-bubble schedule, its backward_state from the input backward until the weight backward)."""
+    outputs = [output for stage in stages if not stage.is_last for output, _ in stage.fwd_cache.values()]
+    outputs += [state[2] for stage in stages if not stage.is_last
+                for state in getattr(stage, "backward_state", {}).values()]
+    return storage_bytes(t for output in outputs for t in (output if isinstance(output, (tuple, list)) else (output,))
+                         if isinstance(t, torch.Tensor))
 
 
 @contextlib.contextmanager
@@ -62,6 +66,7 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
     current: dict = {"saved": None}
     stages = set()
     forward, backward = PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk
+    weight_backward = PipelineStage.backward_weight_one_chunk
 
     def sample() -> None:
         for kind, value in _in_flight_bytes(per_microbatch).items():
@@ -79,21 +84,31 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
         current["saved"] = saved
         return forward(stage, chunk, *args, **kwargs)
 
-    def backward_one_chunk(stage, chunk: int, *args, **kwargs):
+    def backward_one_chunk(stage, chunk: int, *args, full_backward: bool = True, **kwargs):
         sample()
         current["saved"] = None  # (a recompute in backward saves nothing for this count)
-        result = backward(stage, chunk, *args, **kwargs)
+        result = backward(stage, chunk, *args, full_backward=full_backward, **kwargs)
+        if full_backward:  # (a zero-bubble input backward keeps the graph for the weight backward)
+            per_microbatch.pop((stage.stage_index, chunk), None)
+        return result
+
+    def backward_weight_one_chunk(stage, chunk: int, *args, **kwargs):
+        sample()
+        current["saved"] = None
+        result = weight_backward(stage, chunk, *args, **kwargs)
         per_microbatch.pop((stage.stage_index, chunk), None)
         return result
 
     own = [layer for layer in decoder_layers(model) if not isinstance(layer, PassThrough)]
     PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    PipelineStage.backward_weight_one_chunk = backward_weight_one_chunk
     try:
         with count_saved(model, own, target=lambda: current["saved"]):
             yield peak
         sample()
     finally:
         PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk = forward, backward
+        PipelineStage.backward_weight_one_chunk = weight_backward
 
 
 def measure_pipeline_terms(model: nn.Module, optimizer: torch.optim.Optimizer, options, steps: tuple[list, list],
@@ -102,6 +117,7 @@ def measure_pipeline_terms(model: nn.Module, optimizer: torch.optim.Optimizer, o
     `steps[0]` (gradients between backward and update, optimizer state after it; its schedule is built then), then
     the in-flight peaks during a second step on `steps[1]`, which reuses that schedule."""
     from isotrain.models.unwrap import hf_model
+    from isotrain.parallel.pp import last_stage_rank
     from isotrain.train.step import train_step
 
     measured = {"parameters": parameter_bytes(model)}
@@ -113,7 +129,8 @@ def measure_pipeline_terms(model: nn.Module, optimizer: torch.optim.Optimizer, o
     measured["activations"] = peak.get("activations", 0)
     measured["compute copies"] = peak.get("compute_copies", 0)
     # (an earlier stage's HandOff is its "head": what it hands on is counted with the buffers, not as logits)
-    last = options.parallel.pp_rank == options.parallel.dims.pp - 1
+    dims = options.parallel.dims
+    last = options.parallel.pp_rank == last_stage_rank(dims.pp, dims.pp_schedule)
     measured["logits and loss"] = peak.get("logits_loss", 0) + peak.get("logits", 0) if last else 0
     measured["pipeline buffers"] = peak["buffers"]
     return measured

@@ -11,9 +11,13 @@ batch plan's gradient-accumulation micro-batches (the pipeline's, isotrain/sizes
     1f1b   stage s of p: min(p - s, m)   (torch's Schedule1F1B warms up with that many forwards, then
                                           alternates one backward and one forward)
     gpipe  m                             (every forward before the first backward)
-    interleaved_1f1b                     rank r holds V stages (r, r + p, ...): the most bytes its stages' micro-
-                                          batches hold at once in torch's own order of r's forwards and backwards
-                                          (`interleaved_order`), the stages' sizes differing (embedding, head)
+    interleaved_1f1b, interleaved_zb,    rank r holds several stages (r, r + p, ...; zbv and dualpipev: r and
+    zbv, dualpipev                        2p - 1 - r): the most bytes its stages' micro-batches hold at once in
+                                          torch's own order of r's forwards and backwards (`schedule_order`), the
+                                          stages' sizes differing (embedding, head, parallel.pp_split). A zero-bubble
+                                          schedule splits a backward into input (I) and weight (W) halves: the
+                                          activations stay held until W (torch keeps the graph for it); the output
+                                          gradients each weight waits for between I and W are not counted
 
 The logits (and the loss's saved tensors) of a micro-batch exist on the last stage only, once per micro-batch in
 flight (the schedule keeps each stage output until its backward). Autocast's low-precision weight copies are made
@@ -42,30 +46,38 @@ def microbatches_in_flight(schedule: str, stage: int, pp: int, num_microbatches:
     return min(pp - stage, num_microbatches)
 
 
-def interleaved_order(rank: int, pp: int, per_rank: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The forwards ("F") and backwards ("B") of (stage) that torch's ScheduleInterleaved1F1B runs on `rank`, in
-    order: its own computation of the order (`_calculate_single_rank_operations`, which reads nothing but these
-    sizes), as every rank of a real run computes it."""
+def schedule_order(schedule: str, rank: int, pp: int, per_rank: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """The forwards ("F"), backwards ("B") and a zero-bubble schedule's input ("I") and weight ("W") backwards of
+    (stage) that torch's schedule of several stages per rank runs on `rank`, in order: its own computation of the
+    order (`_calculate_single_rank_operations`, which reads nothing but these sizes), as every rank of a real run
+    computes it; an overlapped forward-backward (DualPipeV) as its forward, then its backward."""
     from types import SimpleNamespace
 
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+    import torch.distributed.pipelining.schedules as schedules
+
+    from isotrain.parallel.pp import SCHEDULE_CLASSES
 
     rounds = max(1, num_microbatches // pp)
     sizes = SimpleNamespace(n_local_stages=per_rank, pp_group_size=pp, _n_microbatches=num_microbatches,
-                            number_of_rounds=rounds, microbatches_per_round=num_microbatches // rounds)
-    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(sizes, rank)
-    kinds = {_ComputationType.FORWARD: "F", _ComputationType.FULL_BACKWARD: "B"}
-    return [(kinds[a.computation_type], a.stage_index) for a in actions if a is not None]
+                            number_of_rounds=rounds, microbatches_per_round=num_microbatches // rounds,
+                            num_stages=pp * per_rank)
+    actions = getattr(schedules, SCHEDULE_CLASSES[schedule])._calculate_single_rank_operations(sizes, rank)
+    kinds = {schedules._ComputationType.FORWARD: "F", schedules._ComputationType.FULL_BACKWARD: "B",
+             schedules._ComputationType.BACKWARD_INPUT: "I", schedules._ComputationType.BACKWARD_WEIGHT: "W"}
+    flat = [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))]
+    return [(kinds[a.computation_type], a.stage_index) for a in flat]
 
 
 def peak_in_flight(degrees: ParallelDims, rank: int, num_microbatches: int, bytes_of: dict[int, int]) -> int:
     """The most bytes that the micro-batches in flight on `rank` hold at once, when one micro-batch of stage s
-    holds `bytes_of[s]`: 1F1B and GPipe by their counts; interleaved 1F1B by walking torch's order."""
+    holds `bytes_of[s]`: 1F1B and GPipe by their counts; the schedules of several stages per rank by walking torch's
+    order (a micro-batch's bytes are freed by its full or its weight backward)."""
     if degrees.pp_stages_per_rank == 1:
         return microbatches_in_flight(degrees.pp_schedule, rank, degrees.pp, num_microbatches) * bytes_of[rank]
     held = peak = 0
-    for kind, stage in interleaved_order(rank, degrees.pp, degrees.pp_stages_per_rank, num_microbatches):
-        held += bytes_of[stage] if kind == "F" else -bytes_of[stage]
+    for kind, stage in schedule_order(degrees.pp_schedule, rank, degrees.pp, degrees.pp_stages_per_rank,
+                                      num_microbatches):
+        held += {"F": bytes_of[stage], "I": 0}.get(kind, -bytes_of[stage])
         peak = max(peak, held)
     return peak
 
@@ -93,7 +105,8 @@ def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str,
 
     _, compute = DTYPES[dtype]
     kernel = attention_kernel(cfg.model.attn_implementation, config, AutoModelForCausalLM)
-    return {stage: fake_stage_forward(config, kernel, stage=stage, pp=degrees.pp_stages, device=device,
+    return {stage: fake_stage_forward(config, kernel, stage=stage, pp=degrees.pp_stages, split=degrees.pp_split,
+                                      device=device,
                                       micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
                                       autocast_dtype=compute if compute != torch.float32 else None,
                                       activation_checkpointing=checkpointing)
@@ -107,15 +120,15 @@ def _logits_bytes(saved) -> int:
 
 def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, rank: int,
                 num_microbatches: int) -> list[Term]:
-    """Every term of the ranks at pipeline position `rank`: stage `rank`, or under interleaved 1F1B its
-    pp_stages_per_rank stages rank, rank + pp, ..."""
+    """Every term of the ranks at pipeline position `rank`: stage `rank`, or under a schedule of several stages per
+    rank its pp_stages_per_rank stages (parallel/pp.py `rank_stages`), each with its parallel.pp_split layers."""
     from isotrain.parallel.pp import apply_pp, rank_stages, stage_layers
 
     pp, per_rank, m = degrees.pp, degrees.pp_stages_per_rank, num_microbatches
-    stages = rank_stages(rank, pp, per_rank)
+    stages = rank_stages(rank, pp, per_rank, degrees.pp_schedule)
     last_stage = degrees.pp_stages - 1
     model = meta_model(cfg, config)
-    apply_pp(model, rank, pp, per_rank)
+    apply_pp(model, rank, pp, per_rank, degrees.pp_split, degrees.pp_schedule)
     checkpointing = cfg.train.activation_checkpointing == "full"
     forwards = _stage_forwards(cfg, config, degrees, dtype, device, stages, checkpointing)
     activations = peak_in_flight(degrees, rank, m, {s: f[0].by_kind["activations"] for s, f in forwards.items()})
@@ -128,15 +141,16 @@ def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, ran
         full = _stage_forwards(cfg, config, degrees, dtype, device, stages, False)
         body = lambda s: s.by_kind["activations"] + s.by_kind["compute_copies"]  # noqa: E731
         layer = max((body(full[s][0]) - body(forwards[s][0])) // len(stage_layers(config.num_hidden_layers,
-                                                                                   degrees.pp_stages, s))
+                                                                                   degrees.pp_stages, s,
+                                                                                   degrees.pp_split))
                     for s in stages)
         recomputed = [Term("recomputed layer", max(0, layer), "one decoder layer's activations, rebuilt in backward")]
     if per_rank == 1:
         flight = microbatches_in_flight(degrees.pp_schedule, rank, pp, m)
         schedule = f"{degrees.pp_schedule}: {flight} of {m} micro-batches in flight on stage {rank} of {pp}"
     else:
-        schedule = (f"interleaved_1f1b: stages {', '.join(map(str, stages))} of {degrees.pp_stages}, the most held "
-                    f"at once in torch's order of their {m} micro-batches each")
+        schedule = (f"{degrees.pp_schedule}: stages {', '.join(map(str, stages))} of {degrees.pp_stages}, the most "
+                    f"held at once in torch's order of their {m} micro-batches each")
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
     holds_last = last_stage in stages
     return [*model_state_terms(model, config, degrees, dtype),

@@ -133,7 +133,8 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
     `apply_activation_checkpointing`.
     """
     if parallel.dims.pp > 1:  # first: each rank keeps only its stage, which the other parallelisms then see
-        apply_pp(model, parallel.pp_rank, parallel.dims.pp, parallel.dims.pp_stages_per_rank)
+        dims = parallel.dims
+        apply_pp(model, parallel.pp_rank, dims.pp, dims.pp_stages_per_rank, dims.pp_split, dims.pp_schedule)
     if parallel.dims.tp > 1:
         from isotrain.parallel.tp import apply_tp
 

@@ -14,12 +14,12 @@ parallel/mesh.py); an MoE model's router terms sum their loads over DP × CP.
 FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single rank when a one-process torchrun
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
-even share of the decoder layers (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not
-change with it. It composes with data and tensor parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the
-ranks of each stage, TP inside it); CP and EP beside it, and the interleaved schedule beside FSDP2, are refused
-(`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder layers, `pp ×
-pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank, every layer
-sparse).
+even share of the decoder layers or the counts of `pp_split` (parallel/pp.py), and every stage runs every
+micro-batch, so the DP size does not change with it. It composes with data and tensor parallelism (a `pp × dp × tp`
+mesh: DDP, FSDP2 or HSDP over the ranks of each stage, TP inside it); CP and EP beside it, and the interleaved
+schedule beside FSDP2, are refused (`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder
+layers, `pp × pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank,
+every layer sparse).
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -33,7 +33,10 @@ from isotrain.errors import ConfigError
 
 DEGREE_NAMES = ("dp_replicate", "dp_shard", "tp")  # the degrees that may be -1 ("the rest")
 WORLD_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # every degree that takes ranks, in the mesh's order
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # the pipeline schedules that are built (parallel/pp.py)
+# The pipeline schedules that are built (parallel/pp.py); those after the first two run several stages per rank.
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+MULTI_STAGE = ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, placed in a V: rank r holds stages r and 2·pp - 1 - r
 
 
 def launched_by_torchrun() -> bool:
@@ -58,6 +61,7 @@ class ParallelDims:
     pp_schedule: str = "1f1b"
     cp_style: str = "ulysses"
     pp_stages_per_rank: int = 1  # interleaved_1f1b: the stages each rank of a pipeline holds
+    pp_split: tuple[int, ...] | None = None  # decoder layers of each of the pp_stages stages; None: an even split
 
     @property
     def pp_stages(self) -> int:
@@ -98,7 +102,9 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     cp = getattr(cfg, "cp", 1)
     pp, schedule = getattr(cfg, "pp", 1), getattr(cfg, "pp_schedule", "1f1b")
     per_rank = getattr(cfg, "pp_stages_per_rank", 1)
+    split = getattr(cfg, "pp_split", None)
     check_pp(pp, schedule, {"cp": cp, "ep": getattr(cfg, "ep", 1)}, per_rank)
+    check_pp_split(pp, per_rank, split)
     fixed = cp * pp
     for value in degrees.values():
         fixed *= value if value != -1 else 1
@@ -117,9 +123,9 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     one_rank = cfg.dp_shard == -1 and degrees["dp_shard"] == 1 and launched_by_torchrun()
     dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1), cp=cp, shard_one_rank=one_rank, pp=pp,
                         pp_schedule=schedule, cp_style=getattr(cfg, "cp_style", "ulysses"),
-                        pp_stages_per_rank=per_rank)
+                        pp_stages_per_rank=per_rank, pp_split=tuple(split) if split is not None else None)
     if dims.pp_stages_per_rank > 1 and dims.fsdp:
-        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b with FSDP2 (parallel.dp_shard={cfg.dp_shard}) is "
+        raise ConfigError(f"parallel.pp_schedule={schedule} with FSDP2 (parallel.dp_shard={cfg.dp_shard}) is "
                           "not supported yet (a rank's stages share one FSDP2 root); set parallel.dp_shard=1 and use "
                           "parallel.dp_replicate for the other ranks, or parallel.pp_schedule=1f1b")
     if dims.world_size != world_size:
@@ -147,11 +153,15 @@ def check_pp(pp: int, schedule: str, others: dict[str, int], per_rank: int = 1) 
     if schedule not in PP_SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule={schedule} is not built yet; set parallel.pp_schedule to one of "
                           f"{', '.join(PP_SCHEDULES)}")
-    if schedule == "interleaved_1f1b" and per_rank < 2:
-        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b runs several stages on each rank, but "
+    if schedule in V_SHAPED and per_rank != 2:
+        raise ConfigError(f"parallel.pp_schedule={schedule} runs exactly 2 stages on each rank (rank r holds stages r "
+                          f"and 2·pp - 1 - r), but parallel.pp_stages_per_rank={per_rank}; set "
+                          "parallel.pp_stages_per_rank=2")
+    if schedule in MULTI_STAGE and per_rank < 2:
+        raise ConfigError(f"parallel.pp_schedule={schedule} runs several stages on each rank, but "
                           f"parallel.pp_stages_per_rank={per_rank}; set parallel.pp_stages_per_rank=2 or more, or "
                           "parallel.pp_schedule=1f1b")
-    if schedule != "interleaved_1f1b" and per_rank != 1:
+    if schedule not in MULTI_STAGE and per_rank != 1:
         raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} needs parallel.pp_schedule=interleaved_1f1b "
                           f"(parallel.pp_schedule={schedule} runs one stage per rank); set parallel.pp_schedule="
                           "interleaved_1f1b or parallel.pp_stages_per_rank=1")
@@ -161,6 +171,26 @@ def check_pp(pp: int, schedule: str, others: dict[str, int], per_rank: int = 1) 
                               f"parallelism composes with data and tensor parallelism only); set parallel.{name}=1 "
                               "and use parallel.dp_shard, parallel.dp_replicate or parallel.tp for the other ranks, or "
                               "parallel.pp=1")
+
+
+def check_pp_split(pp: int, per_rank: int, split) -> None:
+    """parallel.pp_split: one positive layer count per stage, pp × pp_stages_per_rank of them in stage order (their
+    sum is checked against the model's layers in `check_pp_fits`)."""
+    if split is None:
+        return
+    shown = "[" + ",".join(str(n) for n in split) + "]"
+    if pp == 1:
+        raise ConfigError(f"parallel.pp_split={shown} needs a pipeline; set parallel.pp to 2 or more, or "
+                          "parallel.pp_split=null")
+    stages = pp * per_rank
+    if len(split) != stages:
+        raise ConfigError(f"parallel.pp_split={shown} has {len(split)} entries, but the pipeline has parallel.pp="
+                          f"{pp} × parallel.pp_stages_per_rank={per_rank} = {stages} stages; give one decoder-layer "
+                          f"count per stage ({stages} entries), or parallel.pp_split=null for an even split")
+    bad = [stage for stage, n in enumerate(split) if n < 1]
+    if bad:
+        raise ConfigError(f"parallel.pp_split={shown} gives stage {bad[0]} {split[bad[0]]} decoder layers, and every "
+                          "stage needs at least one; make every entry a positive count")
 
 
 def check_ep(dims: ParallelDims) -> None:
@@ -234,7 +264,7 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
     experts into `ep` parts; refuse a model whose numbers do not divide, naming them (config: a transformers
     PretrainedConfig)."""
     _check_experts_fit(dims.ep, config)
-    check_pp_fits(dims.pp, config, dims.pp_stages_per_rank)
+    check_pp_fits(dims.pp, config, dims.pp_stages_per_rank, dims.pp_split, dims.pp_schedule)
     if dims.tp > 1:
         _check_tp_fits(dims.tp, config, check_vocab)
     check_cp_fits(dims.cp, config, dims.cp_style, dims.tp)  # after TP's: Ulysses splits each TP rank's heads
@@ -318,7 +348,7 @@ def _check_cp_model(cp: int, config) -> None:
                           f"sliding window of {config.sliding_window} tokens; set parallel.cp=1")
 
 
-def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:
+def check_pp_fits(pp: int, config, per_rank: int = 1, split=None, schedule: str = "interleaved_1f1b") -> None:
     """Each stage needs at least one decoder layer. An MoE model's stages each form the router terms of their own
     layers against the pool of all layers (train/step.py), one stage per rank, every layer sparse (so that every
     stage routes).
@@ -330,6 +360,10 @@ def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:
         raise ConfigError(f"parallel.pp={pp} needs at least {pp} decoder layers, one per stage, but the model has "
                           f"{layers} (num_hidden_layers={layers}); use a parallel.pp of at most {layers}")
     stages = pp * per_rank
+    if split is not None and layers is not None and sum(split) != layers:
+        shown = "[" + ",".join(str(n) for n in split) + "]"
+        raise ConfigError(f"parallel.pp_split={shown} places {sum(split)} decoder layers, but the model has {layers} "
+                          f"(num_hidden_layers={layers}); make the entries sum to {layers}")
     if layers is not None and layers < stages:
         fix = (f"use a parallel.pp_stages_per_rank of at most {layers // pp}" if layers // pp >= 2
                else "use parallel.pp_schedule=1f1b with parallel.pp_stages_per_rank=1")
@@ -337,7 +371,7 @@ def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:
                           f"least {stages} decoder layers, one per stage, but the model has {layers} "
                           f"(num_hidden_layers={layers}); {fix}")
     if is_moe(config) and per_rank > 1:
-        raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b (parallel.pp_stages_per_rank={per_rank}) is not "
+        raise ConfigError(f"parallel.pp_schedule={schedule} (parallel.pp_stages_per_rank={per_rank}) is not "
                           "supported for mixture-of-experts models yet; use parallel.pp_schedule=1f1b (or gpipe) with "
                           "parallel.pp_stages_per_rank=1")
     if is_moe(config) and has_dense_mlp(config):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from isotrain.parallel.dims import WORLD_NAMES, ParallelDims
+from isotrain.parallel.dims import V_SHAPED, WORLD_NAMES, ParallelDims
 from isotrain.parallel.dist import set_timeouts
 
 
@@ -149,7 +149,7 @@ def build_parallel(dims: ParallelDims, device: torch.device, rank: int,
 def _embed_group(dims: ParallelDims, mesh: DeviceMesh, rank: int):
     """The group of the first and last stage ranks of this rank's pipeline (every rank creates every pipeline's, as
     torch.distributed.new_group requires); None for a rank of a stage in between, or without pipeline parallelism."""
-    if dims.pp == 1:
+    if dims.pp == 1 or dims.pp_schedule in V_SHAPED:  # (V: rank 0 holds both, one weight)
         return None
     if dims.pp == 2:
         return mesh["pp"].get_group()

@@ -1,17 +1,22 @@
 """Pipeline parallelism (parallel.pp): a Hugging Face causal LM split into stages, one per rank (1F1B, GPipe) or
-several (interleaved 1F1B), run by the schedules of `torch.distributed.pipelining`.
+several (interleaved 1F1B, the zero-bubble schedules), run by the schedules of `torch.distributed.pipelining`.
 
-Stages. Stage s of `pp` holds the decoder layers `stage_layers(L, pp, s)`, an even split in order (the first
-L mod pp stages take one more); the first stage also holds the input embedding, the last the final norm and the LM
-head, and the loss is computed there. The model stays the Hugging Face model with its own names, as torchtitan keeps
-its model and deletes what a stage does not own: the layers of other stages become `PassThrough` (no parameters), a
-later stage's embedding is removed and an earlier stage's final norm is the identity and its head a `HandOff`. So
-`named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one
-process uses, and a model built on meta materialises only them (models/build.py).
+Stages. Stage s of `pp` holds the decoder layers `stage_layers(L, pp, s)`, an even split in order (the first L mod
+pp stages take one more), or parallel.pp_split's count for it; the first stage also holds the input embedding, the
+last the final norm and the LM head, and the loss is computed there. The model stays the Hugging Face model with its
+own names, as torchtitan keeps its model and deletes what a stage does not own: the layers of other stages become
+`PassThrough` (no parameters), a later stage's embedding is removed and an earlier stage's final norm is the
+identity and its head a `HandOff`. So `named_parameters()`, the optimizer and the checkpoint see exactly this
+stage's tensors under the names one process uses, and a model built on meta materialises only them
+(models/build.py).
 
-Several stages per rank (`interleaved_1f1b`, parallel.pp_stages_per_rank = V): the layers split into pp·V stages and
-rank r holds stages r, r + pp, ... (`rank_stages`), all in its one model as above; each of its stages runs a
-`stage_view` of that model, which shares its parameters and lets the rank's other stages' layers pass through.
+Several stages per rank (`interleaved_1f1b`, `interleaved_zb`, parallel.pp_stages_per_rank = V): the layers split
+into pp·V stages and rank r holds stages r, r + pp, ... (`rank_stages`), all in its one model as above; each of its
+stages runs a `stage_view` of that model, which shares its parameters and lets the rank's other stages' layers pass
+through. The V-shaped schedules (`zbv`, `dualpipev`: V = 2) place stages r and 2·pp - 1 - r on rank r, so rank 0
+holds the first and the last stage: the embedding, the final norm and the head are in its one model (a tied weight
+is one weight there, with nothing to sum). The zero-bubble schedules split each backward into an input half and a
+weight half (torch keeps the graph from one to the other); the gradients they accumulate are the same sums.
 
 Data parallelism beside it (a `pp × dp` mesh, parallel/mesh.py): the DP ranks of one stage hold the same stage and
 run different micro-batches. Every stage runs the Hugging Face model's own top-level forward, so that FSDP2, which
@@ -53,13 +58,19 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from isotrain.parallel.dims import V_SHAPED
+
 SCALE_GRADS = False  # never rescale: each micro-batch's loss already carries the global normalisation
+# parallel.pp_schedule -> its class in torch.distributed.pipelining (torch >= 2.11 has them all)
+SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                    "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                    "dualpipev": "ScheduleDualPipeV"}
 
 
 class PassThrough(nn.Module):
@@ -78,8 +89,13 @@ class HandOff(nn.Module):
         return hidden_states.clone()
 
 
-def stage_layers(num_layers: int, pp: int, stage: int) -> range:
-    """The decoder layers of `stage`: L // pp each, the first L mod pp stages one more (checked: L >= pp)."""
+def stage_layers(num_layers: int, pp: int, stage: int, split: Sequence[int] | None = None) -> range:
+    """The decoder layers of `stage` of `pp` stages: `split[s]` layers for stage s, in order (parallel.pp_split,
+    checked to have `pp` positive entries summing to L), or without a split L // pp each, the first L mod pp stages
+    one more (checked: L >= pp)."""
+    if split is not None:
+        start = sum(split[:stage])
+        return range(start, start + split[stage])
     size, extra = divmod(num_layers, pp)
     start = stage * size + min(stage, extra)
     return range(start, start + size + (stage < extra))
@@ -94,31 +110,43 @@ def ties_embeddings(model: nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
 
-def rank_stages(rank: int, pp: int, per_rank: int = 1) -> list[int]:
+def rank_stages(rank: int, pp: int, per_rank: int = 1, schedule: str = "1f1b") -> list[int]:
     """The stages of the pipeline rank `rank`: `per_rank` of the pp·per_rank stages, in torch's loop order (rank r
-    holds stages r, r + pp, r + 2·pp, ...), so that consecutive stages sit on consecutive ranks."""
+    holds stages r, r + pp, r + 2·pp, ...), so that consecutive stages sit on consecutive ranks; or under a V-shaped
+    schedule (zbv, dualpipev: two stages per rank) stages r and 2·pp - 1 - r, so that rank 0 holds the first and the
+    last stage and rank pp - 1 the two in the middle, which hand on to each other without a send."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(per_rank)]
 
 
-def apply_pp(model: nn.Module, rank: int, pp: int, per_rank: int = 1) -> None:
+def last_stage_rank(pp: int, schedule: str = "1f1b") -> int:
+    """The pipeline rank of the last stage (final norm, head, loss): rank 0 under a V-shaped schedule, else pp - 1."""
+    return 0 if schedule in V_SHAPED else pp - 1
+
+
+def apply_pp(model: nn.Module, rank: int, pp: int, per_rank: int = 1, split: Sequence[int] | None = None,
+             schedule: str = "1f1b") -> None:
     """Keep only this rank's stages of a causal LM (on meta or materialised), under the full model's names: the layers
-    of each of its `per_rank` stages (parallel.pp_stages_per_rank), the input embedding on the rank of the first
-    stage (rank 0) and the final norm and head on the rank of the last (rank pp - 1)."""
+    of each of its `per_rank` stages (parallel.pp_stages_per_rank; `split`: parallel.pp_split, the layers of each
+    stage), the input embedding on the rank of the first stage (rank 0) and the final norm and head on the rank of the
+    last (`last_stage_rank`)."""
     base = _base(model)
     num_stages = pp * per_rank
-    own = {index for stage in rank_stages(rank, pp, per_rank)
-           for index in stage_layers(len(base.layers), num_stages, stage)}
+    own = {index for stage in rank_stages(rank, pp, per_rank, schedule)
+           for index in stage_layers(len(base.layers), num_stages, stage, split)}
     for index in range(len(base.layers)):
         if index not in own:
             base.layers[index] = PassThrough()
-    if rank > 0 and not (rank == pp - 1 and ties_embeddings(model)):  # a tied head keeps its weight's first name
+    last = last_stage_rank(pp, schedule)
+    if rank > 0 and not (rank == last and ties_embeddings(model)):  # a tied head keeps its weight's first name
         base.embed_tokens = None
-    if rank < pp - 1:  # the top-level forward still runs on every stage (module docstring): identities, not None
+    if rank != last:  # the top-level forward still runs on every stage (module docstring): identities, not None
         base.norm = nn.Identity()
         model.lm_head = HandOff()
 
 
-def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+def stage_view(model: nn.Module, stage: int, num_stages: int, split: Sequence[int] | None = None) -> nn.Module:
     """The model as stage `stage` runs it when its rank holds several stages (interleaved schedules): a shallow copy
     whose module tables are its own, sharing every parameter and layer with `model`, in which the rank's other
     stages' layers pass through, a stage after the first has no input embedding and a stage before the last hands
@@ -127,7 +155,7 @@ def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     view, view_base = copy.copy(model), copy.copy(base)
     view._modules, view_base._modules = dict(model._modules), dict(base._modules)
     view._modules[getattr(model, "base_model_prefix", "model")] = view_base
-    own = stage_layers(len(base.layers), num_stages, stage)
+    own = stage_layers(len(base.layers), num_stages, stage, split)
     view_base._modules["layers"] = nn.ModuleList(
         [layer if index in own else PassThrough() for index, layer in enumerate(base.layers)])
     if stage > 0:  # (a later stage is given hidden states)
@@ -138,10 +166,11 @@ def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     return view
 
 
-def tied_parameters(model: nn.Module, stage: int, pp: int) -> list[nn.Parameter]:
+def tied_parameters(model: nn.Module, stage: int, pp: int, schedule: str = "1f1b") -> list[nn.Parameter]:
     """The parameters of this stage that another stage holds a copy of: the tied embedding, on the first and the last
-    stage (`model`: the Hugging Face model, FSDP2's or not)."""
-    if pp == 1 or stage not in (0, pp - 1) or not ties_embeddings(model):
+    stage (`model`: the Hugging Face model, FSDP2's or not). A V-shaped schedule holds both on rank 0: one weight, no
+    copy."""
+    if pp == 1 or schedule in V_SHAPED or stage not in (0, pp - 1) or not ties_embeddings(model):
         return []
     return [model.get_input_embeddings().weight]
 
@@ -152,6 +181,8 @@ def sync_tied_grads(model: nn.Module, stage: int, pp: int, group) -> None:
     on each stage's mesh, once a gradient is laid out as its weight), so the local parts are summed as they are."""
     import torch.distributed as dist
 
+    if group is None:  # a middle stage, or a V-shaped schedule (one copy: parallel/mesh.py makes no group)
+        return
     for param in tied_parameters(model, stage, pp):
         if param.grad is None:  # (both stages use it in every micro-batch; zeros keep the collective matched)
             param.grad = torch.zeros_like(param)
@@ -191,9 +222,10 @@ class StageModule(nn.Module):
     tokens): the stage then returns its routers' logits to the pipeline's `router_fn`, which may attach the stage's
     router terms to the output (`with_side_loss`)."""
 
-    def __init__(self, model: nn.Module, stage: int, num_stages: int, per_rank: int = 1, owner=None):
+    def __init__(self, model: nn.Module, stage: int, num_stages: int, per_rank: int = 1, owner=None,
+                 split: Sequence[int] | None = None):
         super().__init__()
-        self.model = model if per_rank == 1 else stage_view(model, stage, num_stages)
+        self.model = model if per_rank == 1 else stage_view(model, stage, num_stages, split)
         self.first = stage == 0
         self.owner = owner  # the Pipeline, whose router_fn is the current step's
 
@@ -221,8 +253,10 @@ class Pipeline:
 
     KEPT = 2
 
-    def __init__(self, stage: int, pp: int, group, schedule: str, per_rank: int = 1):
+    def __init__(self, stage: int, pp: int, group, schedule: str, per_rank: int = 1,
+                 split: Sequence[int] | None = None):
         self.stage, self.pp, self.group, self.schedule, self.per_rank = stage, pp, group, schedule, per_rank
+        self.split = split  # parallel.pp_split: the decoder layers of each stage (None: even)
         self.num_builds = 0  # how many stages and schedules this rank has built (tests read it)
         self._model: nn.Module | None = None
         self._kept: dict[tuple, object] = {}  # (micro-batches, their shape[, "forward"]) -> schedule, the newest last
@@ -237,7 +271,8 @@ class Pipeline:
         dims = parallel.dims
         if dims.pp == 1:
             return None
-        return cls(parallel.pp_rank, dims.pp, parallel.pp_group, dims.pp_schedule, dims.pp_stages_per_rank)
+        return cls(parallel.pp_rank, dims.pp, parallel.pp_group, dims.pp_schedule, dims.pp_stages_per_rank,
+                   dims.pp_split)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(logits, target)
@@ -246,22 +281,21 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
 
         num_stages = self.pp * self.per_rank
-        return [PipelineStage(StageModule(model, stage, num_stages, self.per_rank, self), stage, num_stages, device,
-                              group=self.group) for stage in rank_stages(self.stage, self.pp, self.per_rank)]
+        # (a V-shaped schedule tells its stages their ranks itself, as the forward-only `_v_forwards` does)
+        return [PipelineStage(StageModule(model, stage, num_stages, self.per_rank, self, self.split), stage,
+                              num_stages, device, group=self.group)
+                for stage in rank_stages(self.stage, self.pp, self.per_rank, self.schedule)]
 
     def _build(self, model: nn.Module, num_microbatches: int, device: torch.device, backward: bool = True):
         """A stage and schedule for `num_microbatches`; `backward=False`: forward only (no loss function)."""
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        import torch.distributed.pipelining as pipelining
 
         self.num_builds += 1
         stages = self._stages(model, device)
         loss_fn = self._loss if backward else None
-        if self.schedule == "interleaved_1f1b":
-            return ScheduleInterleaved1F1B(stages, n_microbatches=num_microbatches, loss_fn=loss_fn,
-                                           scale_grads=SCALE_GRADS)
-        schedules = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-        return schedules[self.schedule](stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn,
-                                        scale_grads=SCALE_GRADS)
+        schedule = getattr(pipelining, SCHEDULE_CLASSES[self.schedule])
+        return schedule(stages if self.per_rank > 1 else stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn,
+                        scale_grads=SCALE_GRADS)
 
     def _use(self, model: nn.Module) -> None:
         """What is kept belongs to one model: another one starts afresh."""
@@ -342,10 +376,41 @@ class Pipeline:
         (one micro-batch), the form every torch version's `eval` takes."""
         from torch.distributed.pipelining import ScheduleGPipe, ScheduleLoopedBFS
 
+        if self.schedule in V_SHAPED:
+            return self._v_logits(model, input_ids, kwargs, device)
         stages = self._stages(model, device)
         schedule = (ScheduleGPipe(stages[0], n_microbatches=1) if len(stages) == 1
                     else ScheduleLoopedBFS(stages, n_microbatches=1))
         return schedule.eval(*((input_ids.to(device),) if self.stage == 0 else ()), **kwargs)
+
+    def _v_logits(self, model: nn.Module, input_ids: torch.Tensor, kwargs: dict, device: torch.device
+                  ) -> torch.Tensor | None:
+        """`logits` through a V (zbv, dualpipev), sent by hand: torch's V schedules cannot run forward only (their
+        order holds backwards, which a stage without backward refuses to hand to its neighbour on the same rank), and
+        LoopedBFS places stages in a loop. Rank r runs stage r on what rank r - 1 sent (rank 0: the tokens) and sends
+        it on to r + 1; the last rank turns back at once, the others run stage 2·pp - 1 - r on what r + 1 sent back
+        and send it to r - 1; rank 0 ends with the logits. Every hidden state has the shape [B, L, hidden] and the
+        dtype of the weights (no autocast here, as in `eval`)."""
+        import torch.distributed as dist
+
+        num_stages, rank = 2 * self.pp, self.stage
+        down, up = (StageModule(model, stage, num_stages, 2, self, self.split)
+                    for stage in (rank, num_stages - 1 - rank))
+        peer = lambda r: dist.get_global_rank(self.group, r)  # noqa: E731
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        shape = (*kwargs["position_ids"].shape, model.config.hidden_size)
+        hidden = input_ids.to(device)
+        if rank > 0:
+            dist.recv(hidden := torch.empty(shape, dtype=dtype, device=device), peer(rank - 1), group=self.group)
+        hidden = down(hidden, **kwargs)
+        if rank < self.pp - 1:
+            dist.send(hidden.contiguous(), peer(rank + 1), group=self.group)
+            dist.recv(hidden := torch.empty(shape, dtype=dtype, device=device), peer(rank + 1), group=self.group)
+        output = up(hidden, **kwargs)
+        if rank > 0:
+            dist.send(output.contiguous(), peer(rank - 1), group=self.group)
+            return None
+        return output
 
 
 def _step_split(runner, arg_mbs: list[tuple], kwarg_mbs: list[dict], target_mbs: list | None = None) -> None:

@@ -17,7 +17,8 @@ pipeline group, in two broadcasts:
 M is the batch plan's, known to every rank. Each stage then sums the counts over its own DP group as before
 (train/step.py), so every rank holds one process's global counts. The last stage reads its own samples (it needs
 the labels) and takes part in the broadcasts only because they span the pipeline group. With pp = 2 every rank holds
-an end stage and nothing is sent.
+an end stage and nothing is sent, except under a V-shaped schedule (zbv, dualpipev: rank 0 holds both end stages,
+rank 1 the two middle ones), whose rank 1 reads nothing.
 
 Invariant 3 is untouched: every rank still computes the sampler's indices of every step (no sample is read for
 that), the reading ranks read exactly those, and a run resumed on any PP degree starts from the same step's indices.
@@ -30,16 +31,24 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from isotrain.parallel.dims import V_SHAPED
+from isotrain.parallel.pp import last_stage_rank
 from isotrain.train.loss import micro_batch_counts
 
 
 def reads_data(parallel) -> bool:
     """Whether this rank reads samples: always without pipeline parallelism; under it, the rank of the first stage
     (rank 0 of the pipeline, which also holds the first stage under interleaved schedules) and of the last (rank
-    pp - 1) only."""
-    if parallel is None or parallel.dims.pp <= 2:
+    pp - 1; rank 0 under a V-shaped schedule) only."""
+    if _every_rank_reads(parallel):
         return True
-    return parallel.pp_rank in (0, parallel.dims.pp - 1)
+    return parallel.pp_rank in (0, last_stage_rank(parallel.dims.pp, parallel.dims.pp_schedule))
+
+
+def _every_rank_reads(parallel) -> bool:
+    """No pipeline, or one of 2 ranks with one end stage each (a V-shaped schedule puts both ends on rank 0)."""
+    return parallel is None or parallel.dims.pp == 1 or (parallel.dims.pp == 2
+                                                          and parallel.dims.pp_schedule not in V_SHAPED)
 
 
 def stage_micro_batches(read: Callable[[list[int]], dict], index_lists: list[list[int]], parallel, reduction: str,
@@ -49,7 +58,7 @@ def stage_micro_batches(read: Callable[[list[int]], dict], index_lists: list[lis
     position ids, segment ids and counts from the first stage, as {"position_ids": [B, L], "segment_ids": [B, L],
     "counts": [4 ints]}. `reduction`: train.loss_reduction (the denominator's)."""
     micro_batches = [read(indices) for indices in index_lists] if reads_data(parallel) else None
-    if parallel is None or parallel.dims.pp <= 2:
+    if _every_rank_reads(parallel):
         return micro_batches
     header = torch.zeros((len(index_lists), 6), dtype=torch.int64)
     if parallel.pp_rank == 0:

@@ -392,7 +392,7 @@ def shared_parameters(model: nn.Module, options: StepOptions) -> list[nn.Paramet
     parallel = options.parallel
     if parallel is None or parallel.dims.pp == 1:
         return []
-    return tied_parameters(hf_model(model), parallel.pp_rank, parallel.dims.pp)
+    return tied_parameters(hf_model(model), parallel.pp_rank, parallel.dims.pp, parallel.dims.pp_schedule)
 
 
 def grad_norm_squares(parameters: list[nn.Parameter], stages: int = 1,

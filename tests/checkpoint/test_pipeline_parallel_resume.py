@@ -229,3 +229,18 @@ def test_interleaved_checkpoint_resumes_on_pp4_whose_middle_stages_read_nothing(
     lines = [(run_dir / "samples" / f"rank-{rank:05d}.jsonl").read_text().splitlines() for rank in range(4)]
     assert lines[1] == lines[2] == [] and lines[0] == lines[3]
     assert [(row["step"], len(row["samples"])) for row in map(json.loads, lines[0])] == [(s, 16) for s in (5, 6, 7, 8)]
+
+
+@pytest.mark.slow
+def test_interleaved_checkpoint_resumes_on_an_uneven_split(tmp_path, four_layer_runs):
+    """parallel.pp_split=[3,1]: the interleaved PP 2 checkpoint of step 4 loads into stages of 3 and 1 decoder layers
+    (each rank reading its own layers' tensors by name), continues one process's run, and the uneven stages' step-8
+    checkpoint holds one process's weights under the same names."""
+    single, interleaved = four_layer_runs
+    run_dir = tmp_path / "split"
+    _from_step_4(interleaved, run_dir)
+    proc = run_forked_ranks(2, ["train", *FOUR_LAYERS, f"output_dir={run_dir}", "parallel.pp=2",
+                                "parallel.pp_split=[3,1]"])
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    assert_same_run(metrics(run_dir)[4:], metrics(single)[4:])
+    assert_same_weights(run_dir / "checkpoints" / "step-00000008", single / "checkpoints" / "step-00000008")

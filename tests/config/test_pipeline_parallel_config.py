@@ -114,9 +114,11 @@ def test_moe_models_split_into_stages_of_one_per_rank():
      "rank trains per step (train.global_batch_size / DP size); use one of [1, 2, 4, 8]"),
     (["parallel.pp_microbatches=2"], "parallel.pp_microbatches=2 differs from the batch plan's 4 gradient-accumulation "
      "micro-batches, which the pipeline runs; set train.micro_batch_size=4 or leave parallel.pp_microbatches unset"),
-    (["parallel.pp_schedule=zbv"], "config value parallel.pp_schedule='zbv' is invalid: Input should be '1f1b', "
-     "'gpipe' or 'interleaved_1f1b'; use parallel.pp_schedule=1f1b, parallel.pp_schedule=gpipe or "
-     "parallel.pp_schedule=interleaved_1f1b (with parallel.pp_stages_per_rank=2 or more)"),
+    (["parallel.pp_schedule=zb2p"], "config value parallel.pp_schedule='zb2p' is invalid: Input should be '1f1b', "
+     "'gpipe', 'interleaved_1f1b', 'interleaved_zb', 'zbv' or 'dualpipev'; use parallel.pp_schedule=1f1b, "
+     "parallel.pp_schedule=gpipe, parallel.pp_schedule=interleaved_1f1b or interleaved_zb (with "
+     "parallel.pp_stages_per_rank=2 or more), or parallel.pp_schedule=zbv or dualpipev (with "
+     "parallel.pp_stages_per_rank=2)"),
     (["model.config.num_hidden_layers=4", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
       "train.micro_batch_size=8",
       "train.global_batch_size=24"], "parallel.pp_schedule=interleaved_1f1b runs the micro-batches in rounds of "

@@ -2,7 +2,8 @@
 
     memory_worker.py OUT.json LAYOUT [LAYOUT ...]
 
-    LAYOUT: [moe-|mixtral-]RxSxT[-epN][-cN][-vN][-ulyssesN|-ringN][-ppN[-gpipe|-interleaved][-tied]][-fp32]
+    LAYOUT: [moe-|mixtral-]RxSxT[-epN][-cN][-vN][-ulyssesN|-ringN][-ppN[-gpipe|-interleaved|-izb|-zbv|-dualpipev]
+            [-splitA+B...][-tied]][-fp32]
         dp_replicate x dp_shard x tp, expert parallel N, chunked loss of N tokens, vocabulary N instead of 64,
         context parallel N in that style, a pipeline of N ranks (1f1b or gpipe with PP_MICROBATCHES micro-batches
         per step, or interleaved 1f1b: 2 stages per rank, 2N layers, 2N micro-batches; tied input and output
@@ -84,31 +85,39 @@ def context_parallel(layout: str) -> tuple[int, str]:
     return 1, "ulysses"
 
 
-def pipeline(layout: str) -> tuple[int, str]:
-    """(parallel.pp, parallel.pp_schedule) of a layout: `-pp2` (1f1b), `-pp2-gpipe` or `-pp2-interleaved` (2 stages
-    per rank), else (1, "1f1b")."""
+SEVERAL_STAGES = {"interleaved": "interleaved_1f1b", "izb": "interleaved_zb", "zbv": "zbv", "dualpipev": "dualpipev"}
+
+
+def pipeline(layout: str) -> tuple[int, str, list[int] | None]:
+    """(parallel.pp, parallel.pp_schedule, parallel.pp_split) of a layout: `-pp2` (1f1b), `-pp2-gpipe`, or with 2
+    stages per rank `-pp2-interleaved`, `-pp2-izb` (interleaved zero bubble), `-pp2-zbv` or `-pp2-dualpipev`; with
+    `-split3+1` the decoder layers of each stage; else (1, "1f1b", None)."""
     parts = layout.split("-")
     pp = next((int(part[2:]) for part in parts if part.startswith("pp")), 1)
-    return pp, "gpipe" if "gpipe" in parts else "interleaved_1f1b" if "interleaved" in parts else "1f1b"
+    split = next(([int(n) for n in part[5:].split("+")] for part in parts if part.startswith("split")), None)
+    several = next((SEVERAL_STAGES[part] for part in parts if part in SEVERAL_STAGES), None)
+    return pp, several or ("gpipe" if "gpipe" in parts else "1f1b"), split
 
 
 def run_config(layout: str, dtype: str, checkpointing: str):
     moe, replicate, shard, tp, ep, chunk, vocab = parse_layout(layout)
     cp, style = context_parallel(layout)
-    pp, schedule = pipeline(layout)
-    interleaved = schedule == "interleaved_1f1b"  # 2 stages per rank of one layer each; micro-batches in rounds of pp
+    pp, schedule, split = pipeline(layout)
+    interleaved = schedule in SEVERAL_STAGES.values()  # 2 stages per rank of one layer each; 2·pp micro-batches
     steps = (2 * pp if interleaved else PP_MICROBATCHES) if pp > 1 else 1
     tied = "tied" in layout.split("-")
     model = {**MODELS[moe], "vocab_size": vocab, "tie_word_embeddings": tied}
     if interleaved:
         model["num_hidden_layers"] = 2 * pp
+    if split:
+        model["num_hidden_layers"] = sum(split)
     return build_config({"model": {"config": model, "dtype": dtype},
                          "data": {"max_seq_len": SEQ},
                          "train": {"micro_batch_size": MICRO, "global_batch_size": MICRO * replicate * shard * steps,
                                    "activation_checkpointing": checkpointing, "loss_chunk_tokens": chunk},
                          "parallel": {"dp_replicate": replicate, "dp_shard": shard, "tp": tp, "ep": ep, "cp": cp,
                                       "cp_style": style, "pp": pp, "pp_schedule": schedule,
-                                      "pp_stages_per_rank": 2 if interleaved else 1}})
+                                      "pp_stages_per_rank": 2 if interleaved else 1, "pp_split": split}})
 
 
 def balanced_routing(model) -> None:

@@ -30,7 +30,7 @@ from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.models.packing_check import check_packing
 from isotrain.models.unwrap import unwrap
 from isotrain.parallel.apply import parallelize, wrap_replicas
-from isotrain.parallel.dims import ParallelDims
+from isotrain.parallel.dims import MULTI_STAGE, ParallelDims
 from isotrain.parallel.dist import all_reduce_max, init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
 from isotrain.parallel.pp import Pipeline
@@ -188,8 +188,23 @@ def run_layout(info, parallel, micro_batch: int, reduction: str, dtype: torch.dt
     pipeline = {"builds": options.pipeline.num_builds, "shapes": len(set(shapes))} if options.pipeline else None
     if options.pipeline:  # every stage's sample reads and counts, stage by stage
         pipeline["reads"], pipeline["counts"] = _by_stage((samples.num_reads, counts), parallel)
+        pipeline["rank_stages"], pipeline["stage_layers"] = _stage_layers(options.pipeline, parallel)
     return {"local_expert_rows": local_rows, "losses": losses, "grads": first_grads, "weights": weights, "counts": counts,
             "norms": norms, "pipeline": pipeline, "tied_copies_equal": copies, "probe_needs_mask": probe}
+
+
+def _stage_layers(pipeline: Pipeline, parallel) -> tuple[list[list[int]], dict[int, list[int]]]:
+    """([the stages of each rank], {stage: the decoder layers its module runs}) of the pipeline, as torch's stages
+    hold them."""
+    from isotrain.parallel.apply import decoder_layers
+    from isotrain.parallel.pp import PassThrough
+
+    runner = next(iter(pipeline._kept.values()))
+    local = {stage.stage_index: [i for i, layer in enumerate(decoder_layers(stage.submod.model))
+                                 if not isinstance(layer, PassThrough)]
+             for stage in getattr(runner, "_stages", None) or [runner._stage]}
+    ranks = _by_stage(local, parallel)
+    return [list(rank) for rank in ranks], {stage: layers for rank in ranks for stage, layers in rank.items()}
 
 
 def _by_stage(value, parallel) -> list:
@@ -228,17 +243,18 @@ def _parse_layout(text: str):
         return degrees
     if pipeline == "ring":
         return (*degrees, "ring")
-    pp, schedule = pipeline.removeprefix("pp").split("-")
-    return degrees, int(pp), schedule
+    pp, schedule, *split = pipeline.removeprefix("pp").split("-")  # 1x1x1:pp2-1f1b-3+1: parallel.pp_split=[3,1]
+    return degrees, int(pp), schedule, tuple(int(n) for n in split[0].split("+")) if split else None
 
 
 def _dims(layout) -> tuple[ParallelDims, tuple]:
     """The ParallelDims of a parsed layout and its key in the results."""
     if isinstance(layout[0], tuple):
-        degrees, pp, schedule = layout
+        degrees, pp, schedule, split = layout
         key = ("pp", pp, schedule) if degrees == (1, 1, 1) else ("pp", pp, schedule, degrees)
-        per_rank = 2 if schedule == "interleaved_1f1b" else 1  # 2 stages per rank
-        return ParallelDims(*degrees, pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank), key
+        key += (split,) if split else ()  # (an uneven split's key ends with it)
+        per_rank = 2 if schedule in MULTI_STAGE else 1  # 2 stages per rank
+        return ParallelDims(*degrees, pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank, pp_split=split), key
     if layout[-1] == "ring":
         return ParallelDims(*layout[:-1], cp_style="ring"), layout
     return ParallelDims(*layout), layout

@@ -16,7 +16,13 @@ rank r holds stages r, r + pp, ... (`rank_stages`), all in its one model as abov
 Data parallelism beside it (a `pp × dp` mesh, parallel/mesh.py): the DP ranks of one stage hold the same stage and
 run different micro-batches. Every stage runs the Hugging Face model's own top-level forward, so that FSDP2, which
 wraps it as its root, gathers the root's tensors (embedding, final norm, head) there as it does without a pipeline;
-its gradients are reduce-scattered over the stage's DP ranks at every micro-batch's backward (a sum of sums). DDP
+its gradients are reduce-scattered over the stage's DP ranks at every micro-batch's backward (a sum of sums). A rank
+of several stages (interleaved) cannot share one root between them: each of its stages is an FSDP2 root of its own,
+the `StageModule` over that stage's view (`shard_stages`, parallel/apply.py), made once when FSDP2 is applied and
+kept on the model (`stage_roots`); the schedule then gathers and frees each stage's parameters itself (its UNSHARD
+and RESHARD actions), accumulates the stage's unsharded gradients over the step's micro-batches and reduce-scatters
+them once, after the stage's last backward (its REDUCE_GRAD: FSDP2's post-backward, the sum over the stage's DP
+ranks taken exactly once, never divided: SCALE_GRADS, and FSDP2's divide factor 1). DDP
 is not wrapped around a stage (a schedule bypasses its forward): the stage's gradients are summed over its DP
 replicas once, after the schedule (parallel/apply.py `sync_replica_grads`).
 
@@ -138,6 +144,19 @@ def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     return view
 
 
+STAGE_ROOTS = "_isotrain_stage_roots"  # an attribute of the Hugging Face model, not a submodule (names unchanged)
+
+
+def stage_roots(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 roots of this rank's stages (interleaved schedules beside FSDP2: one `StageModule` per stage, kept
+    outside the model's module tree so that its parameter names stay one process's); [] for any other layout."""
+    return model.__dict__.get(STAGE_ROOTS, [])
+
+
+def keep_stage_roots(model: nn.Module, roots: list[nn.Module]) -> None:
+    model.__dict__[STAGE_ROOTS] = list(roots)
+
+
 def tied_parameters(model: nn.Module, stage: int, pp: int) -> list[nn.Parameter]:
     """The parameters of this stage that another stage holds a copy of: the tied embedding, on the first and the last
     stage (`model`: the Hugging Face model, FSDP2's or not)."""
@@ -246,8 +265,12 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
 
         num_stages = self.pp * self.per_rank
-        return [PipelineStage(StageModule(model, stage, num_stages, self.per_rank, self), stage, num_stages, device,
-                              group=self.group) for stage in rank_stages(self.stage, self.pp, self.per_rank)]
+        stages = rank_stages(self.stage, self.pp, self.per_rank)
+        modules = stage_roots(model) or [StageModule(model, stage, num_stages, self.per_rank) for stage in stages]
+        for module in modules:
+            module.owner = self
+        return [PipelineStage(module, stage, num_stages, device, group=self.group)
+                for module, stage in zip(modules, stages, strict=True)]
 
     def _build(self, model: nn.Module, num_microbatches: int, device: torch.device, backward: bool = True):
         """A stage and schedule for `num_microbatches`; `backward=False`: forward only (no loss function)."""

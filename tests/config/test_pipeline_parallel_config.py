@@ -65,10 +65,6 @@ def test_layers_split_evenly_in_order():
      "parallel.pp_stages_per_rank=1"),
     (dict(pp_stages_per_rank=2), "parallel.pp_stages_per_rank=2 needs a pipeline; set parallel.pp to 2 or more, or "
      "parallel.pp_stages_per_rank=1"),
-    (dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, dp_shard=2, dp_replicate=1),
-     "parallel.pp_schedule=interleaved_1f1b with FSDP2 (parallel.dp_shard=2) is not supported yet (a rank's stages "
-     "share one FSDP2 root); set parallel.dp_shard=1 and use parallel.dp_replicate for the other ranks, or "
-     "parallel.pp_schedule=1f1b"),
     (dict(pp=2, cp=2), "parallel.pp=2 with parallel.cp=2 is not supported yet (pipeline parallelism composes with data "
      "and tensor parallelism only); set parallel.cp=1 and use parallel.dp_shard, parallel.dp_replicate or "
      "parallel.tp for the other ranks, or parallel.pp=1"),

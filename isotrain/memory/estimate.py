@@ -299,6 +299,9 @@ def _pipeline_estimate(cfg, config, degrees: ParallelDims, dtype: str, device: s
     chosen = stage if stage is not None else totals.index(max(totals))
     settings.update(pp_schedule=degrees.pp_schedule, pp_stages_per_rank=degrees.pp_stages_per_rank,
                     pp_microbatches=num_microbatches, stage=chosen, stage_totals_bytes=totals)
+    if degrees.fsdp:  # the stage's states are sharded (model_state_terms); FSDP2's transient buffers are not modelled
+        settings["not_counted"] = ("FSDP2's all-gather and reduce-scatter buffers of each stage, which beside a "
+                                   "pipeline follow the schedule's micro-batches")
     return MemoryEstimate(settings, stages[chosen], stages)
 
 
@@ -345,7 +348,8 @@ def _stage_table(estimate: MemoryEstimate):
     s = estimate.settings
     what = "stage" if s["pp_stages_per_rank"] == 1 else "rank"
     title = (f"per-rank memory of each pipeline {what} (pp {s['pp']}, {s['pp_schedule']}, {s['pp_microbatches']} "
-             f"micro-batches; world {s['world_size']}, dp_replicate {s['dp_replicate']}; {s['dtype']} on "
+             f"micro-batches; world {s['world_size']}, dp_replicate {s['dp_replicate']}, dp_shard {s['dp_shard']}, "
+             f"tp {s['tp']}; {s['dtype']} on "
              f"{s['device']}; micro-batch {s['micro_batch_size']} × {s['max_seq_len']}; largest: {what} {s['stage']})")
     table = Table(title=title)
     table.add_column("term")
@@ -356,5 +360,5 @@ def _stage_table(estimate: MemoryEstimate):
         table.add_row(term.name, *(f"{terms[row].bytes / 2**20:,.2f}" for terms in estimate.stages), term.note)
     table.add_row("total", *(f"{total / 2**20:,.2f}" for total in s["stage_totals_bytes"]),
                   f"{s['parameters']:,} parameters in all stages; vocabulary {s['vocab_size']:,} "
-                  f"({s['vocab_size_source']})")
+                  f"({s['vocab_size_source']})" + (f"; not counted: {s['not_counted']}" if "not_counted" in s else ""))
     return table

@@ -2,7 +2,14 @@
 
 Model states: the model built on meta and reduced to the stage by the run's own `apply_pp` (its decoder layers; the
 input embedding on the first stage, the final norm and the head on the last, a tied embedding on both), counted as
-for any rank (estimate.py `model_state_terms`).
+for any rank (estimate.py `model_state_terms`): split by TP's plan and FSDP2's padded dim-0 shards over the stage's
+dp_shard ranks, as without a pipeline. FSDP2's transient all-gather and reduce-scatter buffers beside a pipeline are
+not modelled (reported as not counted); interleaved 1F1B beside FSDP2, whose stage roots keep their parameters and
+gradients gathered through the step, is refused.
+
+Under TP a stage's forward is one TP rank's (fake_forward.py `tp_rank_config`: its heads, MLP width and vocabulary
+slice, the logits sharded over the vocabulary); the hidden states between stages are whole on every TP rank. Under
+FSDP2 the stage computes in FSDP2's parameter dtype (no autocast copies), and sends its hidden states in it.
 
 Activations: one micro-batch's forward of the stage on fake tensors (fake_forward.py `fake_stage_forward`), times the
 micro-batches whose backward has not run yet at the schedule's worst moment (`microbatches_in_flight`), with m the
@@ -71,14 +78,14 @@ def peak_in_flight(degrees: ParallelDims, rank: int, num_microbatches: int, byte
 
 
 def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
-    """The pipelines estimated: every schedule, beside DDP replicas, for SFT."""
+    """The pipelines estimated: every schedule beside DDP, FSDP2 (not interleaved) and TP, for SFT."""
     from isotrain.config import RLRunConfig
 
-    if degrees.fsdp or degrees.tp > 1:
-        named = f"parallel.dp_shard={degrees.dp_shard}" if degrees.fsdp else f"parallel.tp={degrees.tp}"
-        raise ConfigError(f"isotrain estimate-memory estimates pipeline stages beside DDP replicas only, not {named} "
-                          f"(parallel.pp={degrees.pp}); estimate the stage's layout with parallel.pp=1, or the "
-                          "pipeline with parallel.dp_shard=1 and parallel.tp=1")
+    if degrees.fsdp and degrees.pp_stages_per_rank > 1:
+        raise ConfigError(f"isotrain estimate-memory does not estimate parallel.pp_schedule=interleaved_1f1b beside "
+                          f"FSDP2 (parallel.dp_shard={degrees.dp_shard}) yet, whose stages keep their parameters and "
+                          "gradients gathered through the step; estimate it with parallel.pp_schedule=1f1b, or with "
+                          "parallel.dp_shard=1")
     if isinstance(cfg, RLRunConfig):
         raise ConfigError(f"isotrain estimate-memory estimates pipeline stages (parallel.pp={degrees.pp}) of SFT runs "
                           "only; estimate the RL run with parallel.pp=1")
@@ -92,10 +99,13 @@ def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str,
     from transformers import AutoModelForCausalLM
 
     _, compute = DTYPES[dtype]
+    lowp = compute != torch.float32
     kernel = attention_kernel(cfg.model.attn_implementation, config, AutoModelForCausalLM)
+    # FSDP2 casts the parameters to the compute dtype itself; DDP and TP runs use autocast (estimate.py's rule).
     return {stage: fake_stage_forward(config, kernel, stage=stage, pp=degrees.pp_stages, device=device,
                                       micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
-                                      autocast_dtype=compute if compute != torch.float32 else None,
+                                      autocast_dtype=compute if lowp and not degrees.fsdp else None,
+                                      param_dtype=compute if degrees.fsdp else torch.float32, tp=degrees.tp,
                                       activation_checkpointing=checkpointing)
             for stage in stages}
 

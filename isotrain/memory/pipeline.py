@@ -3,9 +3,12 @@
 Model states: the model built on meta and reduced to the stage by the run's own `apply_pp` (its decoder layers; the
 input embedding on the first stage, the final norm and the head on the last, a tied embedding on both), counted as
 for any rank (estimate.py `model_state_terms`): split by TP's plan and FSDP2's padded dim-0 shards over the stage's
-dp_shard ranks, as without a pipeline. FSDP2's transient all-gather and reduce-scatter buffers beside a pipeline are
-not modelled (reported as not counted); interleaved 1F1B beside FSDP2, whose stage roots keep their parameters and
-gradients gathered through the step, is refused.
+dp_shard ranks, as without a pipeline. FSDP2's buffers are `fsdp_terms` of the stage's model: under 1F1B and GPipe
+the HF model is the stage's root (its embedding, or its final norm and head) over one group per layer, as without
+a pipeline, and each micro-batch's forward and backward gathers, frees and reduces them as one process's step does
+(the root's reduce at the end of each backward: its inputs, token ids or the received hidden states, reach it
+last), so the peaks are those of one micro-batch. Interleaved 1F1B beside FSDP2, whose stage roots keep their
+parameters and gradients gathered through the step (parallel/apply.py `shard_stages`), is refused.
 
 Under TP a stage's forward is one TP rank's (fake_forward.py `tp_rank_config`: its heads, MLP width and vocabulary
 slice, the logits sharded over the vocabulary); the hidden states between stages are whole on every TP rank. Under
@@ -37,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from isotrain.errors import ConfigError
+from isotrain.memory.fsdp_buffers import fsdp_terms
 from isotrain.memory.terms import DTYPES, FP32_BYTES, Term, meta_model, model_state_terms
 from isotrain.parallel.dims import ParallelDims
 
@@ -106,6 +110,7 @@ def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str,
                                       micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
                                       autocast_dtype=compute if lowp and not degrees.fsdp else None,
                                       param_dtype=compute if degrees.fsdp else torch.float32, tp=degrees.tp,
+                                      fsdp=degrees.fsdp,
                                       activation_checkpointing=checkpointing)
             for stage in stages}
 
@@ -149,7 +154,7 @@ def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, ran
                     f"at once in torch's order of their {m} micro-batches each")
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
     holds_last = last_stage in stages
-    return [*model_state_terms(model, config, degrees, dtype),
+    return [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),
             Term("activations", activations, f"saved for backward, {tokens} per micro-batch ({schedule})"
                  + (", layer inputs only (checkpointing)" if checkpointing else "")),
             Term("compute copies", sum(f[0].by_kind["compute_copies"] for f in forwards.values()),

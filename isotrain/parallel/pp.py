@@ -136,7 +136,9 @@ def stage_view(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     own = stage_layers(len(base.layers), num_stages, stage)
     view_base._modules["layers"] = nn.ModuleList(
         [layer if index in own else PassThrough() for index, layer in enumerate(base.layers)])
-    if stage > 0:  # (a later stage is given hidden states)
+    # A later stage is given hidden states; the last keeps a tied embedding's module, whose weight is its head's, so
+    # that an FSDP2 root over the view (parallel/apply.py shard_stages) holds both of the weight's slots.
+    if stage > 0 and not (stage == num_stages - 1 and ties_embeddings(model)):
         view_base._modules["embed_tokens"] = None
     if stage < num_stages - 1:
         view_base._modules["norm"] = nn.Identity()

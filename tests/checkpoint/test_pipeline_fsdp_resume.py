@@ -1,6 +1,8 @@
 """Interleaved 1F1B beside FSDP2 end to end, through `isotrain train`: PP 2 × FSDP2 2 on 4 processes, 2 stages of one
 decoder layer per rank, each stage an FSDP2 root of its own (parallel/apply.py `shard_stages`), its model built on
-meta and its stage roots materialised and filled as every layout's (models/build.py). It logs one process's metrics
+meta and its stage roots materialised and filled as every layout's (models/build.py), with the bundled recipe's tied
+embeddings (a copy on stage 0 of rank 0 and on stage 3 of rank 1, the last stage's root holding both of the weight's
+slots: the head's and the embedding module's, parallel/pp.py `stage_view`). It logs one process's metrics
 (exact counts, loss and gradient norm to fp32 rounding), its checkpoint holds one process's tensors under the same
 Hugging Face names and passes `ckpt verify`, and one process resumes from it and ends the run on one process's
 weights. (The layout-free math in fp32 and fp64: tests/train/test_pipeline_fsdp.py.)
@@ -18,7 +20,7 @@ from zygote import run_forked_ranks
 
 
 TINY = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "model.config.num_hidden_layers=4",
-        "model.config.num_key_value_heads=2", "model.config.tie_word_embeddings=false", "train.global_batch_size=16",
+        "model.config.num_key_value_heads=2", "train.global_batch_size=16",
         "train.micro_batch_size=4", "train.max_steps=4", "train.deterministic=true", "checkpoint.every_steps=2",
         "logging.progress=false"]
 INTERLEAVED_FSDP2 = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",

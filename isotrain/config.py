@@ -378,7 +378,8 @@ class ParallelConfig(Section):
         description="Order in which the stages run the micro-batches' forward and backward passes: `1f1b` (one "
         "forward, one backward; activations of at most `pp` micro-batches in flight), `gpipe` (all forwards, then "
         "all backwards) or `interleaved_1f1b` (parallel.pp_stages_per_rank stages on each rank, which shrinks the "
-        "bubble by that factor; the micro-batches a multiple of `pp`; not with FSDP2 yet).",
+        "bubble by that factor; the micro-batches a multiple of `pp`; beside FSDP2 each stage is an FSDP2 root of its "
+        "own, reduced once per step).",
     )
     pp_stages_per_rank: int = Field(
         1,

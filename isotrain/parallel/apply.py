@@ -90,7 +90,7 @@ def apply_fsdp(model: nn.Module, parallel: ParallelState, compute_dtype: torch.d
         if next(layer.parameters(), None) is None:  # another pipeline stage's layer (parallel/pp.py PassThrough)
             continue
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts,
-                    reshard_after_forward=not stages)
+                    reshard_after_forward=False if stages else None)  # (None: FSDP2's default)
     if stages:
         shard_stages(model, parallel, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts)
     else:

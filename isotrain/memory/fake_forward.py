@@ -169,14 +169,31 @@ def fake_forward(config, attn_implementation: str, *, micro_batch_size: int, seq
     return saved
 
 
+class _Registered(torch.autograd.Function):
+    """The identity, as FSDP2's RegisterPostBackwardFunction is on a root's forward inputs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int, micro_batch_size: int,
                        seq_len: int, autocast_dtype: torch.dtype | None, activation_checkpointing: bool,
-                       device: str = "cpu", split=None) -> tuple[SavedBytes, int, int]:
+                       device: str = "cpu", param_dtype: torch.dtype = torch.float32, tp: int = 1,
+                       fsdp: bool = False, split=None) -> tuple[SavedBytes, int, int]:
     """What one micro-batch's forward of pipeline stage `stage` of `pp` (its layers: `split`, parallel.pp_split, or
     an even share) keeps for its backward (parallel/pp.py: the
     Hugging Face model reduced to the stage, run by the schedule's `StageModule`, the last stage's loss after it),
     with (bytes of the hidden states it receives, bytes of what it sends on; 0 at the first / last stage). The
-    received hidden states are the schedule's receive buffer, counted with those (memory/pipeline.py), not here."""
+    received hidden states are the schedule's receive buffer, counted with those (memory/pipeline.py), not here.
+    `param_dtype`: FSDP2's compute dtype (its stage computes, and sends, in it); `tp`: one TP rank's share of the
+    heads, MLP width and vocabulary (`tp_rank_config`, as `fake_forward`). `fsdp`: FSDP2's root registers its
+    post-backward on the stage's inputs through an identity autograd function, so what the stage makes of the
+    received hidden states (a norm's fp32 upcast) is an activation, not a cast of a leaf (a weight copy)."""
     from transformers import AutoModelForCausalLM
 
     from isotrain.parallel.pp import PassThrough, StageModule, apply_pp
@@ -184,8 +201,9 @@ def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int,
 
     autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
+    config = tp_rank_config(config, tp)
     with FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(True):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_implementation)
         model.config.use_cache = False
         apply_pp(model, stage, pp, split=split)  # first, as parallel/apply.py does
         if activation_checkpointing:
@@ -196,15 +214,15 @@ def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int,
         received = 0
         if stage == 0:
             x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long)
-        else:  # the residual stream between stages is fp32 (fp32 parameters; autocast leaves the residual adds)
-            x = torch.zeros(micro_batch_size, seq_len, config.hidden_size, requires_grad=True)
+        else:  # the residual stream between stages: fp32 under autocast (it leaves the residual adds), or FSDP2's dtype
+            x = torch.zeros(micro_batch_size, seq_len, config.hidden_size, dtype=param_dtype, requires_grad=True)
             received = x.nbytes
         own = [layer for layer in decoder_layers(model) if not isinstance(layer, PassThrough)]
         with count_saved(model, own) as saved:
             if stage > 0:
                 saved.skip(x)  # the receive buffer: counted with the pipeline's buffers
             with autocast:
-                output = module(x, position_ids=position_ids)
+                output = module(_Registered.apply(x) if fsdp and stage > 0 else x, position_ids=position_ids)
                 if stage == pp - 1:  # the step's loss_fn (train/step.py): target = [labels, segment ids]
                     labels, segments = torch.zeros(2, micro_batch_size, seq_len, dtype=torch.long)
                     weights, _ = loss_weights(labels, segments, "token")

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from isotrain.memory.measure import gradient_bytes, optimizer_bytes, parameter_bytes, storage_bytes
+from isotrain.memory.measure import (fsdp_buffers, fsdp_groups, gradient_bytes, optimizer_bytes, parameter_bytes,
+                                     storage_bytes)
 from isotrain.memory.saved import SavedBytes, count_saved
 
 
@@ -124,8 +125,11 @@ def measure_pipeline_terms(model: nn.Module, optimizer: torch.optim.Optimizer, o
     train_step(model, optimizer, steps[0], 1e-3, options, device,
                before_update=lambda: measured.update(gradients=gradient_bytes(model)))
     measured["optimizer moments"] = optimizer_bytes(optimizer)
-    with pipeline_saved(hf_model(model)) as peak:
+    with pipeline_saved(hf_model(model)) as peak, fsdp_buffers(hf_model(model)) as buffers:
         train_step(model, optimizer, steps[1], 1e-3, options, device)
+    if fsdp_groups(hf_model(model)):
+        measured["FSDP2 all-gather buffers"] = buffers["gathered"]
+        measured["FSDP2 reduce-scatter buffers"] = buffers["reduce"]
     measured["activations"] = peak.get("activations", 0)
     measured["compute copies"] = peak.get("compute_copies", 0)
     # (an earlier stage's HandOff is its "head": what it hands on is counted with the buffers, not as logits)

@@ -2,7 +2,17 @@
 
 Model states: the model built on meta and reduced to the stage by the run's own `apply_pp` (its decoder layers; the
 input embedding on the first stage, the final norm and the head on the last, a tied embedding on both), counted as
-for any rank (estimate.py `model_state_terms`).
+for any rank (estimate.py `model_state_terms`): split by TP's plan and FSDP2's padded dim-0 shards over the stage's
+dp_shard ranks, as without a pipeline. FSDP2's buffers are `fsdp_terms` of the stage's model: under 1F1B and GPipe
+the HF model is the stage's root (its embedding, or its final norm and head) over one group per layer, as without
+a pipeline, and each micro-batch's forward and backward gathers, frees and reduces them as one process's step does
+(the root's reduce at the end of each backward: its inputs, token ids or the received hidden states, reach it
+last), so the peaks are those of one micro-batch. Interleaved 1F1B beside FSDP2, whose stage roots keep their
+parameters and gradients gathered through the step (parallel/apply.py `shard_stages`), is refused.
+
+Under TP a stage's forward is one TP rank's (fake_forward.py `tp_rank_config`: its heads, MLP width and vocabulary
+slice, the logits sharded over the vocabulary); the hidden states between stages are whole on every TP rank. Under
+FSDP2 the stage computes in FSDP2's parameter dtype (no autocast copies), and sends its hidden states in it.
 
 Activations: one micro-batch's forward of the stage on fake tensors (fake_forward.py `fake_stage_forward`), times the
 micro-batches whose backward has not run yet at the schedule's worst moment (`microbatches_in_flight`), with m the
@@ -34,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from isotrain.errors import ConfigError
+from isotrain.memory.fsdp_buffers import fsdp_terms
 from isotrain.memory.terms import DTYPES, FP32_BYTES, Term, meta_model, model_state_terms
 from isotrain.parallel.dims import ParallelDims
 
@@ -83,14 +94,14 @@ def peak_in_flight(degrees: ParallelDims, rank: int, num_microbatches: int, byte
 
 
 def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
-    """The pipelines estimated: every schedule, beside DDP replicas, for SFT."""
+    """The pipelines estimated: every schedule beside DDP, FSDP2 (not interleaved) and TP, for SFT."""
     from isotrain.config import RLRunConfig
 
-    if degrees.fsdp or degrees.tp > 1:
-        named = f"parallel.dp_shard={degrees.dp_shard}" if degrees.fsdp else f"parallel.tp={degrees.tp}"
-        raise ConfigError(f"isotrain estimate-memory estimates pipeline stages beside DDP replicas only, not {named} "
-                          f"(parallel.pp={degrees.pp}); estimate the stage's layout with parallel.pp=1, or the "
-                          "pipeline with parallel.dp_shard=1 and parallel.tp=1")
+    if degrees.fsdp and degrees.pp_stages_per_rank > 1:
+        raise ConfigError(f"isotrain estimate-memory does not estimate parallel.pp_schedule=interleaved_1f1b beside "
+                          f"FSDP2 (parallel.dp_shard={degrees.dp_shard}) yet, whose stages keep their parameters and "
+                          "gradients gathered through the step; estimate it with parallel.pp_schedule=1f1b, or with "
+                          "parallel.dp_shard=1")
     if isinstance(cfg, RLRunConfig):
         raise ConfigError(f"isotrain estimate-memory estimates pipeline stages (parallel.pp={degrees.pp}) of SFT runs "
                           "only; estimate the RL run with parallel.pp=1")
@@ -104,11 +115,15 @@ def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str,
     from transformers import AutoModelForCausalLM
 
     _, compute = DTYPES[dtype]
+    lowp = compute != torch.float32
     kernel = attention_kernel(cfg.model.attn_implementation, config, AutoModelForCausalLM)
+    # FSDP2 casts the parameters to the compute dtype itself; DDP and TP runs use autocast (estimate.py's rule).
     return {stage: fake_stage_forward(config, kernel, stage=stage, pp=degrees.pp_stages, split=degrees.pp_split,
                                       device=device,
                                       micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
-                                      autocast_dtype=compute if compute != torch.float32 else None,
+                                      autocast_dtype=compute if lowp and not degrees.fsdp else None,
+                                      param_dtype=compute if degrees.fsdp else torch.float32, tp=degrees.tp,
+                                      fsdp=degrees.fsdp,
                                       activation_checkpointing=checkpointing)
             for stage in stages}
 
@@ -153,7 +168,7 @@ def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, ran
                     f"held at once in torch's order of their {m} micro-batches each")
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
     holds_last = last_stage in stages
-    return [*model_state_terms(model, config, degrees, dtype),
+    return [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),
             Term("activations", activations, f"saved for backward, {tokens} per micro-batch ({schedule})"
                  + (", layer inputs only (checkpointing)" if checkpointing else "")),
             Term("compute copies", sum(f[0].by_kind["compute_copies"] for f in forwards.values()),

@@ -54,7 +54,9 @@ def tp_split_dims(model, config) -> dict[str, int | None]:
             if regex.match(name):
                 by_module[name] = _STYLE_DIMS[style]
     module_names = {module: name for name, module in model.named_modules()}
-    by_module[module_names[model.get_input_embeddings()]] = (0, None)  # vocabulary rows
+    embedding = model.get_input_embeddings()
+    if embedding is not None:  # (a later pipeline stage has none: parallel/pp.py)
+        by_module[module_names[embedding]] = (0, None)  # vocabulary rows
     head = model.get_output_embeddings()
     if head is not None:
         by_module[module_names[head]] = (0, 0)  # column-parallel over the vocabulary

@@ -27,7 +27,7 @@ from isotrain.config import ModelConfig
 from isotrain.models.checks import attention_kernel
 from isotrain.models.loading import model_config, model_dir
 from isotrain.models.unwrap import model_tensors
-from isotrain.parallel.apply import parallelize, wrap_replicas
+from isotrain.parallel.apply import materialise_stage_roots, parallelize, wrap_replicas
 from isotrain.parallel.boxes import box_index, shard_spec
 from isotrain.parallel.dims import ParallelDims, check_model_fits
 from isotrain.parallel.mesh import ParallelState, single_process
@@ -125,6 +125,7 @@ def _materialise(model: nn.Module, device: torch.device) -> None:
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     shared = _shared_parameters(model)
     model.to_empty(device=device)
+    materialise_stage_roots(model, device)
     for module, key, first_module, first_key in shared:
         module._parameters[key] = first_module._parameters[first_key]
     with torch.no_grad():

@@ -37,7 +37,7 @@ from isotrain.parallel.cp import apply_cp
 from isotrain.parallel.dist import all_reduce_flat
 from isotrain.parallel.ep import apply_ep, expert_parameters, sync_expert_grads
 from isotrain.parallel.mesh import ParallelState
-from isotrain.parallel.pp import apply_pp
+from isotrain.parallel.pp import StageModule, apply_pp, keep_stage_roots, rank_stages, stage_roots
 
 
 def _sum_allreduce_hook(process_group, bucket):
@@ -84,17 +84,44 @@ def apply_fsdp(model: nn.Module, parallel: ParallelState, compute_dtype: torch.d
         mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     dp_mesh = parallel.dp_mesh()
     experts = set(expert_parameters(model)) or None  # sharded over "ep" already, reduced by sync_expert_grads
+    # Several pipeline stages on a rank: each its own root, gathered and freed by the schedule (shard_stages).
+    stages = parallel.dims.pp_stages_per_rank > 1
     for layer in decoder_layers(model):
         if next(layer.parameters(), None) is None:  # another pipeline stage's layer (parallel/pp.py PassThrough)
             continue
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts)
-    for module in model.modules():
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts,
+                    reshard_after_forward=False if stages else None)  # (None: FSDP2's default)
+    if stages:
+        shard_stages(model, parallel, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts)
+    else:
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=experts)
+    for module in [*model.modules(), *stage_roots(model)]:
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
             # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def shard_stages(model: nn.Module, parallel: ParallelState, **fsdp_kwargs) -> None:
+    """FSDP2 under an interleaved schedule (parallel/pp.py): each of this rank's stages becomes a root of its own, the
+    `StageModule` over the stage's view of `model` (whose decoder layers were sharded before, one unit each): its
+    embedding, or final norm and head, are the root's. As torchtitan's pipeline stages, a stage's parameters stay
+    gathered from the schedule's UNSHARD of the stage to its RESHARD (reshard_after_forward=False: no gather per
+    micro-batch), and its gradients accumulate unsharded over the step's micro-batches and are reduce-scattered
+    once, at the stage's REDUCE_GRAD. The roots are kept on the model (`stage_roots`), outside its module tree."""
+    dims = parallel.dims
+    stages = rank_stages(parallel.pp_rank, dims.pp, dims.pp_stages_per_rank, dims.pp_schedule)
+    keep_stage_roots(model, [fully_shard(StageModule(model, stage, dims.pp_stages, dims.pp_stages_per_rank,
+                                                     split=dims.pp_split),
+                                         reshard_after_forward=False, **fsdp_kwargs) for stage in stages])
+
+
+def materialise_stage_roots(model: nn.Module, device: torch.device) -> None:
+    """After `model.to_empty`: FSDP2 roots outside the model's tree (`shard_stages`) point their sharded parameters
+    at the new tensors (FSDPModule's `_apply` does it; `to_empty` on a root allocates its tensors once more)."""
+    for root in stage_roots(model):
+        root.to_empty(device=device)
 
 
 def apply_ddp(model: nn.Module, parallel: ParallelState) -> nn.Module:

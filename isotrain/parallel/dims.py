@@ -16,10 +16,11 @@ launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as 
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
 even share of the decoder layers or the counts of `pp_split` (parallel/pp.py), and every stage runs every
 micro-batch, so the DP size does not change with it. It composes with data and tensor parallelism (a `pp × dp × tp`
-mesh: DDP, FSDP2 or HSDP over the ranks of each stage, TP inside it); CP and EP beside it, and the interleaved
-schedule beside FSDP2, are refused (`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder
+mesh: DDP, FSDP2 or HSDP over the ranks of each stage, TP inside it); CP and EP beside it, and the zero-bubble
+schedules beside FSDP2, are refused (`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder
 layers, `pp × pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank,
-every layer sparse).
+every layer sparse). Under the interleaved schedule beside FSDP2 each stage of a rank is an FSDP2
+root of its own.
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -124,10 +125,10 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     dims = ParallelDims(**degrees, ep=getattr(cfg, "ep", 1), cp=cp, shard_one_rank=one_rank, pp=pp,
                         pp_schedule=schedule, cp_style=getattr(cfg, "cp_style", "ulysses"),
                         pp_stages_per_rank=per_rank, pp_split=tuple(split) if split is not None else None)
-    if dims.pp_stages_per_rank > 1 and dims.fsdp:
+    if dims.pp_stages_per_rank > 1 and dims.fsdp and schedule != "interleaved_1f1b":
         raise ConfigError(f"parallel.pp_schedule={schedule} with FSDP2 (parallel.dp_shard={cfg.dp_shard}) is "
-                          "not supported yet (a rank's stages share one FSDP2 root); set parallel.dp_shard=1 and use "
-                          "parallel.dp_replicate for the other ranks, or parallel.pp_schedule=1f1b")
+                          "not supported yet; set parallel.dp_shard=1 and use parallel.dp_replicate for the other "
+                          "ranks, or parallel.pp_schedule=interleaved_1f1b")
     if dims.world_size != world_size:
         names = [n for n in WORLD_NAMES if n not in ("cp", "pp") or getattr(dims, n) > 1]
         product = " × ".join(str(getattr(dims, n)) for n in names)

@@ -21,7 +21,13 @@ weight half (torch keeps the graph from one to the other); the gradients they ac
 Data parallelism beside it (a `pp × dp` mesh, parallel/mesh.py): the DP ranks of one stage hold the same stage and
 run different micro-batches. Every stage runs the Hugging Face model's own top-level forward, so that FSDP2, which
 wraps it as its root, gathers the root's tensors (embedding, final norm, head) there as it does without a pipeline;
-its gradients are reduce-scattered over the stage's DP ranks at every micro-batch's backward (a sum of sums). DDP
+its gradients are reduce-scattered over the stage's DP ranks at every micro-batch's backward (a sum of sums). A rank
+of several stages (interleaved) cannot share one root between them: each of its stages is an FSDP2 root of its own,
+the `StageModule` over that stage's view (`shard_stages`, parallel/apply.py), made once when FSDP2 is applied and
+kept on the model (`stage_roots`); the schedule then gathers and frees each stage's parameters itself (its UNSHARD
+and RESHARD actions), accumulates the stage's unsharded gradients over the step's micro-batches and reduce-scatters
+them once, after the stage's last backward (its REDUCE_GRAD: FSDP2's post-backward, the sum over the stage's DP
+ranks taken exactly once, never divided: SCALE_GRADS, and FSDP2's divide factor 1). DDP
 is not wrapped around a stage (a schedule bypasses its forward): the stage's gradients are summed over its DP
 replicas once, after the schedule (parallel/apply.py `sync_replica_grads`).
 
@@ -158,12 +164,27 @@ def stage_view(model: nn.Module, stage: int, num_stages: int, split: Sequence[in
     own = stage_layers(len(base.layers), num_stages, stage, split)
     view_base._modules["layers"] = nn.ModuleList(
         [layer if index in own else PassThrough() for index, layer in enumerate(base.layers)])
-    if stage > 0:  # (a later stage is given hidden states)
+    # A later stage is given hidden states; the last keeps a tied embedding's module, whose weight is its head's, so
+    # that an FSDP2 root over the view (parallel/apply.py shard_stages) holds both of the weight's slots.
+    if stage > 0 and not (stage == num_stages - 1 and ties_embeddings(model)):
         view_base._modules["embed_tokens"] = None
     if stage < num_stages - 1:
         view_base._modules["norm"] = nn.Identity()
         view._modules["lm_head"] = HandOff()
     return view
+
+
+STAGE_ROOTS = "_isotrain_stage_roots"  # an attribute of the Hugging Face model, not a submodule (names unchanged)
+
+
+def stage_roots(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 roots of this rank's stages (interleaved schedules beside FSDP2: one `StageModule` per stage, kept
+    outside the model's module tree so that its parameter names stay one process's); [] for any other layout."""
+    return model.__dict__.get(STAGE_ROOTS, [])
+
+
+def keep_stage_roots(model: nn.Module, roots: list[nn.Module]) -> None:
+    model.__dict__[STAGE_ROOTS] = list(roots)
 
 
 def tied_parameters(model: nn.Module, stage: int, pp: int, schedule: str = "1f1b") -> list[nn.Parameter]:
@@ -282,9 +303,13 @@ class Pipeline:
 
         num_stages = self.pp * self.per_rank
         # (a V-shaped schedule tells its stages their ranks itself, as the forward-only `_v_forwards` does)
-        return [PipelineStage(StageModule(model, stage, num_stages, self.per_rank, self, self.split), stage,
-                              num_stages, device, group=self.group)
-                for stage in rank_stages(self.stage, self.pp, self.per_rank, self.schedule)]
+        stages = rank_stages(self.stage, self.pp, self.per_rank, self.schedule)
+        modules = stage_roots(model) or [StageModule(model, stage, num_stages, self.per_rank, split=self.split)
+                                         for stage in stages]
+        for module in modules:
+            module.owner = self
+        return [PipelineStage(module, stage, num_stages, device, group=self.group)
+                for module, stage in zip(modules, stages, strict=True)]
 
     def _build(self, model: nn.Module, num_microbatches: int, device: torch.device, backward: bool = True):
         """A stage and schedule for `num_microbatches`; `backward=False`: forward only (no loss function)."""

@@ -65,10 +65,6 @@ def test_layers_split_evenly_in_order():
      "parallel.pp_stages_per_rank=1"),
     (dict(pp_stages_per_rank=2), "parallel.pp_stages_per_rank=2 needs a pipeline; set parallel.pp to 2 or more, or "
      "parallel.pp_stages_per_rank=1"),
-    (dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, dp_shard=2, dp_replicate=1),
-     "parallel.pp_schedule=interleaved_1f1b with FSDP2 (parallel.dp_shard=2) is not supported yet (a rank's stages "
-     "share one FSDP2 root); set parallel.dp_shard=1 and use parallel.dp_replicate for the other ranks, or "
-     "parallel.pp_schedule=1f1b"),
     (dict(pp=2, cp=2), "parallel.pp=2 with parallel.cp=2 is not supported yet (pipeline parallelism composes with data "
      "and tensor parallelism only); set parallel.cp=1 and use parallel.dp_shard, parallel.dp_replicate or "
      "parallel.tp for the other ranks, or parallel.pp=1"),
@@ -153,16 +149,18 @@ def test_config_show_refuses_more_interleaved_stages_than_layers(capsys):
                           "parallel.pp_schedule=1f1b with parallel.pp_stages_per_rank=1")
 
 
-def test_estimate_memory_estimates_pipeline_stages_and_refuses_fsdp2_beside_them(capsys):
+def test_estimate_memory_estimates_pipeline_stages_and_refuses_interleaved_fsdp2(capsys):
     args = ["estimate-memory", *TINY, "parallel.pp=2", "train.global_batch_size=8", "train.micro_batch_size=2",
             "--world-size", "2"]
     proc = cli(capsys, args)
     assert proc.returncode == 0, proc.stderr
     assert "stage 0 MiB" in proc.stdout and "stage 1 MiB" in proc.stdout
-    proc = cli(capsys, [*args[:-2], "parallel.dp_shard=2", "--world-size", "4"])
-    assert_error_sentence(proc, "isotrain estimate-memory estimates pipeline stages beside DDP replicas only, not "
-                          "parallel.dp_shard=2 (parallel.pp=2); estimate the stage's layout with parallel.pp=1, or "
-                          "the pipeline with parallel.dp_shard=1 and parallel.tp=1")
+    proc = cli(capsys, [*args[:-2], "model.config.num_hidden_layers=4", "parallel.pp_schedule=interleaved_1f1b",
+                        "parallel.pp_stages_per_rank=2", "parallel.dp_shard=2", "--world-size", "4"])
+    assert_error_sentence(proc, "isotrain estimate-memory does not estimate parallel.pp_schedule=interleaved_1f1b "
+                          "beside FSDP2 (parallel.dp_shard=2) yet, whose stages keep their parameters and gradients "
+                          "gathered through the step; estimate it with parallel.pp_schedule=1f1b, or with "
+                          "parallel.dp_shard=1")
 
 
 def test_config_show_refuses_more_stages_than_layers(capsys):

@@ -3,11 +3,11 @@
     memory_worker.py OUT.json LAYOUT [LAYOUT ...]
 
     LAYOUT: [moe-|mixtral-]RxSxT[-epN][-cN][-vN][-ulyssesN|-ringN][-ppN[-gpipe|-interleaved|-izb|-zbv|-dualpipev]
-            [-splitA+B...][-tied]][-fp32]
+            [-splitA+B...][-tied]][-fp32|-bf16]
         dp_replicate x dp_shard x tp, expert parallel N, chunked loss of N tokens, vocabulary N instead of 64,
         context parallel N in that style, a pipeline of N ranks (1f1b or gpipe with PP_MICROBATCHES micro-batches
         per step, or interleaved 1f1b: 2 stages per rank, 2N layers, 2N micro-batches; tied input and output
-        embeddings), fp32 without checkpointing only (else fp32 and bf16, checkpointing none and full)
+        embeddings), fp32 or bf16 without checkpointing only (else fp32 and bf16, checkpointing none and full)
 
 For each layout and each of fp32 / bf16 × activation checkpointing none / full: build the tiny model (a
 Llama, or with `moe-` a qwen3_moe, with `mixtral-` a mixtral, of 4 experts, top-2) with isotrain's builder, run one real `train_step`
@@ -158,10 +158,12 @@ def main() -> None:
     info = init_distributed()
     tokenizer = train_tokenizer(["0123456789 abcdefghij+="] * 4, "char", 64)
     rows = []
-    # `-fp32`: fp32 without checkpointing only (a 4-process layout, kept short)
+    # `-fp32` / `-bf16`: that dtype without checkpointing only (a 4-process layout, kept short)
+    only = {"fp32": "float32", "bf16": "bfloat16"}
     variants = [(layout, dtype, checkpointing) for layout in layouts for dtype in ("float32", "bfloat16")
                 for checkpointing in ("none", "full")
-                if "fp32" not in layout.split("-") or (dtype, checkpointing) == ("float32", "none")]
+                if not {*only} & {*layout.split("-")}
+                or (checkpointing == "none" and dtype in {only[part] for part in layout.split("-") if part in only})]
     for layout, dtype, checkpointing in variants:
         cfg = run_config(layout, dtype, checkpointing)
         measured, stage = measure(cfg, info, tokenizer)

@@ -209,7 +209,8 @@ def test_estimate_memory_command_shows_every_pipeline_stage_and_refuses_what_it_
     assert 4 * first[0] == 2 * first[1]  # 1F1B: min(2 - 0, 4) in flight on the first stage; GPipe: all 4
     interleaved = run_isotrain([*args, "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"])
     assert interleaved.returncode == 0 and "rank 0 MiB" in interleaved.stdout, interleaved.stderr[-2000:]
-    proc = run_isotrain([*args, "parallel.dp_shard=2", "--world-size", "4"])
+    proc = run_isotrain([*args, "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
+                         "parallel.dp_shard=2", "--world-size", "4"])
     assert proc.returncode == 2 and "parallel.dp_shard=2" in proc.stderr and "Traceback" not in proc.stderr
 
 

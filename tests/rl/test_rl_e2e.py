@@ -102,7 +102,7 @@ def rl_arguments(sft_dir, run_dir, overrides: list[str]) -> list[str]:
 
 
 def rl_command(sft_dir, run_dir, overrides: list[str], nproc: int = 1) -> list[str]:
-    """The ordinary launch (`python -m isotrain`, torchrun), for the runs that are killed."""
+    """The ordinary launch (`python -m isotrain`, torchrun): the vLLM tests find and kill its engine process."""
     args = ["-m", "isotrain", *rl_arguments(sft_dir, run_dir, overrides)]
     if nproc == 1:
         return [sys.executable, *args]

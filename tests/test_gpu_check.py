@@ -9,35 +9,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import HANG_S, REPO, run_concurrently, subprocess_env
+from helpers import HANG_S, REPO, subprocess_env
 
 TOOLS = ["minimal loop", "isotrain eager", "HF Trainer", "isotrain packed", "isotrain packed varlen",
          "minimal loop (again)"]
 
 
-def dry_run(script: str, out, *more: str) -> tuple[subprocess.CompletedProcess, Path]:
-    proc = subprocess.run([sys.executable, script, "--dry-run", "--out", str(out), *more], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=HANG_S)
-    return proc, out
-
-
-@pytest.fixture(scope="module")
-def dry_runs(tmp_path_factory):
-    """{name: (process, output folder)} of the two dry runs: independent processes, run side by side (one per
-    core); each test checks its own."""
-    root = tmp_path_factory.mktemp("dry-runs")
-    return run_concurrently({
-        "check": lambda: dry_run("bench/gpu_check.py", root / "out"),
-        "profile": lambda: dry_run("bench/gpu_profile.py", root / "profile", "--tools", "isotrain eager")})
-
-
 @pytest.mark.slow
-def test_dry_run_writes_every_part(dry_runs):
-    proc, out = dry_runs["check"]
+def test_dry_run_writes_every_part(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(out)], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu_check.json").read_text())
     assert result["dry_run"] and result["environment"]["device"] == "cpu"
@@ -77,8 +62,11 @@ def test_without_a_gpu_and_without_dry_run_it_says_what_to_do(tmp_path):
 
 
 @pytest.mark.slow
-def test_step_profile_dry_run_puts_the_step_into_categories(dry_runs):
-    proc, out = dry_runs["profile"]
+def test_step_profile_dry_run_puts_the_step_into_categories(tmp_path):
+    out = tmp_path / "profile"
+    proc = subprocess.run([sys.executable, "bench/gpu_profile.py", "--dry-run", "--out", str(out), "--tools",
+                           "isotrain eager"], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((out / "gpu_profile.json").read_text())
     [row] = result["rows"]

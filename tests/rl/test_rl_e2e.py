@@ -225,8 +225,8 @@ def test_sampled_score_rises_on_the_bundled_task(sft, learning_runs):
     # expected 0.228), DAPO seed 0: expected accuracy +0.024, greedy +0.5 points, sampled score 0.356 -> 0.410
     # (+0.054). So 40 steps on the bundled task reliably raise the reward the policy is trained on (DAPO's
     # sampled score: +0.054 to +0.067 on every start and seed measured), but not the held-out accuracy, whose
-    # change depends on the start; it is reported in the message, not asserted. Held-out learning is asserted on the learnable reward (test_reward_rises), and
-    # GRPO's rise, absent at seed 1, is checked there too.
+    # change depends on the start; it is reported in the message, not asserted. Held-out learning is asserted
+    # on the learnable reward (test_reward_rises), and GRPO's rise, absent at seed 1, is checked there too.
     assert last >= first + 0.025, summary
 
 

@@ -250,3 +250,36 @@ def _run_forked_once(nproc: int, argv: list[str], timeout: float, cwd, script) -
         stdout, stderr = ("".join(path.read_text() for path in paths if path.exists()) for paths in (logs, errs))
     code = next((c if c is not None else -signal.SIGKILL for c in codes if c != 0), 0)
     return subprocess.CompletedProcess([str(script) if script else "isotrain", *argv], code, stdout, stderr)
+
+
+def kill_forked_after_commit(nproc: int, argv: list[str], run_dir, step: int, cwd=REPO) -> list[Path]:
+    """`isotrain argv` on `nproc` forked ranks, every rank SIGKILLed at once as soon as checkpoint `step` is
+    committed (helpers.kill_after_commit does the same to an ordinary launch, paying its start-up).
+
+    Checkpoints committed after it (the kill came a little late) are deleted, so `step` is the newest; they are
+    returned."""
+    target = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+    for _ in range(3):
+        with tempfile.TemporaryDirectory(prefix="isotrain-killed-") as tmp:
+            logs = [Path(tmp) / f"rank{rank}.txt" for rank in range(nproc)]
+            forked = fork_ranks(shared_zygote(), nproc, argv, logs, cwd=cwd)
+            try:
+                deadline = time.monotonic() + HANG_S
+                while not target.is_dir() and forked.running():  # a step directory appears only by the rename
+                    assert time.monotonic() < deadline, "the run never committed its checkpoint"
+                    time.sleep(0.002)
+                if target.is_dir():
+                    forked.kill()
+                    break
+                forked.wait(HANG_S)
+                output = forked.output()
+            finally:
+                forked.close()
+        # It ended before the commit: only a port taken in the rendezvous (nothing written yet) is tried again.
+        assert nproc > 1 and PORT_TAKEN in output, output[-3000:]
+    else:
+        raise AssertionError(f"the rendezvous port was taken 3 times: {output[-3000:]}")
+    later = [p for p in target.parent.glob("step-*") if p.name > target.name and "." not in p.name]
+    for path in later:
+        shutil.rmtree(path)
+    return later

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from helpers import kill_after_commit, model_weights, rewrite_as_sha256_manifest, run_concurrently
+from helpers import model_weights, rewrite_as_sha256_manifest, run_concurrently
 from isotrain.ckpt.export import export_checkpoint
 from isotrain.checkpoint.layout import write_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
@@ -28,7 +28,7 @@ from isotrain.config import load_config
 from isotrain.errors import CheckpointError
 from isotrain.models.expert_keys import expert_format, fused_name
 from isotrain.recipes.sft import train
-from test_resume import command, metrics, run
+from test_resume import kill_after_checkpoint, metrics, run
 
 SHAPE = ["model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=2",
          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
@@ -234,7 +234,7 @@ def test_tensor_parallel_moe_saves_the_per_expert_keys_and_loads_in_transformers
 @pytest.mark.slow
 def test_a_sigkill_under_expert_parallel_resumes_byte_identically(tmp_path, saved_on):
     straight, resumed = saved_on["ep2"], tmp_path / "resumed"
-    kill_after_commit(command("ep2", resumed, *moe("qwen3_moe"), *SHORT), resumed, 3)
+    kill_after_checkpoint("ep2", resumed, 3, *moe("qwen3_moe"), *SHORT)
     proc = run("ep2", resumed, *moe("qwen3_moe"), *SHORT)
     assert "resumed from" in proc.stdout and "step-00000003" in proc.stdout
     final_a, final_b = straight / "checkpoints" / "step-00000006", resumed / "checkpoints" / "step-00000006"

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import COUNTED, kill_after_commit, model_weights, run_concurrently, torchrun
-from zygote import run_forked_ranks, run_isotrain
+from helpers import COUNTED, model_weights, run_concurrently
+from zygote import kill_forked_after_commit, run_forked_ranks, run_isotrain
 from isotrain.checkpoint.layout import write_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -54,15 +53,6 @@ def arguments(layout: str, run_dir, *more: str) -> list[str]:
     return ["train", *TINY, *LAYOUTS[layout][1], f"output_dir={run_dir}", *more]
 
 
-def command(layout: str, run_dir, *more: str) -> list[str]:
-    """The ordinary launch (`python -m isotrain`, torchrun), for the runs that are killed."""
-    nproc = LAYOUTS[layout][0]
-    args = ["-m", "isotrain", *arguments(layout, run_dir, *more)]
-    if nproc == 1:
-        return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-
-
 def run(layout: str, run_dir, *more: str) -> subprocess.CompletedProcess:
     """A run to its end, its ranks forked from a process that has done the imports (tests/zygote.py)."""
     proc = run_forked_ranks(LAYOUTS[layout][0], arguments(layout, run_dir, *more))
@@ -78,19 +68,25 @@ def tensor_files(checkpoint) -> list[str]:
     return sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*.safetensors"))
 
 
-def kill_after_checkpoint(layout: str, run_dir, step: int) -> None:
-    """Start a run and SIGKILL every one of its processes as soon as checkpoint `step` is committed."""
-    later = kill_after_commit(command(layout, run_dir), run_dir, step)
+def kill_after_checkpoint(layout: str, run_dir, step: int, *more: str) -> None:
+    """Start a run (forked ranks) and SIGKILL every one of its processes as soon as checkpoint `step` is committed.
+    A run of the ordinary launch (`python -m isotrain`, torchrun) after such kills: tests/checkpoint/test_crash.py."""
+    later = kill_forked_after_commit(LAYOUTS[layout][0], arguments(layout, run_dir, *more), run_dir, step)
     assert not (run_dir / "model").exists() or later
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["single", "ddp2", "fsdp2", "tp2", "pp2", "pp2tied", "pp2fsdp2"])
-def test_sigkill_then_resume_is_byte_identical(tmp_path, layout):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    # Independent runs: side by side, one per core.
-    run_concurrently({"straight": lambda: run(layout, straight),
-                      "killed": lambda: kill_after_checkpoint(layout, resumed, 8)})
+def test_sigkill_then_resume_is_byte_identical(tmp_path, request, layout):
+    resumed = tmp_path / "resumed"
+    if layout == "fsdp2":  # the uninterrupted run is the module's reference
+        straight = request.getfixturevalue("fsdp2_reference")
+        kill_after_checkpoint(layout, resumed, 8)
+    else:
+        straight = tmp_path / "straight"
+        # Independent runs: side by side, one per core.
+        run_concurrently({"straight": lambda: run(layout, straight),
+                          "killed": lambda: kill_after_checkpoint(layout, resumed, 8)})
     proc = run(layout, resumed)
     assert "resumed from" in proc.stdout and "step-00000008" in proc.stdout
     final_a, final_b = straight / "checkpoints" / "step-00000012", resumed / "checkpoints" / "step-00000012"
@@ -141,8 +137,8 @@ def test_resume_on_another_layout_continues_the_same_run(tmp_path, fsdp2_referen
 def test_load_only_model_starts_a_new_run_from_themodel_weights(tmp_path, fsdp2_reference):
     source = fsdp2_reference / "checkpoints" / "step-00000008"
     run_dir = tmp_path / "fresh"
-    proc = torchrun(1, ["-m", "isotrain", "train", *TINY, "train.micro_batch_size=4", "train.max_steps=2",
-                        f"output_dir={run_dir}", f"checkpoint.resume={source}", "checkpoint.load_only=model"])
+    proc = run_isotrain(["train", *TINY, "train.micro_batch_size=4", "train.max_steps=2", f"output_dir={run_dir}",
+                         f"checkpoint.resume={source}", "checkpoint.load_only=model"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "started from the weights of" in proc.stdout
     rows = metrics(run_dir)
@@ -168,7 +164,7 @@ def test_a_resume_that_changes_the_math_is_refused(tmp_path, fsdp2_reference):
 def test_async_saves_write_the_same_bytes_as_sync_saves(tmp_path, fsdp2_reference):
     run_dir = tmp_path / "async"
     nproc, extra = LAYOUTS["fsdp2"]
-    proc = torchrun(nproc, ["-m", "isotrain", "train", *TINY, *extra, "checkpoint.async=true", f"output_dir={run_dir}"])
+    proc = run_forked_ranks(nproc, ["train", *TINY, *extra, "checkpoint.async=true", f"output_dir={run_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     for step in (8, 12):
         a = fsdp2_reference / "checkpoints" / f"step-{step:08d}"

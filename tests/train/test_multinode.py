@@ -21,11 +21,11 @@ import pytest
 import torch.distributed as dist
 
 from helpers import HANG_S, REPO, TINY_RUN, counted_metrics, failure, model_weights, run_concurrently, \
-    subprocess_env, torchrun
+    subprocess_env
 from isotrain.checkpoint.layout import committed, leftovers, read_latest
 from isotrain.checkpoint.manifest import read_manifest, verify_checkpoint
 from isotrain.train.run_dir import SHARED_PROBE
-from zygote import run_isotrain
+from zygote import run_forked_ranks, run_isotrain
 
 MAX_STEPS = 4
 # HSDP, the usual layout of several machines: FSDP2 within a node, replicas across nodes. Every rank owns a share
@@ -65,10 +65,11 @@ def checkpoint_files(directory: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 def test_two_nodes_of_two_processes_equal_the_four_process_run(tmp_path):
     cache = tmp_path / "cache"
-    # The one-node run is independent of the two nodes: it runs beside them (the longer launch first).
+    # The one-node run is independent of the two nodes: it runs beside them (the longer launch first), its ranks
+    # forked (tests/zygote.py): torchrun is what the nodes test.
     runs = run_concurrently({
         "nodes": lambda: two_nodes(train_args(tmp_path / "multi", cache), [REPO, REPO]),
-        "single": lambda: torchrun(4, train_args(tmp_path / "single", cache))})
+        "single": lambda: run_forked_ranks(4, train_args(tmp_path / "single", cache)[2:])})
     for proc in [*runs["nodes"], runs["single"]]:
         assert proc.returncode == 0, failure(proc)
     multi, single = tmp_path / "multi", tmp_path / "single"

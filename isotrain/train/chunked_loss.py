@@ -168,8 +168,8 @@ def check_head_is_linear(model: nn.Module, device: torch.device) -> None:
     lm = hf_model(model)
     position_ids = torch.arange(8, device=device).repeat(2, 1)
     if lm.get_input_embeddings() is None:  # a later pipeline stage
-        size = lm.config.hidden_size
-        inputs = {"inputs_embeds": torch.linspace(-1, 1, 16 * size, device=device).reshape(2, 8, size)}
+        size, dtype = lm.config.hidden_size, next(lm.parameters()).dtype
+        inputs = {"inputs_embeds": torch.linspace(-1, 1, 16 * size, dtype=dtype, device=device).reshape(2, 8, size)}
     else:
         inputs = {"input_ids": (torch.arange(16, device=device).reshape(2, 8) * 7 + 3) % lm.config.vocab_size}
     kwargs = {**inputs, "position_ids": position_ids, **attention_kwargs(model, position_ids, False)}

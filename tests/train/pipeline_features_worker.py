@@ -4,7 +4,8 @@ the chunked cross-entropy, LoRA adapters, compiled decoder layers. Rank 0 saves 
     pipeline_features_worker.py OUT.pt CASE[,CASE...]      (2 gloo processes: PP 2, 1F1B, 4 micro-batches)
 
 CASE is `name:dtype[:reduction]`, e.g. `chunk:float64:sequence`, `lora:float32`, `compile:float32` (`plain`: none
-of them; `chunk_moe`: the chunked loss on a 2-layer Qwen3-MoE, with its router terms); results[CASE] holds the losses
+of them; `chunk_moe`: the chunked loss on a 2-layer Qwen3-MoE, with its router terms; a name ending in
+`_interleaved` runs under interleaved 1F1B, 2 stages per rank); results[CASE] holds the losses
 and gradient norms of the steps, the first step's gradients and the final weights of the trained parameters and the
 frozen ones (every stage's, by name). `lora_head` adapts the head alone, which leaves the first stage nothing to
 train: results[CASE] = {"error": [each rank's message]}. `backend=NAME` compiles with that torch.compile backend.
@@ -44,6 +45,7 @@ def run_case(parallel, case: str, micro_batch: int, chunk_tokens: int | None = N
     """One case on this rank's layout. `chunk_tokens` overrides the case's (None: CHUNK_TOKENS for `chunk`, else 0)."""
     name, dtype, *reduction = case.split(":")
     reduction = reduction[0] if reduction else "token"
+    name = name.removesuffix("_interleaved")  # (the schedule is the layout's)
     if chunk_tokens is None:
         chunk_tokens = CHUNK_TOKENS if name.startswith("chunk") else 0
     moe = name.endswith("_moe")  # an MoE model: its router terms too (the global scope's pre-pass through the stages)
@@ -107,8 +109,12 @@ def compile_with(backend: str) -> None:
 def main(out: str, cases: list[str]) -> None:
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
-    parallel = build_parallel(ParallelDims(1, 1, 1, pp=info.world_size, pp_schedule="1f1b"), info.device, info.rank)
-    results = {case: run_case(parallel, case, micro_batch=2) for case in cases}
+    results = {}
+    for case in cases:  # `_interleaved`: interleaved 1F1B, 2 one-layer stages per rank
+        per_rank = 2 if case.split(":")[0].endswith("_interleaved") else 1
+        dims = ParallelDims(1, 1, 1, pp=info.world_size, pp_schedule="interleaved_1f1b" if per_rank > 1 else "1f1b",
+                            pp_stages_per_rank=per_rank)
+        results[case] = run_case(build_parallel(dims, info.device, info.rank), case, micro_batch=2)
     shutdown_distributed()
     if info.is_main:
         torch.save(results, out)

@@ -5,7 +5,8 @@ the chunked cross-entropy, LoRA adapters, compiled decoder layers. Rank 0 saves 
 
 CASE is `name:dtype[:reduction]`, e.g. `chunk:float64:sequence`, `lora:float32`, `compile:float32` (`plain`: none
 of them; `chunk_moe`: the chunked loss on a 2-layer Qwen3-MoE, with its router terms; a name ending in
-`_interleaved` runs under interleaved 1F1B, 2 stages per rank); results[CASE] holds the losses
+`_interleaved` runs under interleaved 1F1B, 2 stages per rank; a case ending in `@RxSxT` runs PP 2 beside
+dp_replicate R, dp_shard S, tp T: 8 / (2 · DP) micro-batches of 2 per DP rank); results[CASE] holds the losses
 and gradient norms of the steps, the first step's gradients and the final weights of the trained parameters and the
 frozen ones (every stage's, by name). `lora_head` adapts the head alone, which leaves the first stage nothing to
 train: results[CASE] = {"error": [each rank's message]}. `backend=NAME` compiles with that torch.compile backend.
@@ -15,6 +16,7 @@ test_equivalence.py's (variable lengths, padding, masked prompts, one packed sam
 
 from __future__ import annotations
 
+import math
 import sys
 from types import SimpleNamespace
 
@@ -110,11 +112,13 @@ def main(out: str, cases: list[str]) -> None:
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
     results = {}
-    for case in cases:  # `_interleaved`: interleaved 1F1B, 2 one-layer stages per rank
-        per_rank = 2 if case.split(":")[0].endswith("_interleaved") else 1
-        dims = ParallelDims(1, 1, 1, pp=info.world_size, pp_schedule="interleaved_1f1b" if per_rank > 1 else "1f1b",
-                            pp_stages_per_rank=per_rank)
-        results[case] = run_case(build_parallel(dims, info.device, info.rank), case, micro_batch=2)
+    for case in cases:  # `_interleaved`: interleaved 1F1B, 2 one-layer stages per rank; `@RxSxT`: beside DP and TP
+        name, _, layout = case.partition("@")
+        degrees = tuple(int(x) for x in layout.split("x")) if layout else (1, 1, 1)
+        per_rank = 2 if name.split(":")[0].endswith("_interleaved") else 1
+        dims = ParallelDims(*degrees, pp=info.world_size // math.prod(degrees), pp_stages_per_rank=per_rank,
+                            pp_schedule="interleaved_1f1b" if per_rank > 1 else "1f1b")
+        results[case] = run_case(build_parallel(dims, info.device, info.rank), name, micro_batch=2)
     shutdown_distributed()
     if info.is_main:
         torch.save(results, out)

@@ -20,6 +20,7 @@ losses and writes one process's checkpoint, whose adapter, exported, loads in pe
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def pipeline(tmp_path_factory) -> dict:
     return torch.load(out)
 
 
+@functools.cache
 def single(case: str, chunk_tokens: int | None = None) -> dict:
+    """One process's run of `case` (the tests only read it)."""
     from pipeline_features_worker import run_case
 
     torch.use_deterministic_algorithms(True)
@@ -73,8 +76,9 @@ def test_chunked_loss_on_the_last_stage_matches_one_process(pipeline, case):
     """The last stage computes each micro-batch's Σ w·ℓ in chunks of 7 trained tokens inside its forward (no whole
     logits); the same as one process without chunks, and in fp64 as one process with them. An MoE model's objective
     includes its router terms (each stage's, beside the chunked loss; the routing pre-pass forms no logits)."""
-    dtype = case.split(":")[1]
-    assert_matches(pipeline[case], single(case, chunk_tokens=0), dtype)
+    name, dtype, *reduction = case.split(":")
+    dense = name != "chunk_moe"
+    assert_matches(pipeline[case], single(":".join(["plain" if dense else name, dtype, *reduction]), 0), dtype)
     if case == "chunk:float64":
         assert_matches(pipeline[case], single(case), dtype)
 
@@ -84,7 +88,7 @@ def test_chunked_loss_on_the_last_stage_matches_one_process(pipeline, case):
 def test_lora_under_pp2_matches_one_process(pipeline, case):
     """Each stage's adapters start as one process's (added as part of the whole model), only they train, and the
     frozen weights stay those of one process."""
-    result, reference = pipeline[case], single(case)
+    result, reference = pipeline[case], single(case.replace("_interleaved", ""), 0)
     assert_matches(result, reference, case.split(":")[1])
     assert result["weights"] and all(".lora_A." in name or ".lora_B." in name for name in result["weights"])
     assert result["frozen"].keys() == reference["frozen"].keys()
@@ -93,7 +97,21 @@ def test_lora_under_pp2_matches_one_process(pipeline, case):
 
 @pytest.mark.slow
 def test_compiled_layers_under_pp2_match_one_process_eager(pipeline):
-    assert_matches(pipeline["compile:float64"], single("plain:float64", chunk_tokens=0), "float64")
+    assert_matches(pipeline["compile:float64"], single("plain:float64", 0), "float64")
+
+
+@pytest.mark.slow
+def test_the_chunked_loss_and_lora_beside_fsdp2_and_ddp_match_one_process(tmp_path):
+    """4 processes: PP 2 × FSDP2 2 (the last stage's head gathered by FSDP2 inside its forward, where the chunks run)
+    and PP 2 × DDP 2 with the chunked loss, PP 2 × DDP 2 with LoRA (each stage's adapters summed over its replicas)."""
+    cases = ["chunk:float64@1x2x1", "chunk:float64@2x1x1", "lora:float64@2x1x1"]
+    out = tmp_path / "results.pt"
+    proc = run_forked_ranks(4, [str(out), ",".join(cases)], script=WORKER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = torch.load(out)
+    for case in cases:
+        name = case.partition(":")[0]
+        assert_matches(results[case], single("plain:float64" if name == "chunk" else "lora:float64", 0), "float64")
 
 
 @pytest.mark.slow

@@ -769,7 +769,8 @@ class RolloutConfig(Section):
 
 
 class LoraConfig(Section):
-    r: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight.")
+    r: int = Field(0, ge=0, description="LoRA rank; 0 trains every weight. On one process, DDP replicas or pipeline "
+                   "stages (parallel.pp), not FSDP2 or TP.")
     alpha: int = Field(16, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] = Field(
@@ -844,19 +845,8 @@ class TrainRunConfig(RunConfig):
 
     @model_validator(mode="after")
     def _pipeline_fields(self) -> TrainRunConfig:
-        """What pipeline parallelism is not built with yet: the chunked loss (it runs the head itself), LoRA,
-        torch.compile (untested on stages), the MoE `micro_batch` scope."""
+        """What pipeline parallelism is not built with yet: the MoE `micro_batch` scope."""
         pp = self.parallel.pp
-        if pp > 1 and self.train.compile:
-            raise ValueError(f"train.compile=true is not supported with parallel.pp={pp} yet; set "
-                             "train.compile=false or parallel.pp=1")
-        if pp > 1 and self.train.loss_chunk_tokens:
-            raise ValueError(f"train.loss_chunk_tokens={self.train.loss_chunk_tokens} is not supported with "
-                             f"parallel.pp={pp} yet (the last stage computes the whole cross-entropy); set "
-                             "train.loss_chunk_tokens=0 or parallel.pp=1")
-        if pp > 1 and self.lora.r:
-            raise ValueError(f"lora.r={self.lora.r} is not supported with parallel.pp={pp} yet; set lora.r=0 or "
-                             "parallel.pp=1")
         if pp > 1 and self.moe.aux_loss_scope == "micro_batch":
             raise ValueError(f"moe.aux_loss_scope=micro_batch is not supported with parallel.pp={pp} yet (the stages "
                              "form the router terms of the global scope only); set moe.aux_loss_scope=global or "

@@ -292,7 +292,8 @@ class CheckpointManager:
         embedding = model.get_input_embeddings()  # (none on a stage in between: parallel/pp.py)
         if not ties_embeddings(model) or embedding is None:
             return frozenset()
-        return frozenset(name for name, t in model_tensors(self.model).items() if t is embedding.weight)
+        # (Hugging Face names, as the files hold them: a LoRA model's weight files hold its merged weights)
+        return frozenset(name for name, t in model_tensors(model).items() if t is embedding.weight)
 
     def _other_stages_tensors(self) -> frozenset[str]:
         """Under pipeline parallelism, the names of the tensors the other stages hold (gathered from every rank)."""

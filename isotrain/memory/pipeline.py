@@ -94,7 +94,8 @@ def peak_in_flight(degrees: ParallelDims, rank: int, num_microbatches: int, byte
 
 
 def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
-    """The pipelines estimated: every schedule beside DDP, FSDP2 (not interleaved) and TP, for SFT."""
+    """The pipelines estimated: every schedule beside DDP, FSDP2 (not interleaved) and TP, for SFT without the
+    chunked loss."""
     from isotrain.config import RLRunConfig
 
     if degrees.fsdp and degrees.pp_stages_per_rank > 1:
@@ -105,6 +106,10 @@ def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
     if isinstance(cfg, RLRunConfig):
         raise ConfigError(f"isotrain estimate-memory estimates pipeline stages (parallel.pp={degrees.pp}) of SFT runs "
                           "only; estimate the RL run with parallel.pp=1")
+    if cfg.train.loss_chunk_tokens:
+        raise ConfigError(f"isotrain estimate-memory estimates pipeline stages (parallel.pp={degrees.pp}) with the "
+                          f"whole logits only, not train.loss_chunk_tokens={cfg.train.loss_chunk_tokens}; estimate "
+                          "with train.loss_chunk_tokens=0 (an upper bound for the last stage)")
 
 
 def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str, stages: list[int],

@@ -8,6 +8,7 @@ peft is an optional dependency, imported inside each function that needs it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from torch import nn
 from isotrain.errors import ConfigError
 from isotrain.models.unwrap import unwrap
 from isotrain.models.weights import sync_named_tensors
+from isotrain.parallel.pp import whole_model
 
 
 def _import_peft():
@@ -33,31 +35,44 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return sorted({name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, nn.Linear)})
 
 
-def apply_lora(model: nn.Module, r: int, alpha: int, target_modules: list[str], dropout: float = 0.0):
+def apply_lora(model: nn.Module, r: int, alpha: int, target_modules: list[str], dropout: float = 0.0,
+               skeleton: nn.Module | None = None):
     """A peft `PeftModel` with LoRA adapters (rank r, scale alpha / r) on the named linear layers.
 
     Only the adapters train; the base weights are frozen. A target name must equal a linear
     module's full name or its last component(s) (peft's rule), e.g. "q_proj".
+    `skeleton`: under pipeline parallelism, the whole model on the meta device (`whole_meta_model`). peft draws each
+    adapter's initial values from the RNG module after module, so the adapters are added with the modules of the
+    other stages stood in by the skeleton's (parallel/pp.py `whole_model`): every stage's adapters start as one
+    process's, and the targets are checked against the whole model.
     """
     peft = _import_peft()
+    whole = model if skeleton is None else skeleton
     if r < 1:
         raise ConfigError(f"lora.r={r} must be a positive rank, e.g. 8")
     if not target_modules:
-        raise ConfigError(f"lora.target_modules is empty; choose from {linear_module_names(model)}")
-    linear_names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+        raise ConfigError(f"lora.target_modules is empty; choose from {linear_module_names(whole)}")
+    linear_names = [name for name, module in whole.named_modules() if isinstance(module, nn.Linear)]
     for target in target_modules:
         if not any(name == target or name.endswith("." + target) for name in linear_names):
             raise ConfigError(
                 f"lora.target_modules entry {target!r} matches no linear layer of the model; "
-                f"available linear module names: {', '.join(linear_module_names(model))}"
+                f"available linear module names: {', '.join(linear_module_names(whole))}"
             )
     from isotrain.config import LoraConfig
 
     config = lora_config(LoraConfig(r=r, alpha=alpha, target_modules=list(target_modules), dropout=dropout))
-    with warnings.catch_warnings():
+    stage = contextlib.nullcontext() if skeleton is None else whole_model(model, skeleton)
+    with warnings.catch_warnings(), stage:
         # peft reads transformers' deprecated is_gradient_checkpointing; a warning the user cannot act on.
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         return peft.get_peft_model(model, config)
+
+
+def whole_meta_model(model: nn.Module) -> nn.Module:
+    """The whole Hugging Face model of `model` (a pipeline stage) on the meta device: its modules, no memory."""
+    with torch.device("meta"):
+        return type(model)._from_config(copy.deepcopy(model.config))
 
 
 def lora_config(lora):

@@ -22,8 +22,11 @@ def is_lora(model: nn.Module) -> bool:
 
 def hf_model(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside DDP and/or a peft wrapper (LoRA layers, if any, still injected)."""
+    from transformers import PreTrainedModel
+
     model = unwrap(model)
-    if not is_lora(model):
+    # (peft also gives the Hugging Face model it adapts a `peft_config`: that model is returned as it is)
+    if not is_lora(model) or isinstance(model, PreTrainedModel):
         return model
     if hasattr(model, "get_base_model"):
         return model.get_base_model()  # PeftModel -> the HF model with LoRA layers injected

@@ -144,7 +144,8 @@ def apply_compile(model: nn.Module) -> None:
     the compiled layers, and a root whose forward hooks change per call (the chunked loss's) still works."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile()
+        if next(layer.parameters(), None) is not None:  # not another pipeline stage's (parallel/pp.py PassThrough)
+            layer.compile()
     if not layers:
         model.compile()
 

@@ -55,6 +55,10 @@ stage forms the router terms of its own MoE layers (train/step.py) and attaches 
 normalisation, so the stages' terms add up to one process's. A forward-only schedule (no loss function) runs the
 routing pre-pass that gives the global counts first.
 
+The chunked loss (train.loss_chunk_tokens) runs inside the last stage's forward, as on one process: that stage's
+output is then the micro-batch's Σ_t w_t·ℓ_t (`head_loss`, StageModule), never its logits. LoRA adds a stage's
+adapters while `whole_model` stands in the other stages' modules, so that they draw one process's initial values.
+
 Shapes. A stage receives activations into buffers whose shape it infers at its first micro-batch, so the micro-batches
 of one step are padded to the same length (right padding, label -100: causal attention lets no real token see it,
 and it trains nothing), and a stage and its schedule are built once for each shape and reused (`Pipeline`).
@@ -62,6 +66,7 @@ and it trains nothing), and a stage and its schedule are built once for each sha
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from collections.abc import Callable, Sequence
@@ -152,6 +157,31 @@ def apply_pp(model: nn.Module, rank: int, pp: int, per_rank: int = 1, split: Seq
         model.lm_head = HandOff()
 
 
+@contextlib.contextmanager
+def whole_model(model: nn.Module, skeleton: nn.Module):
+    """While open, every module that this rank's stages do not hold (a layer, the input embedding, the final norm,
+    the head) is `skeleton`'s, the whole model on the meta device: code that walks the whole model's modules in
+    order and draws from the RNG for each (peft adding LoRA adapters) draws here what one process draws, and this
+    rank's own modules get one process's values. What that code puts into the skeleton's modules goes with them."""
+    base, whole = _base(model), _base(skeleton)
+    stand_ins = [(base.layers, str(index), whole.layers[index]) for index, layer in enumerate(base.layers)
+                 if isinstance(layer, PassThrough)]
+    if base.embed_tokens is None:
+        stand_ins.append((base, "embed_tokens", whole.embed_tokens))
+    if isinstance(base.norm, nn.Identity):
+        stand_ins.append((base, "norm", whole.norm))
+    if isinstance(model.lm_head, HandOff):
+        stand_ins.append((model, "lm_head", skeleton.lm_head))
+    held = [(parent, name, parent._modules[name]) for parent, name, _ in stand_ins]
+    for parent, name, module in stand_ins:
+        parent._modules[name] = module
+    try:
+        yield model
+    finally:
+        for parent, name, module in held:
+            parent._modules[name] = module
+
+
 def stage_view(model: nn.Module, stage: int, num_stages: int, split: Sequence[int] | None = None) -> nn.Module:
     """The model as stage `stage` runs it when its rank holds several stages (interleaved schedules): a shallow copy
     whose module tables are its own, sharing every parameter and layer with `model`, in which the rank's other
@@ -205,6 +235,8 @@ def sync_tied_grads(model: nn.Module, stage: int, pp: int, group) -> None:
     if group is None:  # a middle stage, or a V-shaped schedule (one copy: parallel/mesh.py makes no group)
         return
     for param in tied_parameters(model, stage, pp):
+        if not param.requires_grad:  # frozen (LoRA) on both stages alike
+            continue
         if param.grad is None:  # (both stages use it in every micro-batch; zeros keep the collective matched)
             param.grad = torch.zeros_like(param)
         grad = param.grad
@@ -241,21 +273,34 @@ class StageModule(nn.Module):
     attention mask) are the micro-batch's own, given to every stage by the schedule; transformers builds the causal mask and
     the rotary embeddings from them on each stage. An MoE model's micro-batch also carries `router_mask` (its input
     tokens): the stage then returns its routers' logits to the pipeline's `router_fn`, which may attach the stage's
-    router terms to the output (`with_side_loss`)."""
+    router terms to the output (`with_side_loss`). With the chunked loss (train.loss_chunk_tokens) the last stage's
+    micro-batch also carries its index, `micro_batch`: the last stage then runs the pipeline's `head_loss`, which
+    computes the micro-batch's weighted loss sum inside the model's forward, and returns that scalar instead of the
+    logits (which are never formed whole)."""
 
     def __init__(self, model: nn.Module, stage: int, num_stages: int, per_rank: int = 1, owner=None,
                  split: Sequence[int] | None = None):
         super().__init__()
         self.model = model if per_rank == 1 else stage_view(model, stage, num_stages, split)
-        self.first = stage == 0
-        self.owner = owner  # the Pipeline, whose router_fn is the current step's
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        self.owner = owner  # the Pipeline, whose router_fn and head_loss are the current step's
 
-    def forward(self, x: torch.Tensor, router_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_mask: torch.Tensor | None = None, micro_batch: int | None = None,
+                **kwargs) -> torch.Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if router_mask is not None:
+            kwargs["output_router_logits"] = True
+        if micro_batch is not None and self.last and self.owner.head_loss is not None:
+            output = self.owner.head_loss(self.model, inputs, kwargs, micro_batch)  # its loss: Σ_t w_t·ℓ_t
+            value = output.loss
+        else:
+            if micro_batch is not None and self.last:  # a forward-only pass (the routing pre-pass): no logits
+                kwargs["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=x.device)
+            output = self.model(**inputs, use_cache=False, **kwargs)
+            value = output.logits
         if router_mask is None:
-            return self.model(**inputs, use_cache=False, **kwargs).logits
-        output = self.model(**inputs, use_cache=False, output_router_logits=True, **kwargs)
-        return self.owner.router_fn(output.logits, output.router_logits, router_mask)
+            return value
+        return self.owner.router_fn(value, output.router_logits, router_mask)
 
 
 class Pipeline:
@@ -284,6 +329,9 @@ class Pipeline:
         self._loss_fn: Callable | None = None
         # MoE models: router_fn(output, router_logits, router_mask) -> output, set for the run of a step's schedule.
         self.router_fn: Callable | None = None
+        # The chunked loss: head_loss(model, inputs, kwargs, micro_batch) -> the model output whose `loss` is the
+        # micro-batch's Σ_t w_t·ℓ_t, run by the last stage (StageModule), set for the run of a step's schedule.
+        self.head_loss: Callable | None = None
         self._moe_rows: tuple[list[int], int] | None = None
 
     @classmethod
@@ -374,7 +422,7 @@ class Pipeline:
 
     def backward(self, model: nn.Module, inputs: list[torch.Tensor] | None, kwargs: list[dict],
                  targets: list[torch.Tensor] | None, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 device: torch.device, router_fn: Callable | None = None) -> None:
+                 device: torch.device, router_fn: Callable | None = None, head_loss: Callable | None = None) -> None:
         """Run the forward and backward passes of every micro-batch through the pipeline, accumulating this stage's
         gradients. `inputs`: the micro-batches' token ids (read by the first stage alone; None on a rank without
         it); `kwargs`: each micro-batch's forward arguments, its position ids all of one shape;
@@ -382,13 +430,15 @@ class Pipeline:
         without the last stage) is `target`, already divided by the global denominator (torch also calls it once, when a
         schedule is built, on a copy of the first target and uninitialised logits). The schedule never rescales
         (SCALE_GRADS, read when a schedule is built, so that a test can show what rescaling would do). `router_fn`:
-        an MoE model's, which attaches each stage's router terms of each micro-batch (StageModule)."""
+        an MoE model's, which attaches each stage's router terms of each micro-batch (StageModule). `head_loss`: the
+        chunked loss's, which the last stage runs for the micro-batches whose kwargs carry `micro_batch`
+        (StageModule); `loss_fn` then receives that stage's output, the micro-batch's weighted loss sum."""
         runner = self._runner(model, kwargs, device)
-        self._loss_fn, self.router_fn = loss_fn, router_fn
+        self._loss_fn, self.router_fn, self.head_loss = loss_fn, router_fn, head_loss
         try:
             _step_split(runner, self._arg_mbs(inputs, kwargs, device), kwargs, targets)
         finally:
-            self._loss_fn = self.router_fn = None
+            self._loss_fn = self.router_fn = self.head_loss = None
 
     @torch.no_grad()
     def logits(self, model: nn.Module, input_ids: torch.Tensor, kwargs: dict, device: torch.device

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from isotrain.errors import ConfigError
-from isotrain.models.packing_check import all_ranks_max, architecture, lm_forward
+from isotrain.models.packing_check import all_ranks_max, architecture, attention_kwargs, lm_forward
 from isotrain.models.unwrap import hf_model, unwrap
 from isotrain.train.loss import IGNORE_INDEX, token_losses
 
@@ -135,6 +135,24 @@ def sft_chunked_forward(model: nn.Module, mb: dict, weights: torch.Tensor, chunk
                            router_logits)
 
 
+def stage_chunked_forward(model: nn.Module, inputs: dict, kwargs: dict, labels: torch.Tensor, weights: torch.Tensor,
+                          chunk_tokens: int, compiled: bool = False):
+    """The last pipeline stage's forward of one micro-batch with the chunked loss (parallel/pp.py StageModule):
+    `inputs` its input ids or the previous stage's hidden states, `kwargs` the rest of the model's arguments; the
+    output's `.loss` is Σ_t w_t ℓ_t, computed inside the model's forward as `sft_chunked_forward` computes it.
+    `labels` [B, L] on the host (the trained positions are found without a device read), `weights` [B, L] on the
+    model's device."""
+    device = weights.device
+    trained = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(-1).to(device)
+    labels = labels.to(device)
+
+    def loss_fn(hidden, head):
+        return chunked_loss_sum(head, hidden, labels, weights, chunk_tokens, trained, compiled)
+
+    with _loss_in_forward(model, loss_fn):
+        return model(**inputs, use_cache=False, logits_to_keep=no_positions(device), **kwargs)
+
+
 # The probe compares one matmul with itself: any difference is the family's own work on its logits.
 PROBE_TOLERANCE = 1e-6
 
@@ -144,16 +162,24 @@ def check_head_is_linear(model: nn.Module, device: torch.device) -> None:
     """Refuse (ConfigError) a family whose logits are not just its head applied to the final hidden states (a
     softcap, a scale, a cut vocabulary) or whose forward ignores `logits_to_keep`: the chunked loss would
     compute another objective, or no less memory. One forward of 2 rows of 8 tokens with full logits and one
-    with the chunked path's hooks, run by every rank with the same inputs (the forwards are collective)."""
-    vocab_size = hf_model(model).config.vocab_size
-    input_ids = (torch.arange(16, device=device).reshape(2, 8) * 7 + 3) % vocab_size
+    with the chunked path's hooks, run by every rank with the same inputs (the forwards are collective). A pipeline
+    stage (parallel/pp.py) runs its own part: one without the input embedding is given hidden states, and one
+    without the head hands them on unchanged, so that the last stage's head is the one probed."""
+    lm = hf_model(model)
     position_ids = torch.arange(8, device=device).repeat(2, 1)
+    if lm.get_input_embeddings() is None:  # a later pipeline stage
+        size, dtype = lm.config.hidden_size, next(lm.parameters()).dtype
+        inputs = {"inputs_embeds": torch.linspace(-1, 1, 16 * size, dtype=dtype, device=device).reshape(2, 8, size)}
+    else:
+        inputs = {"input_ids": (torch.arange(16, device=device).reshape(2, 8) * 7 + 3) % lm.config.vocab_size}
+    kwargs = {**inputs, "position_ids": position_ids, **attention_kwargs(model, position_ids, False)}
     training = model.training
     model.eval()
     try:
         with torch.compiler.set_stance("force_eager"):  # as the packing probe: no compilation for the probe's shape
-            logits = lm_forward(unwrap(model), input_ids, position_ids, False).logits.float()
-            output = lm_loss_forward(unwrap(model), input_ids, position_ids, False, lambda hidden, head: head(hidden))
+            logits = unwrap(model)(use_cache=False, **kwargs).logits.float()
+            with _loss_in_forward(unwrap(model), lambda hidden, head: head(hidden)):
+                output = unwrap(model)(use_cache=False, logits_to_keep=no_positions(device), **kwargs)
     finally:
         model.train(training)
     mismatch = float((output.loss.float() - logits).abs().max() / logits.abs().max().clamp(min=1e-12))

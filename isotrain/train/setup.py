@@ -25,7 +25,8 @@ from isotrain.data.sources import read_rows
 from isotrain.errors import ConfigError
 from isotrain.models.build import build
 from isotrain.models.loading import check_model_dir, tokenizer_dir
-from isotrain.models.lora import apply_lora
+from isotrain.models.lora import apply_lora, whole_meta_model
+from isotrain.models.packing_check import all_ranks_max
 from isotrain.models.tokenizer import add_special_tokens, load_tokenizer, train_tokenizer
 from isotrain.parallel.dist import DistInfo, barrier, local_main_first
 from isotrain.moe.settings import RouterSettings
@@ -138,13 +139,22 @@ def lora_adapter(cfg, dims):
     if cfg.lora.r == 0:
         return None
     if dims.fsdp or dims.tp > 1:
-        raise ConfigError(f"lora.r={cfg.lora.r} runs on one process or with DDP; LoRA under FSDP2 or tensor "
-                          f"parallelism (parallel.dp_shard={dims.dp_shard}, parallel.tp={dims.tp}) is not supported "
-                          "yet: set parallel.dp_shard=1 and parallel.tp=1")
+        raise ConfigError(f"lora.r={cfg.lora.r} runs on one process, DDP or pipeline stages; LoRA under FSDP2 or "
+                          f"tensor parallelism (parallel.dp_shard={dims.dp_shard}, parallel.tp={dims.tp}) is not "
+                          "supported yet: set parallel.dp_shard=1 and parallel.tp=1")
 
     def adapt(model):
+        # Under pipeline parallelism each stage adds its adapters as part of the whole model, so that they start as
+        # one process's (models/lora.py); the skeleton is built before the seed is set.
+        skeleton = whole_meta_model(model) if dims.pp > 1 else None
         torch.manual_seed(cfg.train.seed)
-        return apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout)
+        adapted = apply_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules, cfg.lora.dropout, skeleton)
+        if dims.pp > 1 and all_ranks_max(float(not any(p.requires_grad for p in adapted.parameters())),
+                                         next(model.parameters()).device):
+            raise ConfigError(f"lora.target_modules={list(cfg.lora.target_modules)} leaves a pipeline stage without "
+                              f"adapters (parallel.pp={dims.pp}: each stage trains its own); add a decoder layer's "
+                              "linear module, e.g. q_proj")
+        return adapted
 
     return adapt
 

@@ -50,7 +50,7 @@ from isotrain.parallel.dist import all_reduce_max, all_reduce_sum
 from isotrain.parallel.apply import sync_replica_grads
 from isotrain.parallel.cp import context_parallel_attention, local_piece, pad_micro_batch, pad_rows, padded_length
 from isotrain.parallel.pp import Pipeline, sync_tied_grads, tied_parameters, with_side_loss
-from isotrain.train.chunked_loss import no_positions, sft_chunked_forward
+from isotrain.train.chunked_loss import no_positions, sft_chunked_forward, stage_chunked_forward
 from isotrain.train.loss import loss_weights, micro_batch_counts, token_losses
 
 
@@ -290,14 +290,19 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
     weighted_sums = []
     read = "labels" in padded[0]  # (train/stage_data.py)
     targets = [torch.stack([mb["labels"], mb["segment_ids"]]).to(device) for mb in padded] if read else None
+    chunk_tokens = options.loss_chunk_tokens
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """target [2, B, L]: the micro-batch's labels and segment ids. A stage also calls it once with a copy of the
         first target and uninitialised logits when it is built, to learn the shapes of the gradients it sends: that
-        call is not one of the micro-batches' and is not counted."""
-        labels, segments = target
-        weights, _ = loss_weights(labels, segments, options.loss_reduction)
-        weighted_sum = (token_losses(logits, labels) * weights).sum()
+        call is not one of the micro-batches' and is not counted. With the chunked loss, `logits` is the last stage's
+        output already: the micro-batch's Σ_t w_t·ℓ_t (`head_loss`)."""
+        if chunk_tokens:
+            weighted_sum = logits
+        else:
+            labels, segments = target
+            weights, _ = loss_weights(labels, segments, options.loss_reduction)
+            weighted_sum = (token_losses(logits, labels) * weights).sum()
         if any(target is t for t in targets or ()):
             weighted_sums.append(weighted_sum.detach().double())
         return weighted_sum / denominator
@@ -307,6 +312,8 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
         positions = mb["position_ids"].to(device)
         kwargs.append({"position_ids": positions, **attention_kwargs(model, positions, options.document_mask)})
     inputs = [mb["input_ids"] for mb in padded] if read else None
+    if chunk_tokens and read:  # the last stage computes each micro-batch's loss in chunks, inside its forward
+        kwargs = [{**kw, "micro_batch": index} for index, kw in enumerate(kwargs)]
     router_fn = router = None
     if options.router is not None:  # each micro-batch's input tokens travel with it to every stage
         masks = [input_token_mask(mb["segment_ids"]).to(device) for mb in padded]
@@ -319,8 +326,17 @@ def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomin
                 return output
             return with_side_loss(output, router.term(router_logits, mask, index))
 
+    head_loss = None
+    if chunk_tokens and read:
+
+        def head_loss(stage_model: nn.Module, stage_inputs: dict, stage_kwargs: dict, index: int):
+            mb = padded[index]
+            weights, _ = loss_weights(mb["labels"].to(device), mb["segment_ids"].to(device), options.loss_reduction)
+            return stage_chunked_forward(stage_model, stage_inputs, stage_kwargs, mb["labels"], weights, chunk_tokens,
+                                         options.compile_loss)
+
     with _autocast(options, device), _loss_parallel(options):  # (TP: the last stage's logits stay vocab-sharded)
-        pipeline.backward(hf_model(model), inputs, kwargs, targets, loss_fn, device, router_fn)
+        pipeline.backward(hf_model(model), inputs, kwargs, targets, loss_fn, device, router_fn, head_loss)
     sync_replica_grads(model, parallel)  # PP × DDP: each stage's gradients summed over its DP replicas
     # A tied embedding's copies (first and last stage): each stage's part of its gradient, summed over the two.
     sync_tied_grads(hf_model(model), parallel.pp_rank, parallel.dims.pp, parallel.embed_group)

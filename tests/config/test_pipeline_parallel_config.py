@@ -175,12 +175,6 @@ def test_config_show_refuses_more_stages_than_layers(capsys):
      "model on one rank: set parallel.pp=1"),
     ("embed", {}, "parallel.pp=2 is built for isotrain train only; isotrain embed pools the last hidden states on one "
      "rank: set parallel.pp=1"),
-    ("train", {"train": {"loss_chunk_tokens": 64}}, "train.loss_chunk_tokens=64 is not supported with "
-     "parallel.pp=2 yet (the last stage computes the whole cross-entropy); set train.loss_chunk_tokens=0 or "
-     "parallel.pp=1"),
-    ("train", {"lora": {"r": 4}}, "lora.r=4 is not supported with parallel.pp=2 yet; set lora.r=0 or parallel.pp=1"),
-    ("train", {"train": {"compile": True}}, "train.compile=true is not supported with parallel.pp=2 yet; set "
-     "train.compile=false or parallel.pp=1"),
 ])
 def test_recipes_and_settings_without_pipelines_refuse_pp(recipe, section, sentence):
     tree = {"model": {"config": {"model_type": "llama"}}, "data": {"path": "x.jsonl"}, "parallel": {"pp": 2}, **section}

@@ -845,8 +845,13 @@ class TrainRunConfig(RunConfig):
 
     @model_validator(mode="after")
     def _pipeline_fields(self) -> TrainRunConfig:
-        """What pipeline parallelism is not built with yet: the MoE `micro_batch` scope."""
-        pp = self.parallel.pp
+        """What pipeline parallelism is not built with yet: the MoE `micro_batch` scope; compiled layers under the
+        zero-bubble schedules (their split backward runs a compiled graph's backward twice, which it refuses)."""
+        pp, schedule = self.parallel.pp, self.parallel.pp_schedule
+        if pp > 1 and self.train.compile and schedule in ("interleaved_zb", "zbv", "dualpipev"):
+            raise ValueError(f"train.compile=true is not supported with parallel.pp_schedule={schedule} yet (a "
+                             "zero-bubble schedule splits each backward in two, which a compiled layer's backward "
+                             "cannot be); set train.compile=false or parallel.pp_schedule=interleaved_1f1b")
         if pp > 1 and self.moe.aux_loss_scope == "micro_batch":
             raise ValueError(f"moe.aux_loss_scope=micro_batch is not supported with parallel.pp={pp} yet (the stages "
                              "form the router terms of the global scope only); set moe.aux_loss_scope=global or "

@@ -67,6 +67,9 @@ def test_apply_pp_keeps_a_ranks_layers_of_the_split_and_its_ends():
     (["parallel.pp_schedule=dualpipev", "parallel.pp_stages_per_rank=2", "train.micro_batch_size=4"],
      "parallel.pp_schedule=dualpipev needs at least one micro-batch per stage, 4 for parallel.pp=2, but the batch "
      "plan has 2; lower train.micro_batch_size to at most 2 or use parallel.pp_schedule=zbv"),
+    (["parallel.pp_schedule=zbv", "parallel.pp_stages_per_rank=2", "train.compile=true"], "train.compile=true is not "
+     "supported with parallel.pp_schedule=zbv yet (a zero-bubble schedule splits each backward in two, which a "
+     "compiled layer's backward cannot be); set train.compile=false or parallel.pp_schedule=interleaved_1f1b"),
 ])
 def test_bad_splits_and_zero_bubble_settings_are_one_sentence(capsys, overrides, sentence):
     proc = cli(capsys, ["config", "show", *RUN, *overrides])

@@ -5,7 +5,8 @@ the chunked cross-entropy, LoRA adapters, compiled decoder layers. Rank 0 saves 
 
 CASE is `name:dtype[:reduction]`, e.g. `chunk:float64:sequence`, `lora:float32`, `compile:float32` (`plain`: none
 of them; `chunk_moe`: the chunked loss on a 2-layer Qwen3-MoE, with its router terms; a name ending in
-`_interleaved` runs under interleaved 1F1B, 2 stages per rank; a case ending in `@RxSxT` runs PP 2 beside
+`_interleaved` runs under interleaved 1F1B, 2 stages per rank, `_zbv` and `_izb` under the zero-bubble ZBV and
+interleaved zero bubble, 2 stages per rank; a case ending in `@RxSxT` runs PP 2 beside
 dp_replicate R, dp_shard S, tp T: 8 / (2 · DP) micro-batches of 2 per DP rank); results[CASE] holds the losses
 and gradient norms of the steps, the first step's gradients and the final weights of the trained parameters and the
 frozen ones (every stage's, by name). `lora_head` adapts the head alone, which leaves the first stage nothing to
@@ -40,6 +41,7 @@ from isotrain.train.step import forward_backward, optimizer_step, shared_paramet
 
 FAMILY = "llama_4layers"
 CHUNK_TOKENS = 7  # chunks cross rows and documents
+SCHEDULES = {"interleaved": "interleaved_1f1b", "zbv": "zbv", "izb": "interleaved_zb"}  # case suffix: schedule
 LORA = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
@@ -47,7 +49,7 @@ def run_case(parallel, case: str, micro_batch: int, chunk_tokens: int | None = N
     """One case on this rank's layout. `chunk_tokens` overrides the case's (None: CHUNK_TOKENS for `chunk`, else 0)."""
     name, dtype, *reduction = case.split(":")
     reduction = reduction[0] if reduction else "token"
-    name = name.removesuffix("_interleaved")  # (the schedule is the layout's)
+    name = name.split("_")[0] if name.endswith(tuple(SCHEDULES)) else name  # (the schedule is the layout's)
     if chunk_tokens is None:
         chunk_tokens = CHUNK_TOKENS if name.startswith("chunk") else 0
     moe = name.endswith("_moe")  # an MoE model: its router terms too (the global scope's pre-pass through the stages)
@@ -115,9 +117,10 @@ def main(out: str, cases: list[str]) -> None:
     for case in cases:  # `_interleaved`: interleaved 1F1B, 2 one-layer stages per rank; `@RxSxT`: beside DP and TP
         name, _, layout = case.partition("@")
         degrees = tuple(int(x) for x in layout.split("x")) if layout else (1, 1, 1)
-        per_rank = 2 if name.split(":")[0].endswith("_interleaved") else 1
+        schedule = SCHEDULES.get(name.split(":")[0].rpartition("_")[2], "1f1b")
+        per_rank = 1 if schedule == "1f1b" else 2
         dims = ParallelDims(*degrees, pp=info.world_size // math.prod(degrees), pp_stages_per_rank=per_rank,
-                            pp_schedule="interleaved_1f1b" if per_rank > 1 else "1f1b")
+                            pp_schedule=schedule)
         results[case] = run_case(build_parallel(dims, info.device, info.rank), name, micro_batch=2)
     shutdown_distributed()
     if info.is_main:

@@ -3,7 +3,8 @@ stage, compiled decoder layers, each against one process (3 AdamW steps of a 4-l
 data: variable lengths, padding, masked prompts, one packed sample).
 
 One launch of 2 gloo processes (PP 2, 1F1B, 4 gradient-accumulation micro-batches; `_interleaved`: interleaved 1F1B,
-4 one-layer stages, 2 per rank) runs every case; the single process (one micro-batch of the global batch of 8) runs in
+4 one-layer stages, 2 per rank; `_zbv`, `_izb`: the zero-bubble ZBV and interleaved zero bubble, whose split backward
+runs the chunks' recompute and the adapters' weight gradients in its second half) runs every case; the single process (one micro-batch of the global batch of 8) runs in
 the test's own process. fp64: the loss of every step, every
 first-step gradient and every trained weight after 3 steps within 1e-12; fp32: the losses and first-step gradients
 within 1e-6 (measured as test_equivalence.py does: AdamW turns fp32 rounding of near-zero gradients into lr-sized
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,8 @@ from isotrain.parallel.mesh import single_process
 WORKER = str(Path(__file__).with_name("pipeline_features_worker.py"))
 FP64_RTOL = 1e-12
 CASES = ["chunk:float64", "chunk:float64:sequence", "chunk:float32", "chunk_moe:float64", "chunk_interleaved:float64",
-         "lora:float64", "lora:float32", "lora_interleaved:float64", "compile:float64", "lora_head:float64"]
+         "chunk_zbv:float64", "lora:float64", "lora:float32", "lora_interleaved:float64", "lora_izb:float64",
+         "compile:float64", "lora_head:float64"]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,7 @@ def assert_matches(result: dict, reference: dict, dtype: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["chunk:float64", "chunk:float64:sequence", "chunk:float32", "chunk_moe:float64",
-                                  "chunk_interleaved:float64"])
+                                  "chunk_interleaved:float64", "chunk_zbv:float64"])
 def test_chunked_loss_on_the_last_stage_matches_one_process(pipeline, case):
     """The last stage computes each micro-batch's Σ w·ℓ in chunks of 7 trained tokens inside its forward (no whole
     logits); the same as one process without chunks, and in fp64 as one process with them. An MoE model's objective
@@ -84,11 +87,11 @@ def test_chunked_loss_on_the_last_stage_matches_one_process(pipeline, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["lora:float64", "lora:float32", "lora_interleaved:float64"])
+@pytest.mark.parametrize("case", ["lora:float64", "lora:float32", "lora_interleaved:float64", "lora_izb:float64"])
 def test_lora_under_pp2_matches_one_process(pipeline, case):
     """Each stage's adapters start as one process's (added as part of the whole model), only they train, and the
     frozen weights stay those of one process."""
-    result, reference = pipeline[case], single(case.replace("_interleaved", ""), 0)
+    result, reference = pipeline[case], single(re.sub(r"_(interleaved|zbv|izb):", ":", case), 0)
     assert_matches(result, reference, case.split(":")[1])
     assert result["weights"] and all(".lora_A." in name or ".lora_B." in name for name in result["weights"])
     assert result["frozen"].keys() == reference["frozen"].keys()

@@ -15,8 +15,9 @@ FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single ra
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
 even share of the decoder layers (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not
-change with it. It composes with data and tensor parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the
-ranks of each stage, TP inside it); CP and EP beside it, and the interleaved schedule beside FSDP2, are refused
+change with it. It composes with data, tensor and expert parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the
+ranks of each stage, TP inside it, EP groups carved out of each stage's DP ranks); CP beside it, and the interleaved
+schedule beside FSDP2, are refused
 (`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder layers, `pp ×
 pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank, every layer
 sparse).
@@ -98,7 +99,7 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     cp = getattr(cfg, "cp", 1)
     pp, schedule = getattr(cfg, "pp", 1), getattr(cfg, "pp_schedule", "1f1b")
     per_rank = getattr(cfg, "pp_stages_per_rank", 1)
-    check_pp(pp, schedule, {"cp": cp, "ep": getattr(cfg, "ep", 1)}, per_rank)
+    check_pp(pp, schedule, {"cp": cp}, per_rank)
     fixed = cp * pp
     for value in degrees.values():
         fixed *= value if value != -1 else 1
@@ -138,7 +139,8 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
 def check_pp(pp: int, schedule: str, others: dict[str, int], per_rank: int = 1) -> None:
     """What pipeline parallelism is built for: the `1f1b` and `gpipe` schedules with one stage per rank,
     `interleaved_1f1b` with several (`per_rank`, parallel.pp_stages_per_rank), beside data and tensor parallelism
-    (`others`: the degrees that would need their reductions and meshes carved per stage)."""
+    (`others`: the degrees that would need their reductions and meshes carved per stage; expert parallelism has its
+    EP groups carved per stage: parallel/mesh.py)."""
     if pp == 1:
         if per_rank != 1:
             raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} needs a pipeline; set parallel.pp to 2 or "
@@ -158,7 +160,7 @@ def check_pp(pp: int, schedule: str, others: dict[str, int], per_rank: int = 1) 
     for name, value in others.items():
         if value not in (1, -1):
             raise ConfigError(f"parallel.pp={pp} with parallel.{name}={value} is not supported yet (pipeline "
-                              f"parallelism composes with data and tensor parallelism only); set parallel.{name}=1 "
+                              f"parallelism composes with data, tensor and expert parallelism only); set parallel.{name}=1 "
                               "and use parallel.dp_shard, parallel.dp_replicate or parallel.tp for the other ranks, or "
                               "parallel.pp=1")
 

@@ -56,12 +56,12 @@ SUITE_FAMILIES = ("qwen3_moe", "mixtral")
 MOE = MoeConfig(aux_loss_coef=0.5, z_loss_coef=0.01)
 
 
-def tiny_moe(family: str, dtype: torch.dtype):
+def tiny_moe(family: str, dtype: torch.dtype, layers: int = 2):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     extra = dict(FAMILIES[family])
-    config = AutoConfig.for_model(extra.pop("model_type", family), vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = AutoConfig.for_model(extra.pop("model_type", family), vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                   num_experts_per_tok=2, **extra)
     config.use_cache = False

@@ -346,7 +346,8 @@ class ParallelConfig(Section):
         gt=0,
         description="Expert-parallel degree (mixture-of-experts models): the experts split over this many "
         "data-parallel ranks, which exchange tokens with all-to-all; must divide dp_replicate × dp_shard and the "
-        "number of experts.",
+        "number of experts. Under pipeline parallelism the groups are carved out of each stage's DP ranks, each "
+        "stage's experts split over its own group.",
     )
     cp: int = Field(
         1,
@@ -370,8 +371,9 @@ class ParallelConfig(Section):
         "of a pipeline (embeddings on the first, final norm, head and loss on the last); takes ranks of its own, "
         "outermost: world size = pp × dp_replicate × dp_shard × tp, each stage held by DP ranks (DDP, FSDP2 or HSDP) "
         "that run different micro-batches and split by TP; only the first and last stages read data (the middle "
-        "ones get position ids and counts from the first); not combined with cp or ep yet (docs/parallelism.md); "
-        "an MoE model's stages each add their layers' router terms, formed against the pool of all layers.",
+        "ones get position ids and counts from the first); with ep the expert-parallel groups are carved out of each "
+        "stage's DP ranks; not combined with cp yet (docs/parallelism.md); an MoE model's stages each add their "
+        "layers' router terms, formed against the pool of all layers.",
     )
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = Field(
         "1f1b",
@@ -818,7 +820,7 @@ class TrainRunConfig(RunConfig):
     @model_validator(mode="after")
     def _pipeline_fields(self) -> TrainRunConfig:
         """What pipeline parallelism is not built with yet: the chunked loss (it runs the head itself), LoRA,
-        torch.compile (untested on stages), the MoE `micro_batch` scope."""
+        torch.compile (untested on stages)."""
         pp = self.parallel.pp
         if pp > 1 and self.train.compile:
             raise ValueError(f"train.compile=true is not supported with parallel.pp={pp} yet; set "
@@ -829,10 +831,6 @@ class TrainRunConfig(RunConfig):
                              "train.loss_chunk_tokens=0 or parallel.pp=1")
         if pp > 1 and self.lora.r:
             raise ValueError(f"lora.r={self.lora.r} is not supported with parallel.pp={pp} yet; set lora.r=0 or "
-                             "parallel.pp=1")
-        if pp > 1 and self.moe.aux_loss_scope == "micro_batch":
-            raise ValueError(f"moe.aux_loss_scope=micro_batch is not supported with parallel.pp={pp} yet (the stages "
-                             "form the router terms of the global scope only); set moe.aux_loss_scope=global or "
                              "parallel.pp=1")
         return self
 

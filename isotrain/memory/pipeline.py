@@ -71,14 +71,15 @@ def peak_in_flight(degrees: ParallelDims, rank: int, num_microbatches: int, byte
 
 
 def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
-    """The pipelines estimated: every schedule, beside DDP replicas, for SFT."""
+    """The pipelines estimated: every schedule, beside DDP replicas (not FSDP2, TP or EP), for SFT."""
     from isotrain.config import RLRunConfig
 
-    if degrees.fsdp or degrees.tp > 1:
-        named = f"parallel.dp_shard={degrees.dp_shard}" if degrees.fsdp else f"parallel.tp={degrees.tp}"
+    if degrees.fsdp or degrees.tp > 1 or degrees.ep > 1:
+        named = (f"parallel.dp_shard={degrees.dp_shard}" if degrees.fsdp else f"parallel.tp={degrees.tp}"
+                 if degrees.tp > 1 else f"parallel.ep={degrees.ep}")
         raise ConfigError(f"isotrain estimate-memory estimates pipeline stages beside DDP replicas only, not {named} "
                           f"(parallel.pp={degrees.pp}); estimate the stage's layout with parallel.pp=1, or the "
-                          "pipeline with parallel.dp_shard=1 and parallel.tp=1")
+                          "pipeline with parallel.dp_shard=1, parallel.tp=1 and parallel.ep=1")
     if isinstance(cfg, RLRunConfig):
         raise ConfigError(f"isotrain estimate-memory estimates pipeline stages (parallel.pp={degrees.pp}) of SFT runs "
                           "only; estimate the RL run with parallel.pp=1")

@@ -19,8 +19,7 @@ change with it. It composes with data, tensor and expert parallelism (a `pp × d
 ranks of each stage, TP inside it, EP groups carved out of each stage's DP ranks); CP beside it, and the interleaved
 schedule beside FSDP2, are refused
 (`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder layers, `pp ×
-pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank, every layer
-sparse).
+pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank).
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -322,8 +321,8 @@ def _check_cp_model(cp: int, config) -> None:
 
 def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:
     """Each stage needs at least one decoder layer. An MoE model's stages each form the router terms of their own
-    layers against the pool of all layers (train/step.py), one stage per rank, every layer sparse (so that every
-    stage routes).
+    layers against the pool of all layers (train/step.py), one stage per rank; a stage whose layers are all dense
+    adds no term.
     (Tied input and output embeddings are kept on the first and the last stage, one copy each: parallel/pp.py.)"""
     if pp == 1:
         return
@@ -342,7 +341,3 @@ def check_pp_fits(pp: int, config, per_rank: int = 1) -> None:
         raise ConfigError(f"parallel.pp_schedule=interleaved_1f1b (parallel.pp_stages_per_rank={per_rank}) is not "
                           "supported for mixture-of-experts models yet; use parallel.pp_schedule=1f1b (or gpipe) with "
                           "parallel.pp_stages_per_rank=1")
-    if is_moe(config) and has_dense_mlp(config):
-        raise ConfigError(f"parallel.pp={pp} needs every decoder layer of a mixture-of-experts model to route to "
-                          "experts, and this model has dense MLP layers (mlp_only_layers or decoder_sparse_step); "
-                          "set parallel.pp=1")

@@ -50,6 +50,9 @@ FAMILIES = {
     # Layer 1 dense (its MLP split by TP's plan), layer 0 sparse; checked on demand (families=qwen3_moe_dense).
     "qwen3_moe_dense": {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
                         "decoder_sparse_step": 1, "mlp_only_layers": [1], "head_dim": 8},
+    # Layer 0 dense, layer 1 sparse: under PP 2 the first stage routes nothing (tests/train/test_pipeline_moe.py).
+    "qwen3_moe_dense_first": {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
+                              "decoder_sparse_step": 1, "mlp_only_layers": [0], "head_dim": 8},
 }
 SUITE_FAMILIES = ("qwen3_moe", "mixtral")
 # Large enough that the router terms move the router's gradient far beyond the tolerance when their pool is wrong.

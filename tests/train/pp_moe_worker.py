@@ -2,12 +2,13 @@
 expert parallelism beside it or with middle stages; rank 0 saves the results.
 
 Launched by test_pipeline_moe.py on forked ranks (gloo), or in-process for the 1-process reference:
-    pp_moe_worker.py OUT.pt RUNS [layers=N] [packings=0,1] [dtypes=float64] [save=DIR] [experts_in_replica_sum]
+    pp_moe_worker.py OUT.pt RUNS [layers=N] [family=F] [scope=S] [packings=0,1] [dtypes=float64] [save=DIR]
+    [experts_in_replica_sum] [experts_not_summed]
 RUNS as moe_worker.py's (`2x1x1x2/pp2-1f1b:2`: PP 2 × DDP 2 × EP 2, micro-batch size 2). The data is read as the SFT
 recipe reads it (train/stage_data.py): a middle stage of PP > 2 gets each micro-batch's position and segment ids
 and counts alone. results[("qwen3_moe", "global", packed, dtype, layout, micro_batch)] = {losses, aux, z, counts,
-norms, grads (first step, before the update), weights (after the last), experts (placements, local shape)}: the
-keys of moe_worker.py, so that test_moe_equivalence.py's comparisons read them. `save=DIR`: the fp64 run of the first
+norms, grads (first step, before the update), weights (after the last), experts (placements, local shape)} (family:
+a moe_worker.py FAMILIES name, qwen3_moe by default; scope: moe.aux_loss_scope, global by default): the keys of moe_worker.py, so that test_moe_equivalence.py's comparisons read them. `save=DIR`: the fp64 run of the first
 layout also writes a checkpoint (model and optimizer state) there, as a run's checkpoint manager does under PP.
 `experts_in_replica_sum` sums the expert gradients over the stage's DP replicas as the dense ones are, on purpose:
 ranks that hold different experts, a control that must fail; `experts_not_summed` (on 8 ranks, where each expert
@@ -44,12 +45,12 @@ from isotrain.train.step import StepOptions, train_step
 STEPS = 3
 
 
-def run_one(info, parallel, layers: int, packed: bool, dtype: torch.dtype, micro_batch: int,
-            save_dir: Path | None = None) -> dict:
-    model = parallelize(tiny_moe("qwen3_moe", dtype, layers), parallel).train()
+def run_one(info, parallel, family: str, layers: int, packed: bool, dtype: torch.dtype, micro_batch: int,
+            save_dir: Path | None = None, scope: str = "global") -> dict:
+    model = parallelize(tiny_moe(family, dtype, layers), parallel).train()
     model = wrap_replicas(model, parallel)
     optimizer = build_optimizer(model, TrainConfig(weight_decay=0.1))
-    settings = router_settings(MOE, unwrap(model).config)
+    settings = router_settings(MOE.model_copy(update={"aux_loss_scope": scope}), unwrap(model).config)
     options = StepOptions(grad_clip=1.0, dp_group=parallel.dp_group, parallel=parallel, router=settings,
                           pipeline=Pipeline.of(parallel))
     samples = packed_samples() if packed else make_samples()
@@ -93,7 +94,8 @@ def save_checkpoint(root: Path, model, optimizer, parallel, dtype: torch.dtype) 
 
 
 def run_all(runs: list[tuple[tuple, int]], layers: int = 2, packings=(False, True),
-            dtypes=(torch.float32, torch.float64), save_dir: Path | None = None) -> dict | None:
+            dtypes=(torch.float32, torch.float64), save_dir: Path | None = None,
+            family: str = "qwen3_moe", scope: str = "global") -> dict | None:
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
     results = {}
@@ -102,8 +104,8 @@ def run_all(runs: list[tuple[tuple, int]], layers: int = 2, packings=(False, Tru
         for packed in packings:
             for dtype in dtypes:
                 saving = save_dir if index == 0 and dtype == torch.float64 and packed == packings[0] else None
-                results[("qwen3_moe", "global", packed, str(dtype), layout, micro_batch)] = run_one(
-                    info, parallel, layers, packed, dtype, micro_batch, saving)
+                results[(family, scope, packed, str(dtype), layout, micro_batch)] = run_one(
+                    info, parallel, family, layers, packed, dtype, micro_batch, saving, scope)
     if info.is_distributed:
         shutdown_distributed()
     return results if info.is_main else None
@@ -137,6 +139,7 @@ if __name__ == "__main__":
     results = run_all(parsed, layers=int(flag("layers", ["2"])[0]),
                       packings=tuple(bool(int(p)) for p in flag("packings", ["0", "1"])),
                       dtypes=tuple(getattr(torch, d) for d in flag("dtypes", ["float32", "float64"])),
-                      save_dir=Path(save_to[0]) if save_to else None)
+                      save_dir=Path(save_to[0]) if save_to else None, family=flag("family", ["qwen3_moe"])[0],
+                      scope=flag("scope", ["global"])[0])
     if results is not None:
         torch.save(results, out)

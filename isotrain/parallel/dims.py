@@ -15,10 +15,9 @@ FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single ra
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
 even share of the decoder layers (parallel/pp.py), and every stage runs every micro-batch, so the DP size does not
-change with it. It composes with data, tensor and expert parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the
-ranks of each stage, TP inside it, EP groups carved out of each stage's DP ranks); CP beside it, and the interleaved
-schedule beside FSDP2, are refused
-(`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder layers, `pp ×
+change with it. It composes with data, tensor and expert parallelism (a `pp × dp × tp` mesh: DDP, FSDP2 or HSDP
+over the ranks of each stage, TP inside it, EP groups carved out of each stage's DP ranks); CP beside it, and the
+interleaved schedule beside FSDP2, are refused (`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder layers, `pp ×
 pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank).
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
@@ -159,9 +158,9 @@ def check_pp(pp: int, schedule: str, others: dict[str, int], per_rank: int = 1) 
     for name, value in others.items():
         if value not in (1, -1):
             raise ConfigError(f"parallel.pp={pp} with parallel.{name}={value} is not supported yet (pipeline "
-                              f"parallelism composes with data, tensor and expert parallelism only); set parallel.{name}=1 "
-                              "and use parallel.dp_shard, parallel.dp_replicate or parallel.tp for the other ranks, or "
-                              "parallel.pp=1")
+                              "parallelism composes with data, tensor and expert parallelism only); set "
+                              f"parallel.{name}=1 and use parallel.dp_shard, parallel.dp_replicate or parallel.tp for "
+                              "the other ranks, or parallel.pp=1")
 
 
 def check_ep(dims: ParallelDims) -> None:

@@ -6,9 +6,10 @@ Launched by test_pipeline_moe.py on forked ranks (gloo), or in-process for the 1
     [experts_in_replica_sum] [experts_not_summed]
 RUNS as moe_worker.py's (`2x1x1x2/pp2-1f1b:2`: PP 2 × DDP 2 × EP 2, micro-batch size 2). The data is read as the SFT
 recipe reads it (train/stage_data.py): a middle stage of PP > 2 gets each micro-batch's position and segment ids
-and counts alone. results[("qwen3_moe", "global", packed, dtype, layout, micro_batch)] = {losses, aux, z, counts,
-norms, grads (first step, before the update), weights (after the last), experts (placements, local shape)} (family:
-a moe_worker.py FAMILIES name, qwen3_moe by default; scope: moe.aux_loss_scope, global by default): the keys of moe_worker.py, so that test_moe_equivalence.py's comparisons read them. `save=DIR`: the fp64 run of the first
+and counts alone. results[(family, scope, packed, dtype, layout, micro_batch)] = {losses, aux, z, counts, norms,
+grads (first step, before the update), weights (after the last), experts (placements, local shape)}, family a
+moe_worker.py FAMILIES name (qwen3_moe by default), scope moe.aux_loss_scope (global by default): the keys of
+moe_worker.py, so that test_moe_equivalence.py's comparisons read them. `save=DIR`: the fp64 run of the first
 layout also writes a checkpoint (model and optimizer state) there, as a run's checkpoint manager does under PP.
 `experts_in_replica_sum` sums the expert gradients over the stage's DP replicas as the dense ones are, on purpose:
 ranks that hold different experts, a control that must fail; `experts_not_summed` (on 8 ranks, where each expert
@@ -27,8 +28,9 @@ from torch.distributed.tensor import DTensor
 
 from equivalence_worker import GLOBAL_BATCH, _all_stages, full, make_samples
 from moe_worker import MOE, _dims, packed_samples, tiny_moe
+from isotrain.checkpoint.load import CheckpointReader, load_model
 from isotrain.checkpoint.save import SaveRequest, save
-from isotrain.checkpoint.state import assign_owners, collect_items, pipeline_items
+from isotrain.checkpoint.state import assign_owners, collect_items, other_stage_keys, pipeline_items
 from isotrain.config import TrainConfig
 from isotrain.data.collate import collate
 from isotrain.data.sampler import GlobalBatchSampler
@@ -80,7 +82,8 @@ def run_one(info, parallel, family: str, layers: int, packed: bool, dtype: torch
 
 def save_checkpoint(root: Path, model, optimizer, parallel, dtype: torch.dtype) -> None:
     """Model and optimizer state as the checkpoint manager writes them under PP (checkpoint/manager.py `_items`):
-    each stage's tensors, under the full model's names, written by its own ranks; config.json beside them."""
+    each stage's tensors, under the full model's names, written by its own ranks; config.json beside them. Then read
+    back into the model, strictly, as a resume reads it (the same values)."""
     items = collect_items(model, optimizer, dtype)
     if parallel.dims.pp > 1:
         items = pipeline_items(items, dist.group.WORLD)
@@ -89,8 +92,16 @@ def save_checkpoint(root: Path, model, optimizer, parallel, dtype: torch.dtype) 
     config.architectures = [type(unwrap(model)).__name__]
     request = SaveRequest(STEPS, items, rank_files={}, main_files={"config.json": config.to_json_string().encode()},
                           info={"kind": "test"})
-    save(root, request, parallel.rank, dist.group.WORLD if dist.is_initialized() else None, run_id="test",
-         name="saved")
+    directory = save(root, request, parallel.rank, dist.group.WORLD if dist.is_initialized() else None, run_id="test",
+                     name="saved")
+    # Read back strictly into the same layout, as a resume does: each stage finds the other stages' keys (a MoE
+    # model's per-expert keys among them) known, not foreign.
+    elsewhere = other_stage_keys(model, dist.group.WORLD) if parallel.dims.pp > 1 else frozenset()
+    reader = CheckpointReader(directory)
+    try:
+        load_model(reader, model, parallel.rank, strict=True, elsewhere=elsewhere)
+    finally:
+        reader.close()
 
 
 def run_all(runs: list[tuple[tuple, int]], layers: int = 2, packings=(False, True),

@@ -63,7 +63,8 @@ def _fp64_difference(results: dict, run, reference: dict, family: str = "qwen3_m
     layout, micro, packed = run
     got = results[(family, scope, packed, FP64, layout, micro)]
     want = reference[(family, scope, packed, FP64, (1, 1, 1), reference_micro_batch)]
-    scalars = max(abs(a - b) / abs(b) for key in ("aux", "z", "norms") for a, b in zip(got[key], want[key], strict=True))
+    scalars = max(abs(a - b) / abs(b) for key in ("aux", "z", "norms")
+                  for a, b in zip(got[key], want[key], strict=True))
     return got["counts"] == want["counts"], max(max_rel_diff(got, want, keys=("grads", "weights")), scalars)
 
 

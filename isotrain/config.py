@@ -359,7 +359,8 @@ class ParallelConfig(Section):
         gt=0,
         description="Expert-parallel degree (mixture-of-experts models): the experts split over this many "
         "data-parallel ranks, which exchange tokens with all-to-all; must divide dp_replicate × dp_shard and the "
-        "number of experts.",
+        "number of experts. Under pipeline parallelism the groups are carved out of each stage's DP ranks, each "
+        "stage's experts split over its own group.",
     )
     cp: int = Field(
         1,
@@ -384,8 +385,9 @@ class ParallelConfig(Section):
         "of a pipeline (embeddings on the first, final norm, head and loss on the last); takes ranks of its own, "
         "outermost: world size = pp × dp_replicate × dp_shard × tp, each stage held by DP ranks (DDP, FSDP2 or HSDP) "
         "that run different micro-batches and split by TP; only the first and last stages read data (the middle "
-        "ones get position ids and counts from the first); not combined with cp or ep yet (docs/parallelism.md); "
-        "an MoE model's stages each add their layers' router terms, formed against the pool of all layers.",
+        "ones get position ids and counts from the first); with ep the expert-parallel groups are carved out of each "
+        "stage's DP ranks; not combined with cp yet (docs/parallelism.md); an MoE model's stages each add their "
+        "layers' router terms, formed against the pool of all layers.",
     )
     pp_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"] = Field(
         "1f1b",
@@ -845,17 +847,13 @@ class TrainRunConfig(RunConfig):
 
     @model_validator(mode="after")
     def _pipeline_fields(self) -> TrainRunConfig:
-        """What pipeline parallelism is not built with yet: the MoE `micro_batch` scope; compiled layers under the
-        zero-bubble schedules (their split backward runs a compiled graph's backward twice, which it refuses)."""
+        """What pipeline parallelism is not built with yet: compiled layers under the zero-bubble schedules (their
+        split backward runs a compiled graph's backward twice, which it refuses)."""
         pp, schedule = self.parallel.pp, self.parallel.pp_schedule
         if pp > 1 and self.train.compile and schedule in ("interleaved_zb", "zbv", "dualpipev"):
             raise ValueError(f"train.compile=true is not supported with parallel.pp_schedule={schedule} yet (a "
                              "zero-bubble schedule splits each backward in two, which a compiled layer's backward "
                              "cannot be); set train.compile=false or parallel.pp_schedule=interleaved_1f1b")
-        if pp > 1 and self.moe.aux_loss_scope == "micro_batch":
-            raise ValueError(f"moe.aux_loss_scope=micro_batch is not supported with parallel.pp={pp} yet (the stages "
-                             "form the router terms of the global scope only); set moe.aux_loss_scope=global or "
-                             "parallel.pp=1")
         return self
 
 

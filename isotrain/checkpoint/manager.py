@@ -35,6 +35,7 @@ from isotrain.checkpoint.state import (
     balance,
     collect_items,
     component_items,
+    other_stage_keys,
     pipeline_items,
     rng_state,
     set_rng_state,
@@ -296,12 +297,10 @@ class CheckpointManager:
         return frozenset(name for name, t in model_tensors(model).items() if t is embedding.weight)
 
     def _other_stages_tensors(self) -> frozenset[str]:
-        """Under pipeline parallelism, the names of the tensors the other stages hold (gathered from every rank)."""
+        """Under pipeline parallelism, the saved keys of the tensors the other stages hold (`other_stage_keys`)."""
         if self.cfg.parallel.pp == 1:
             return frozenset()
-        names = [None] * self.world_size
-        dist.all_gather_object(names, sorted(model_tensors(self.model)), group=self.group)
-        return frozenset(name for stage in names for name in stage) - set(model_tensors(self.model))
+        return other_stage_keys(self.model, self.group)
 
     def _resumed(self, path: Path, state: dict, weights_only: bool) -> Resumed:
         """Everything after a load whose bytes all checked out: RNG, newer checkpoints set aside, counters."""

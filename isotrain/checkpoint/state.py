@@ -256,6 +256,16 @@ def pipeline_items(items: list[Item], group, shared: frozenset[str] = frozenset(
     return merged
 
 
+def other_stage_keys(model: nn.Module, group) -> frozenset[str]:
+    """The saved keys of the model tensors that the other pipeline stages hold, gathered over `group` (every rank of
+    the run): what a strict load may find in a checkpoint besides this stage's own. A MoE model's experts are saved
+    one key per expert (`model_parts`), not under their fused in-memory name."""
+    own = sorted(part.key for parts in model_parts(model).values() for part in parts)
+    keys = [None] * dist.get_world_size(group)
+    dist.all_gather_object(keys, own, group=group)
+    return frozenset(key for rank in keys for key in rank) - set(own)
+
+
 def _of_shared(key: str, shared: frozenset[str]) -> bool:
     """Whether a checkpoint key is one of the `shared` model tensors or its optimizer state (`exp_avg.<name>`, ...)."""
     return key in shared or key.partition(".")[2] in shared

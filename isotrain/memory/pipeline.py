@@ -103,6 +103,10 @@ def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
                           f"FSDP2 (parallel.dp_shard={degrees.dp_shard}) yet, whose stages keep their parameters and "
                           "gradients gathered through the step; estimate it with parallel.pp_schedule=1f1b, or with "
                           "parallel.dp_shard=1")
+    if degrees.ep > 1:
+        raise ConfigError(f"isotrain estimate-memory does not estimate expert parallelism beside a pipeline "
+                          f"(parallel.ep={degrees.ep}, parallel.pp={degrees.pp}) yet; estimate the stage's layout with "
+                          "parallel.pp=1, or the pipeline with parallel.ep=1")
     if isinstance(cfg, RLRunConfig):
         raise ConfigError(f"isotrain estimate-memory estimates pipeline stages (parallel.pp={degrees.pp}) of SFT runs "
                           "only; estimate the RL run with parallel.pp=1")

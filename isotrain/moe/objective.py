@@ -12,8 +12,9 @@ Under context parallelism a rank routes only its piece of every sequence (parall
 of a pool are summed over the CP group as well (over DP × CP: the tokens of the global batch, each counted once);
 `micro_batch` scope pools a micro-batch's pieces over CP. Under pipeline parallelism each stage's RouterStep sees its
 own MoE layers only: the global counts of all layers come from a pre-pass through the pipeline
-(`set_pipeline_pool`, train/step.py), each stage's term is its layers' exact share of the global aux / z, and its
-logged sums fill its layers' rows of [L, E] (summed over the stages).
+(`set_pipeline_pool`, train/step.py), each stage's term is its layers' exact share of the global aux / z (with
+`micro_batch` scope, of its micro-batch's aux / z, against that micro-batch's counts of all layers from the same
+pre-pass), and its logged sums fill its layers' rows of [L, E] (summed over the stages).
 
 The logged values come from sums kept on the device (summed over DP, and CP or the stages, with the loss, fetched
 in the step's one host sync): routed tokens N, Σ_t logsumexp², the counts C_le and the probability sums S_le, from
@@ -47,12 +48,16 @@ class RouterStep:
     global_counts: torch.Tensor | None = None
     global_tokens: torch.Tensor | None = None
     expected_counts: list[torch.Tensor] = field(default_factory=list)
+    # Micro-batch scope under pipeline parallelism: each local micro-batch's counts [M, L, E] over all the model's
+    # MoE layers, summed over the stages (its pool), from the pre-pass.
+    micro_batch_counts: torch.Tensor | None = None
     # Under pipeline parallelism a stage routes through its own MoE layers only: their rows among the L MoE layers
     # of the whole model (the logged sums are laid out over all L, zero elsewhere, and summed over the stages), and
     # whether this stage counts the tokens N (one stage does: every stage routes the same tokens).
     layer_rows: list[int] | None = None
     num_model_layers: int | None = None
     counts_tokens: bool = True
+    device: torch.device | None = None  # where a stage that never routes keeps its zero sums (local_values)
     _sums: list[torch.Tensor] | None = None  # this rank's logged sums (local_values), built by the first term
 
     def term(self, router_logits, mask: torch.Tensor, index: int) -> torch.Tensor:
@@ -67,9 +72,9 @@ class RouterStep:
             # Each micro-batch is its own pool (all of its CP pieces); the objective is the mean over the
             # micro-batches of all DP ranks.
             share = 1.0 / (self.num_micro_batches * _world(self.group))
-            pool_counts, pool_tokens = self._pieces_pool(counts, tokens)
+            pool_counts, pool_tokens = self._micro_batch_pool(counts, tokens, index, scalars)
             aux = aux_loss_part(pool_counts, probs, pool_tokens, self.settings.num_experts) * share
-            z = z_loss_part(z_total, pool_tokens, len(logits)) * share
+            z = z_loss_part(z_total, pool_tokens, pool_counts.shape[0]) * share
             scalars[_MB_AUX], scalars[_MB_Z] = aux.detach().double(), z.detach().double()
         elif self.settings.aux_loss_coef == 0 and self.settings.z_loss_coef == 0:
             aux = z = torch.zeros((), device=mask.device)  # nothing to backpropagate
@@ -99,6 +104,9 @@ class RouterStep:
         self.global_counts = all_reduce_sum(all_reduce_sum(counts, self.group), pp_group)
         self.global_tokens = all_reduce_sum(tokens, self.group)
         self.expected_counts = expected
+        if self.settings.aux_loss_scope == "micro_batch":  # a micro-batch's pool: its counts of every stage's layers
+            rows = torch.stack([self._model_rows(e) for e in expected]).to(torch.int64)
+            self.micro_batch_counts = all_reduce_sum(rows, pp_group)
 
     def _global_pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int, scalars: torch.Tensor):
         """(counts [L, E], tokens) of the whole global batch."""
@@ -113,6 +121,14 @@ class RouterStep:
                               self.cp_group)
         return tally[1:].view_as(counts), tally[0]
 
+    def _micro_batch_pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int, scalars: torch.Tensor):
+        """(counts [L, E], tokens) of micro-batch `index`: under pipeline parallelism its counts of every stage's
+        layers, from the pre-pass (whose routing the gradient pass must repeat), else `_pieces_pool`'s."""
+        if self.micro_batch_counts is None:
+            return self._pieces_pool(counts, tokens)
+        scalars[_MISMATCH] = (counts != self.expected_counts[index]).sum().double()
+        return self.micro_batch_counts[index], tokens
+
     def _pieces_pool(self, counts: torch.Tensor, tokens: torch.Tensor):
         """(counts [L, E], tokens) of the whole micro-batch: this rank's piece's, summed over CP."""
         if self.cp_group is None:
@@ -125,10 +141,15 @@ class RouterStep:
 
     def local_values(self) -> torch.Tensor:
         """fp64 [5 + 2·L·E]: this rank's sums, to be summed over DP × CP (fp64 holds every count exactly below
-        2^53)."""
+        2^53); zeros on a pipeline stage of dense layers only, which routes nothing."""
+        if self._sums is None:
+            size = 5 + 2 * self.num_layers() * self.settings.num_experts
+            return torch.zeros(size, dtype=torch.float64, device=self.device)
         return torch.cat(self._sums)
 
     def num_layers(self) -> int:
+        if self.num_model_layers is not None:
+            return self.num_model_layers
         return self._sums[1].numel() // self.settings.num_experts
 
 

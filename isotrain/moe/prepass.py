@@ -7,7 +7,8 @@ all-reduced over DP (and CP: under context parallelism each rank routes its piec
 same context-parallel attention as the gradient pass). The gradient pass then checks that it routes every
 micro-batch as the pre-pass did (objective.py). With one micro-batch per rank no pre-pass runs: the counts are
 all-reduced after its forward. Under pipeline parallelism the pre-pass is a forward-only run of the micro-batches
-through the pipeline, each stage counting its own MoE layers, always (the stages' terms need every layer's counts).
+through the pipeline, each stage counting its own MoE layers, always (the stages' terms need every layer's counts;
+with `micro_batch` scope, every layer's counts of their micro-batch).
 """
 
 from __future__ import annotations
@@ -67,12 +68,14 @@ def begin_pipeline_router_step(settings: RouterSettings, masks: list[torch.Tenso
     `router_fn(output, router_logits, mask)` with this stage's router logits of the micro-batch whose input-token
     mask is `mask` (one of `masks`); the counts are laid out over all layers and summed over the micro-batches, DP
     and the stages (RouterStep.set_pipeline_pool). `counts_tokens`: whether this stage logs the token count (one
-    stage does)."""
+    stage does). A stage of dense layers only (no `layer_rows`) routes nothing: its counts are zero rows."""
     step = RouterStep(settings, len(masks), group, layer_rows=layer_rows, num_model_layers=num_layers,
-                      counts_tokens=counts_tokens)
-    if not (settings.aux_loss_coef > 0 or settings.z_loss_coef > 0):
+                      counts_tokens=counts_tokens, device=device)
+    # micro_batch scope logs each micro-batch's aux, which pools every stage's layers: the pre-pass runs for it too
+    if not (settings.aux_loss_coef > 0 or settings.z_loss_coef > 0 or settings.aux_loss_scope == "micro_batch"):
         return step
-    expected = [None] * len(masks)
+    no_rows = torch.zeros((0, settings.num_experts), dtype=torch.int64, device=device)
+    expected = [None if layer_rows else no_rows] * len(masks)
 
     def record(output, router_logits, mask):
         index = micro_batch_index(mask, masks)

@@ -168,7 +168,7 @@ def parallelize(model: nn.Module, parallel: ParallelState, *, compute_dtype: tor
 
         apply_tp(model, parallel.tp_mesh, loss_parallel)
     if parallel.ep_mesh is not None:
-        apply_ep(model, parallel.ep_mesh)
+        apply_ep(model, parallel.ep_mesh, stage=parallel.dims.pp > 1)
     if parallel.dims.cp > 1:
         apply_cp(model)
     if activation_checkpointing:

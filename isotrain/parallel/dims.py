@@ -15,12 +15,12 @@ FSDP2 shards over `dp_shard` ranks when it is above 1, and also over a single ra
 launch asks for `dp_shard=-1` (`shard_one_rank`): the same sharded code path as on many GPUs, on one.
 `pp` (pipeline parallel) takes ranks of its own, outermost: each of the `pp` ranks of a pipeline holds one stage, an
 even share of the decoder layers or the counts of `pp_split` (parallel/pp.py), and every stage runs every
-micro-batch, so the DP size does not change with it. It composes with data and tensor parallelism (a `pp × dp × tp`
-mesh: DDP, FSDP2 or HSDP over the ranks of each stage, TP inside it); CP and EP beside it, and the zero-bubble
-schedules beside FSDP2, are refused (`check_pp`, `resolve_dims`), and it needs a model that has at least `pp` decoder
-layers, `pp × pp_stages_per_rank` under the interleaved schedule (`check_pp_fits`; an MoE model: one stage per rank,
-every layer sparse). Under the interleaved schedule beside FSDP2 each stage of a rank is an FSDP2
-root of its own.
+micro-batch, so the DP size does not change with it. It composes with data, tensor and expert parallelism (a
+`pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the ranks of each stage, TP inside it, EP groups carved out of each
+stage's DP ranks); CP beside it, and the zero-bubble schedules beside FSDP2, are refused (`check_pp`,
+`resolve_dims`), and it needs a model that has at least `pp` decoder layers, `pp × pp_stages_per_rank` under the
+several-stage schedules (`check_pp_fits`; an MoE model: one stage per rank). Under the interleaved schedule beside
+FSDP2 each stage of a rank is an FSDP2 root of its own.
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
 """
@@ -104,7 +104,7 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
     pp, schedule = getattr(cfg, "pp", 1), getattr(cfg, "pp_schedule", "1f1b")
     per_rank = getattr(cfg, "pp_stages_per_rank", 1)
     split = getattr(cfg, "pp_split", None)
-    check_pp(pp, schedule, {"cp": cp, "ep": getattr(cfg, "ep", 1)}, per_rank)
+    check_pp(pp, schedule, {"cp": cp}, per_rank)
     check_pp_split(pp, per_rank, split)
     fixed = cp * pp
     for value in degrees.values():
@@ -145,7 +145,8 @@ def resolve_dims(cfg, world_size: int) -> ParallelDims:
 def check_pp(pp: int, schedule: str, others: dict[str, int], per_rank: int = 1) -> None:
     """What pipeline parallelism is built for: the `1f1b` and `gpipe` schedules with one stage per rank,
     `interleaved_1f1b` with several (`per_rank`, parallel.pp_stages_per_rank), beside data and tensor parallelism
-    (`others`: the degrees that would need their reductions and meshes carved per stage)."""
+    (`others`: the degrees that would need their reductions and meshes carved per stage; expert parallelism has its
+    EP groups carved per stage: parallel/mesh.py)."""
     if pp == 1:
         if per_rank != 1:
             raise ConfigError(f"parallel.pp_stages_per_rank={per_rank} needs a pipeline; set parallel.pp to 2 or "
@@ -169,9 +170,9 @@ def check_pp(pp: int, schedule: str, others: dict[str, int], per_rank: int = 1) 
     for name, value in others.items():
         if value not in (1, -1):
             raise ConfigError(f"parallel.pp={pp} with parallel.{name}={value} is not supported yet (pipeline "
-                              f"parallelism composes with data and tensor parallelism only); set parallel.{name}=1 "
-                              "and use parallel.dp_shard, parallel.dp_replicate or parallel.tp for the other ranks, or "
-                              "parallel.pp=1")
+                              "parallelism composes with data, tensor and expert parallelism only); set "
+                              f"parallel.{name}=1 and use parallel.dp_shard, parallel.dp_replicate or parallel.tp for "
+                              "the other ranks, or parallel.pp=1")
 
 
 def check_pp_split(pp: int, per_rank: int, split) -> None:
@@ -351,8 +352,8 @@ def _check_cp_model(cp: int, config) -> None:
 
 def check_pp_fits(pp: int, config, per_rank: int = 1, split=None, schedule: str = "interleaved_1f1b") -> None:
     """Each stage needs at least one decoder layer. An MoE model's stages each form the router terms of their own
-    layers against the pool of all layers (train/step.py), one stage per rank, every layer sparse (so that every
-    stage routes).
+    layers against the pool of all layers (train/step.py), one stage per rank; a stage whose layers are all dense
+    adds no term.
     (Tied input and output embeddings are kept on the first and the last stage, one copy each: parallel/pp.py.)"""
     if pp == 1:
         return
@@ -375,7 +376,3 @@ def check_pp_fits(pp: int, config, per_rank: int = 1, split=None, schedule: str 
         raise ConfigError(f"parallel.pp_schedule={schedule} (parallel.pp_stages_per_rank={per_rank}) is not "
                           "supported for mixture-of-experts models yet; use parallel.pp_schedule=1f1b (or gpipe) with "
                           "parallel.pp_stages_per_rank=1")
-    if is_moe(config) and has_dense_mlp(config):
-        raise ConfigError(f"parallel.pp={pp} needs every decoder layer of a mixture-of-experts model to route to "
-                          "experts, and this model has dense MLP layers (mlp_only_layers or decoder_sparse_step); "
-                          "set parallel.pp=1")

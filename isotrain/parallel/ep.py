@@ -157,12 +157,13 @@ def expert_mesh(ep_mesh: DeviceMesh) -> DeviceMesh:
     return ep_mesh["ep", "tp"] if "tp" in (ep_mesh.mesh_dim_names or ()) else ep_mesh["ep"]
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, stage: bool = False) -> nn.Module:
     """Replace every fused-experts module of `model` by its expert-parallel form over ep_mesh["ep"], in place
-    (after tensor parallelism, which left the experts replicated over "tp")."""
+    (after tensor parallelism, which left the experts replicated over "tp"). `stage`: `model` is one pipeline stage,
+    which may hold dense layers only (the whole model was checked to have experts: parallel/dims.py)."""
     axis = ep_mesh["ep"]
     found = expert_modules(model)
-    if not found:
+    if not found and not stage:
         raise ConfigError(
             f"parallel.ep={axis.size()} needs a mixture-of-experts model with fused expert weights (gate_up_proj, "
             f"down_proj), but this {model.config.model_type} model has none; set parallel.ep=1"

@@ -5,7 +5,8 @@
                      over), "dp_replicate_cp" = dp_replicate × cp (what DDP sums over when nothing is sharded)
     expert parallel: "dp" unflattened into ("ep_replicate", "ep") = (DP size / ep, ep); with TP the mesh
                      ("ep_replicate", "ep", "tp"), experts on its ("ep", "tp") part as (Shard(0), Replicate());
-                     with CP ("ep_replicate", "cp", "ep"[, "tp"]): one set of EP groups per CP (and TP) coordinate
+                     with CP ("ep_replicate", "cp", "ep"[, "tp"]): one set of EP groups per CP (and TP) coordinate;
+                     with PP ("pp", "ep_replicate", "ep"[, "tp"]): one set per pipeline stage
 
 The EP groups are runs of `ep` consecutive DP ranks (inside a dp_shard group when ep divides dp_shard, as
 torchtitan carves its EP axis out of the FSDP axis): the ranks of one group hold different experts, the
@@ -100,6 +101,8 @@ def _ep_mesh(dims: ParallelDims, mesh: DeviceMesh, dp: DeviceMesh, device: torch
     (each group's ranks route the same piece of their sequences); the ranks that differ in "cp" hold the same
     experts, and sum their gradients over "cp" beside "ep_replicate" (ep.py)."""
     shape = (dims.dp_size // dims.ep, dims.ep)
+    if dims.pp > 1:
+        return _stage_ep_mesh(dims, mesh, shape, device)
     if dims.cp > 1:  # root mesh (pp=1, dp_replicate, dp_shard, cp, tp): DP split into (ep_replicate, ep)
         ranks = mesh.mesh.reshape(*shape, dims.cp, dims.tp).permute(0, 2, 1, 3)
         names = ("ep_replicate", "cp", "ep", "tp")
@@ -109,6 +112,19 @@ def _ep_mesh(dims: ParallelDims, mesh: DeviceMesh, dp: DeviceMesh, device: torch
     if dims.tp == 1:
         return dp._unflatten(0, shape, ("ep_replicate", "ep"))
     return DeviceMesh(device.type, mesh.mesh.reshape(*shape, dims.tp), mesh_dim_names=("ep_replicate", "ep", "tp"))
+
+
+def _stage_ep_mesh(dims: ParallelDims, mesh: DeviceMesh, shape: tuple[int, int], device: torch.device) -> DeviceMesh:
+    """Under pipeline parallelism, ("pp", "ep_replicate", "ep"[, "tp"]): the EP groups carved out of the DP ranks of
+    each stage, one set per stage (and per TP coordinate), as they are per CP coordinate. A stage's experts are
+    sharded over its own EP group and summed over its own "ep_replicate" ranks; slicing "ep" or "ep_replicate" gives
+    this rank's stage's groups, and the mesh spans every rank, as a checkpoint's boxes need (parallel/boxes.py)."""
+    ranks = mesh.mesh.reshape(dims.pp, *shape, dims.cp, dims.tp).permute(0, 1, 3, 2, 4)  # (pp, rep, cp, ep, tp)
+    names = ("pp", "ep_replicate", "cp", "ep", "tp")
+    for axis in (4, 2):  # drop the cp and tp axes of size 1, the last first
+        if ranks.shape[axis] == 1:
+            ranks, names = ranks.select(axis, 0), names[:axis] + names[axis + 1:]
+    return DeviceMesh(device.type, ranks.contiguous(), mesh_dim_names=names)
 
 
 def build_parallel(dims: ParallelDims, device: torch.device, rank: int,

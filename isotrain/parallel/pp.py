@@ -53,7 +53,9 @@ Mixture-of-experts models. A stage's term of the objective is not a function of 
 stage forms the router terms of its own MoE layers (train/step.py) and attaches them to its output with
 `with_side_loss`, whose backward gives the term the gradient 1 beside the output's own; the terms carry the global
 normalisation, so the stages' terms add up to one process's. A forward-only schedule (no loss function) runs the
-routing pre-pass that gives the global counts first.
+routing pre-pass that gives the global counts first. A stage whose layers are all dense routes nothing and adds no
+term. Expert parallelism beside the pipeline shards a stage's experts over an EP group of that stage's DP ranks
+(parallel/mesh.py), which run the same schedule and so meet in the same all-to-alls.
 
 The chunked loss (train.loss_chunk_tokens) runs inside the last stage's forward, as on one process: that stage's
 output is then the micro-batch's Σ_t w_t·ℓ_t (`head_loss`, StageModule), never its logits. LoRA adds a stage's
@@ -273,21 +275,26 @@ class StageModule(nn.Module):
     attention mask) are the micro-batch's own, given to every stage by the schedule; transformers builds the causal mask and
     the rotary embeddings from them on each stage. An MoE model's micro-batch also carries `router_mask` (its input
     tokens): the stage then returns its routers' logits to the pipeline's `router_fn`, which may attach the stage's
-    router terms to the output (`with_side_loss`). With the chunked loss (train.loss_chunk_tokens) the last stage's
-    micro-batch also carries its index, `micro_batch`: the last stage then runs the pipeline's `head_loss`, which
-    computes the micro-batch's weighted loss sum inside the model's forward, and returns that scalar instead of the
-    logits (which are never formed whole)."""
+    router terms to the output (`with_side_loss`); a stage whose layers are all dense has none and adds no term.
+    With the chunked loss (train.loss_chunk_tokens) the last stage's micro-batch also carries its index,
+    `micro_batch`: the last stage then runs the pipeline's `head_loss`, which computes the micro-batch's weighted loss
+    sum inside the model's forward, and returns that scalar instead of the logits (which are never formed whole)."""
 
     def __init__(self, model: nn.Module, stage: int, num_stages: int, per_rank: int = 1, owner=None,
                  split: Sequence[int] | None = None):
+        from isotrain.parallel.ep import expert_modules
+
         super().__init__()
         self.model = model if per_rank == 1 else stage_view(model, stage, num_stages, split)
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.owner = owner  # the Pipeline, whose router_fn and head_loss are the current step's
+        self.routes = any(expert_modules(layer) for layer in _base(self.model).layers)
 
     def forward(self, x: torch.Tensor, router_mask: torch.Tensor | None = None, micro_batch: int | None = None,
                 **kwargs) -> torch.Tensor:
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if not self.routes:  # a stage of dense layers routes nothing and adds no term
+            router_mask = None
         if router_mask is not None:
             kwargs["output_router_logits"] = True
         if micro_batch is not None and self.last and self.owner.head_loss is not None:
@@ -332,7 +339,7 @@ class Pipeline:
         # The chunked loss: head_loss(model, inputs, kwargs, micro_batch) -> the model output whose `loss` is the
         # micro-batch's Σ_t w_t·ℓ_t, run by the last stage (StageModule), set for the run of a step's schedule.
         self.head_loss: Callable | None = None
-        self._moe_rows: tuple[list[int], int] | None = None
+        self._moe_rows: tuple[list[int], int, bool] | None = None
 
     @classmethod
     def of(cls, parallel) -> Pipeline | None:
@@ -387,9 +394,11 @@ class Pipeline:
             del self._kept[old]
         return runner
 
-    def moe_layer_rows(self, model: nn.Module) -> tuple[list[int], int]:
-        """(the rows of this rank's MoE layers among all MoE layers of the model, their number L), in layer order, as
-        one process's router logits come: each stage's layers with experts, gathered over the pipeline once."""
+    def moe_layer_rows(self, model: nn.Module) -> tuple[list[int], int, bool]:
+        """(the rows of this rank's MoE layers among all MoE layers of the model, their number L, whether this rank
+        counts the routed tokens), in layer order, as one process's router logits come: each stage's layers with
+        experts, gathered over the pipeline once. The first stage with an MoE layer counts the tokens (every
+        routing stage routes the same ones; a stage of dense layers routes none)."""
         self._use(model)
         if self._moe_rows is None:
             import torch.distributed as dist
@@ -401,7 +410,8 @@ class Pipeline:
             gathered = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(gathered, local, group=self.group)
             every = sorted(index for stage in gathered for index in stage)
-            self._moe_rows = ([every.index(index) for index in local], len(every))
+            first = next(rank for rank, stage in enumerate(gathered) if stage)
+            self._moe_rows = ([every.index(index) for index in local], len(every), first == self.stage)
         return self._moe_rows
 
     def forward(self, model: nn.Module, inputs: list[torch.Tensor] | None, kwargs: list[dict], router_fn: Callable,

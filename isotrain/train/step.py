@@ -258,13 +258,13 @@ def _pipeline_router_step(model: nn.Module, pipeline: Pipeline, inputs: list[tor
     if options.router is None:
         return None
     parallel = options.parallel
-    rows, num_layers = pipeline.moe_layer_rows(hf_model(model))
+    rows, num_layers, counts_tokens = pipeline.moe_layer_rows(hf_model(model))
 
     def run_forward(router_fn):
         with _autocast(options, device), _loss_parallel(options):
             pipeline.forward(hf_model(model), inputs, kwargs, router_fn, device)
 
-    return begin_pipeline_router_step(options.router, masks, run_forward, rows, num_layers, parallel.pp_rank == 0,
+    return begin_pipeline_router_step(options.router, masks, run_forward, rows, num_layers, counts_tokens,
                                       options.dp_group, parallel.pp_group, device)
 
 

@@ -65,12 +65,12 @@ def test_layers_split_evenly_in_order():
      "parallel.pp_stages_per_rank=1"),
     (dict(pp_stages_per_rank=2), "parallel.pp_stages_per_rank=2 needs a pipeline; set parallel.pp to 2 or more, or "
      "parallel.pp_stages_per_rank=1"),
-    (dict(pp=2, cp=2), "parallel.pp=2 with parallel.cp=2 is not supported yet (pipeline parallelism composes with data "
-     "and tensor parallelism only); set parallel.cp=1 and use parallel.dp_shard, parallel.dp_replicate or "
+    (dict(pp=2, cp=2), "parallel.pp=2 with parallel.cp=2 is not supported yet (pipeline parallelism composes with "
+     "data, tensor and expert parallelism only); set parallel.cp=1 and use parallel.dp_shard, parallel.dp_replicate or "
      "parallel.tp for the other ranks, or parallel.pp=1"),
-    (dict(pp=2, ep=2), "parallel.pp=2 with parallel.ep=2 is not supported yet (pipeline parallelism composes with data "
-     "and tensor parallelism only); set parallel.ep=1 and use parallel.dp_shard, parallel.dp_replicate or "
-     "parallel.tp for the other ranks, or parallel.pp=1"),
+    (dict(pp=2, ep=4), "parallel.ep=4 does not divide the data-parallel size dp_replicate × dp_shard = 2 × 1 = 2, "
+     "out of which the expert-parallel groups are carved; use a parallel.ep that divides 2, or launch a multiple of 4 "
+     "data-parallel ranks"),
 ])
 def test_unbuilt_combinations_are_refused(settings, sentence):
     with pytest.raises(ConfigError) as err:
@@ -81,9 +81,6 @@ def test_unbuilt_combinations_are_refused(settings, sentence):
 @pytest.mark.parametrize("sizes, pp, sentence", [
     (dict(num_hidden_layers=2), 3, "parallel.pp=3 needs at least 3 decoder layers, one per stage, but the model has 2 "
      "(num_hidden_layers=2); use a parallel.pp of at most 2"),
-    (dict(model_type="qwen3_moe", num_experts=4, mlp_only_layers=[1]), 2, "parallel.pp=2 needs every decoder layer "
-     "of a mixture-of-experts model to route to experts, and this model has dense MLP layers (mlp_only_layers or "
-     "decoder_sparse_step); set parallel.pp=1"),
 ])
 def test_models_that_do_not_split_are_refused(sizes, pp, sentence):
     sizes = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 4, **sizes}
@@ -94,10 +91,13 @@ def test_models_that_do_not_split_are_refused(sizes, pp, sentence):
 
 
 def test_moe_models_split_into_stages_of_one_per_rank():
-    """Every layer sparse, one stage per rank: accepted (tests/train/test_moe_equivalence.py); interleaved refused."""
+    """One stage per rank, with dense layers or without: accepted (tests/train/test_moe_equivalence.py,
+    test_pipeline_moe.py); interleaved refused."""
     config = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_hidden_layers=4,
                                   num_experts=4, mlp_only_layers=[], decoder_sparse_step=1)
     check_pp_fits(2, config)
+    check_pp_fits(2, AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_hidden_layers=4,
+                                          num_experts=4, mlp_only_layers=[0, 1]))
     with pytest.raises(ConfigError) as err:
         check_pp_fits(2, config, per_rank=2)
     assert str(err.value) == ("parallel.pp_schedule=interleaved_1f1b (parallel.pp_stages_per_rank=2) is not "
@@ -120,8 +120,6 @@ def test_moe_models_split_into_stages_of_one_per_rank():
       "train.global_batch_size=24"], "parallel.pp_schedule=interleaved_1f1b runs the micro-batches in rounds of "
      "parallel.pp=2, but the batch plan has 3; choose train.micro_batch_size so that train.global_batch_size / "
      "(train.micro_batch_size × DP size) is a multiple of 2"),
-    (["moe.aux_loss_scope=micro_batch"], "moe.aux_loss_scope=micro_batch is not supported with parallel.pp=2 yet (the "
-     "stages form the router terms of the global scope only); set moe.aux_loss_scope=global or parallel.pp=1"),
     (["train.micro_batch_size=8"], "parallel.pp_schedule=1f1b needs at least one micro-batch per stage, but the batch "
      "plan has 1 for parallel.pp=2; lower train.micro_batch_size to at most 4 or use parallel.pp_schedule=gpipe"),
 ])

@@ -50,18 +50,21 @@ FAMILIES = {
     # Layer 1 dense (its MLP split by TP's plan), layer 0 sparse; checked on demand (families=qwen3_moe_dense).
     "qwen3_moe_dense": {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
                         "decoder_sparse_step": 1, "mlp_only_layers": [1], "head_dim": 8},
+    # Layer 0 dense, layer 1 sparse: under PP 2 the first stage routes nothing (tests/train/test_pipeline_moe.py).
+    "qwen3_moe_dense_first": {"model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 32,
+                              "decoder_sparse_step": 1, "mlp_only_layers": [0], "head_dim": 8},
 }
 SUITE_FAMILIES = ("qwen3_moe", "mixtral")
 # Large enough that the router terms move the router's gradient far beyond the tolerance when their pool is wrong.
 MOE = MoeConfig(aux_loss_coef=0.5, z_loss_coef=0.01)
 
 
-def tiny_moe(family: str, dtype: torch.dtype):
+def tiny_moe(family: str, dtype: torch.dtype, layers: int = 2):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     extra = dict(FAMILIES[family])
-    config = AutoConfig.for_model(extra.pop("model_type", family), vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = AutoConfig.for_model(extra.pop("model_type", family), vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                   num_experts_per_tok=2, **extra)
     config.use_cache = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from isotrain.models.tokenizer import train_tokenizer
 
@@ -34,8 +34,6 @@ def tiny_model(tokenizer, seed: int = 0, tie: bool = False):
 def tiny_moe(tokenizer, seed: int = 0):
     """A tiny Qwen3-MoE policy (4 experts, top-2, every layer sparse, fp32) that vLLM's CPU engine serves: heads of
     head_dim 32 (its attention kernel's least) and an expert width of 32 (its MoE kernel's multiple)."""
-    from transformers import AutoConfig
-
     torch.manual_seed(seed)
     config = AutoConfig.for_model(
         "qwen3_moe", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2,

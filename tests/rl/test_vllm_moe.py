@@ -5,7 +5,8 @@ Proven here:
 - the engine receives the policy's Hugging Face checkpoint keys (each expert's gate, up and down projections under
   its global id), in buckets of at most bucket_bytes, and after the start and each of 3 updates every sync passes
   the checksums and the probe, and the engine's log-probs of its own samples equal the trainer's within 1e-5
-  (tests/rl/test_moe_weight_sync.py proves the same stream comes from every layout: EP 2, FSDP2 2 × EP 2, FSDP2 2);
+  (tests/rl/test_moe_weight_sync.py proves each rank streams the same bytes under EP 2 over DDP, FSDP2 2 × EP 2
+  and FSDP2 2);
 - a sync that leaves out the expert tensors, or the experts one of two EP ranks holds, is caught by the probe with
   its sentence (the checksums agree: the engine loaded what it was sent), and a full sync recovers;
 - `isotrain rl rollout.engine=vllm` trains the policy on 1 process and on FSDP2 2 × EP 2, every sync verified within

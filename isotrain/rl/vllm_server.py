@@ -23,7 +23,8 @@ Requests:
     close     exit
 One sync is one `collective_rpc("reload_weights", weights_iterator=...)` whose iterator reads the buckets
 as they come: vLLM reloads layer by layer and processes a layer (e.g. fuses q, k and v into qkv_proj) once
-all its tensors arrived, so a fused layer split over two buckets must never be finalised in between. The
+all its tensors arrived, so a fused layer split over two buckets must never be finalised in between. Then the
+post-load steps a reload skips (vllm_worker.py: a tied head, the CPU MoE kernel's packing). The
 prefix cache is reset after the sync: no KV computed with old weights is ever reused. If vLLM fails during a
 sync, the error answers the line in flight and the rest of that sync's lines are ignored.
 """
@@ -36,7 +37,7 @@ import sys
 import traceback
 
 # This file's folder is sys.path[0] (it runs by path): the worker-side steps it shares with a vLLM server.
-from vllm_worker import reprocess_shared_weights, sha256_of
+from vllm_worker import padded_moe_widths, repack_moe_experts, reprocess_shared_weights, sha256_of
 
 CPU_MIN_HEAD_DIM = 32  # vLLM's CPU attention kernel: smaller heads fail at the first generate
 
@@ -114,6 +115,10 @@ class Server:
             # Eager unless the user asks for graphs (engine_args enforce_eager=false on a GPU): no compile wait.
             **{"enforce_eager": True, **args.get("engine_args", {})},
         )
+        if platform == "cpu":
+            padded = self.llm.collective_rpc(padded_moe_widths)[0]
+            if padded:
+                raise StartError(f"{padded[0]} to {padded[1]}", "moe_width")
         self.lora = None  # the LoRARequest of the adapter every generate uses, once one was sent
         self.info = {"vllm": vllm.__version__, "torch": torch.__version__, "platform": platform,
                      "pid": os.getpid()}
@@ -151,10 +156,9 @@ class Server:
         from safetensors.torch import load_file
 
         _send(channel, {"ok": None})
-        count = 0
+        names = []
 
         def buckets():
-            nonlocal count
             for line in lines:
                 request = json.loads(line)
                 if request["op"] == "end":
@@ -162,14 +166,15 @@ class Server:
                 tensors = load_file(request["path"])
                 os.unlink(request["path"])  # read: the trainer may write the next bucket
                 _send(channel, {"ok": {name: sha256_of(torch, t) for name, t in tensors.items()}})
-                count += len(tensors)
+                names.extend(tensors)
                 yield from tensors.items()
             raise EOFError("the trainer closed the channel during a weight sync")
 
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": buckets()})
         self.llm.collective_rpc(reprocess_shared_weights)
+        self.llm.collective_rpc(repack_moe_experts, args=(names,))
         self.llm.reset_prefix_cache()
-        return {"tensors": count}
+        return {"tensors": len(names)}
 
 
     def op_adapter(self, path, version):

@@ -19,7 +19,7 @@ from torch import nn
 from isotrain.errors import ConfigError
 from isotrain.models.unwrap import unwrap
 from isotrain.models.weights import sync_named_tensors
-from isotrain.parallel.pp import whole_model
+from isotrain.parallel.pp_stages import whole_model
 
 
 def _import_peft():
@@ -43,7 +43,7 @@ def apply_lora(model: nn.Module, r: int, alpha: int, target_modules: list[str], 
     module's full name or its last component(s) (peft's rule), e.g. "q_proj".
     `skeleton`: under pipeline parallelism, the whole model on the meta device (`whole_meta_model`). peft draws each
     adapter's initial values from the RNG module after module, so the adapters are added with the modules of the
-    other stages stood in by the skeleton's (parallel/pp.py `whole_model`): every stage's adapters start as one
+    other stages stood in by the skeleton's (parallel/pp_stages.py `whole_model`): every stage's adapters start as one
     process's, and the targets are checked against the whole model.
     """
     peft = _import_peft()

@@ -6,17 +6,18 @@ pp stages take one more), or parallel.pp_split's count for it; the first stage a
 last the final norm and the LM head, and the loss is computed there. The model stays the Hugging Face model with its
 own names, as torchtitan keeps its model and deletes what a stage does not own: the layers of other stages become
 `PassThrough` (no parameters), a later stage's embedding is removed and an earlier stage's final norm is the
-identity and its head a `HandOff`. So `named_parameters()`, the optimizer and the checkpoint see exactly this
-stage's tensors under the names one process uses, and a model built on meta materialises only them
-(models/build.py).
+identity and its head a `HandOff` (those pieces: parallel/pp_stages.py; `apply_pp` cuts with them). So
+`named_parameters()`, the optimizer and the checkpoint see exactly this stage's tensors under the names one process
+uses, and a model built on meta materialises only them (models/build.py).
 
 Several stages per rank (`interleaved_1f1b`, `interleaved_zb`, parallel.pp_stages_per_rank = V): the layers split
 into pp·V stages and rank r holds stages r, r + pp, ... (`rank_stages`), all in its one model as above; each of its
-stages runs a `stage_view` of that model, which shares its parameters and lets the rank's other stages' layers pass
-through. The V-shaped schedules (`zbv`, `dualpipev`: V = 2) place stages r and 2·pp - 1 - r on rank r, so rank 0
-holds the first and the last stage: the embedding, the final norm and the head are in its one model (a tied weight
-is one weight there, with nothing to sum). The zero-bubble schedules split each backward into an input half and a
-weight half (torch keeps the graph from one to the other); the gradients they accumulate are the same sums.
+stages runs a `stage_view` (parallel/pp_stages.py) of that model, which shares its parameters and lets the rank's
+other stages' layers pass through. The V-shaped schedules (`zbv`, `dualpipev`: V = 2) place stages r and 2·pp - 1 - r
+on rank r, so rank 0 holds the first and the last stage: the embedding, the final norm and the head are in its one
+model (a tied weight is one weight there, with nothing to sum). The zero-bubble schedules split each backward into an
+input half and a weight half (torch keeps the graph from one to the other); the gradients they accumulate are the
+same sums.
 
 Data parallelism beside it (a `pp × dp` mesh, parallel/mesh.py): the DP ranks of one stage hold the same stage and
 run different micro-batches. Every stage runs the Hugging Face model's own top-level forward, so that FSDP2, which
@@ -50,7 +51,7 @@ gradient once more by M: the gradient of another objective (tests/train/test_pip
 fails the equivalence test).
 
 Mixture-of-experts models. A stage's term of the objective is not a function of the last stage's logits: each
-stage forms the router terms of its own MoE layers (train/step.py) and attaches them to its output with
+stage forms the router terms of its own MoE layers (train/pipeline_step.py) and attaches them to its output with
 `with_side_loss`, whose backward gives the term the gradient 1 beside the output's own; the terms carry the global
 normalisation, so the stages' terms add up to one process's. A forward-only schedule (no loss function) runs the
 routing pre-pass that gives the global counts first. A stage whose layers are all dense routes nothing and adds no
@@ -59,7 +60,8 @@ term. Expert parallelism beside the pipeline shards a stage's experts over an EP
 
 The chunked loss (train.loss_chunk_tokens) runs inside the last stage's forward, as on one process: that stage's
 output is then the micro-batch's Σ_t w_t·ℓ_t (`head_loss`, StageModule), never its logits. LoRA adds a stage's
-adapters while `whole_model` stands in the other stages' modules, so that they draw one process's initial values.
+adapters while `whole_model` (parallel/pp_stages.py) stands in the other stages' modules, so that they draw one
+process's initial values.
 
 Shapes. A stage receives activations into buffers whose shape it infers at its first micro-batch, so the micro-batches
 of one step are padded to the same length (right padding, label -100: causal attention lets no real token see it,
@@ -68,8 +70,6 @@ and it trains nothing), and a stage and its schedule are built once for each sha
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import inspect
 from collections.abc import Callable, Sequence
 
@@ -78,49 +78,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from isotrain.parallel.dims import V_SHAPED
+from isotrain.parallel.pp_stages import HandOff, PassThrough, base_model, stage_layers, stage_view, ties_embeddings
 
 SCALE_GRADS = False  # never rescale: each micro-batch's loss already carries the global normalisation
 # parallel.pp_schedule -> its class in torch.distributed.pipelining (torch >= 2.11 has them all)
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                     "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
                     "dualpipev": "ScheduleDualPipeV"}
-
-
-class PassThrough(nn.Module):
-    """A decoder layer that another stage holds: hidden states go through unchanged, with no parameters."""
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return hidden_states
-
-
-class HandOff(nn.Module):
-    """An earlier stage's LM head, with no parameters: the hidden states go on to the next stage as a tensor of their
-    own. transformers hands the head a slice of them, and a view returned by the model's forward would lose FSDP2's
-    backward hook to any in-place op (FSDP2 warns of it)."""
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return hidden_states.clone()
-
-
-def stage_layers(num_layers: int, pp: int, stage: int, split: Sequence[int] | None = None) -> range:
-    """The decoder layers of `stage` of `pp` stages: `split[s]` layers for stage s, in order (parallel.pp_split,
-    checked to have `pp` positive entries summing to L), or without a split L // pp each, the first L mod pp stages
-    one more (checked: L >= pp)."""
-    if split is not None:
-        start = sum(split[:stage])
-        return range(start, start + split[stage])
-    size, extra = divmod(num_layers, pp)
-    start = stage * size + min(stage, extra)
-    return range(start, start + size + (stage < extra))
-
-
-def _base(model: nn.Module) -> nn.Module:
-    return getattr(model, getattr(model, "base_model_prefix", "model"))
-
-
-def ties_embeddings(model: nn.Module) -> bool:
-    """Whether the model's input embedding and LM head are one weight (its config's `tie_word_embeddings`)."""
-    return bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
 
 
 def rank_stages(rank: int, pp: int, per_rank: int = 1, schedule: str = "1f1b") -> list[int]:
@@ -144,7 +108,7 @@ def apply_pp(model: nn.Module, rank: int, pp: int, per_rank: int = 1, split: Seq
     of each of its `per_rank` stages (parallel.pp_stages_per_rank; `split`: parallel.pp_split, the layers of each
     stage), the input embedding on the rank of the first stage (rank 0) and the final norm and head on the rank of the
     last (`last_stage_rank`)."""
-    base = _base(model)
+    base = base_model(model)
     num_stages = pp * per_rank
     own = {index for stage in rank_stages(rank, pp, per_rank, schedule)
            for index in stage_layers(len(base.layers), num_stages, stage, split)}
@@ -157,53 +121,6 @@ def apply_pp(model: nn.Module, rank: int, pp: int, per_rank: int = 1, split: Seq
     if rank != last:  # the top-level forward still runs on every stage (module docstring): identities, not None
         base.norm = nn.Identity()
         model.lm_head = HandOff()
-
-
-@contextlib.contextmanager
-def whole_model(model: nn.Module, skeleton: nn.Module):
-    """While open, every module that this rank's stages do not hold (a layer, the input embedding, the final norm,
-    the head) is `skeleton`'s, the whole model on the meta device: code that walks the whole model's modules in
-    order and draws from the RNG for each (peft adding LoRA adapters) draws here what one process draws, and this
-    rank's own modules get one process's values. What that code puts into the skeleton's modules goes with them."""
-    base, whole = _base(model), _base(skeleton)
-    stand_ins = [(base.layers, str(index), whole.layers[index]) for index, layer in enumerate(base.layers)
-                 if isinstance(layer, PassThrough)]
-    if base.embed_tokens is None:
-        stand_ins.append((base, "embed_tokens", whole.embed_tokens))
-    if isinstance(base.norm, nn.Identity):
-        stand_ins.append((base, "norm", whole.norm))
-    if isinstance(model.lm_head, HandOff):
-        stand_ins.append((model, "lm_head", skeleton.lm_head))
-    held = [(parent, name, parent._modules[name]) for parent, name, _ in stand_ins]
-    for parent, name, module in stand_ins:
-        parent._modules[name] = module
-    try:
-        yield model
-    finally:
-        for parent, name, module in held:
-            parent._modules[name] = module
-
-
-def stage_view(model: nn.Module, stage: int, num_stages: int, split: Sequence[int] | None = None) -> nn.Module:
-    """The model as stage `stage` runs it when its rank holds several stages (interleaved schedules): a shallow copy
-    whose module tables are its own, sharing every parameter and layer with `model`, in which the rank's other
-    stages' layers pass through, a stage after the first has no input embedding and a stage before the last hands
-    its hidden states on (no final norm, no head): each parameter belongs to the view of one stage."""
-    base = _base(model)
-    view, view_base = copy.copy(model), copy.copy(base)
-    view._modules, view_base._modules = dict(model._modules), dict(base._modules)
-    view._modules[getattr(model, "base_model_prefix", "model")] = view_base
-    own = stage_layers(len(base.layers), num_stages, stage, split)
-    view_base._modules["layers"] = nn.ModuleList(
-        [layer if index in own else PassThrough() for index, layer in enumerate(base.layers)])
-    # A later stage is given hidden states; the last keeps a tied embedding's module, whose weight is its head's, so
-    # that an FSDP2 root over the view (parallel/apply.py shard_stages) holds both of the weight's slots.
-    if stage > 0 and not (stage == num_stages - 1 and ties_embeddings(model)):
-        view_base._modules["embed_tokens"] = None
-    if stage < num_stages - 1:
-        view_base._modules["norm"] = nn.Identity()
-        view._modules["lm_head"] = HandOff()
-    return view
 
 
 STAGE_ROOTS = "_isotrain_stage_roots"  # an attribute of the Hugging Face model, not a submodule (names unchanged)
@@ -288,7 +205,7 @@ class StageModule(nn.Module):
         self.model = model if per_rank == 1 else stage_view(model, stage, num_stages, split)
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.owner = owner  # the Pipeline, whose router_fn and head_loss are the current step's
-        self.routes = any(expert_modules(layer) for layer in _base(self.model).layers)
+        self.routes = any(expert_modules(layer) for layer in base_model(self.model).layers)
 
     def forward(self, x: torch.Tensor, router_mask: torch.Tensor | None = None, micro_batch: int | None = None,
                 **kwargs) -> torch.Tensor:
@@ -320,9 +237,8 @@ class Pipeline:
     built for a shape therefore stays: a step whose micro-batches have a shape seen before runs on it at once. The
     last `KEPT` shapes are kept: each holds the receive buffers of its micro-batches' activations and gradients, so
     the pipeline's buffer memory is at most `KEPT` times that of one step's schedule. Every rank of a pipeline sees the
-    same shapes in the same order (step.py pads to the longest over DP), so its stages build and drop the same
-    schedules. The loss function is the step's own, passed to
-    the kept schedule through `_loss`."""
+    same shapes in the same order (train/pipeline_step.py pads to the longest over DP), so its stages build and drop
+    the same schedules. The loss function is the step's own, passed to the kept schedule through `_loss`."""
 
     KEPT = 2
 
@@ -405,7 +321,7 @@ class Pipeline:
 
             from isotrain.parallel.ep import expert_modules
 
-            local = [index for index, layer in enumerate(_base(model).layers)
+            local = [index for index, layer in enumerate(base_model(model).layers)
                      if not isinstance(layer, PassThrough) and expert_modules(layer)]
             gathered = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(gathered, local, group=self.group)

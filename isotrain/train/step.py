@@ -12,13 +12,14 @@ Order of a step (the invariant each stage keeps is in brackets):
      is summed over CP as well, while the counts of step 1, taken from the whole micro-batches that every CP rank
      of a DP rank holds alike, are summed over DP only (summed over CP they would count each token cp times); an
      MoE model's routing loads, counted on the pieces each rank routes, are summed over DP × CP (isotrain/moe/);
-     under pipeline parallelism (parallel/pp.py) the micro-batches run through the stages by the run's schedule,
-     the last stage computes each micro-batch's Σ_t w_t·ℓ_t / D, the schedule never rescales, and the loss sum is
-     summed over the stages (the others hold 0) and DP; the counts of step 1 are summed over DP only (every stage
-     of a pipeline holds the same micro-batches' counts; a middle stage, which reads no data, gets them from the
-     first: train/stage_data.py), and each stage's gradients over that stage's DP ranks; an MoE model's stages
-     attach their layers' router terms to their outputs' backward, against the pool of all layers from a
-     forward-only pre-pass through the pipeline, and their router sums are summed over the stages;
+     under pipeline parallelism (parallel/pp.py; the step's path: train/pipeline_step.py) the micro-batches run
+     through the stages by the run's schedule, the last stage computes each micro-batch's Σ_t w_t·ℓ_t / D, the
+     schedule never rescales, and the loss sum is summed over the stages (the others hold 0) and DP; the counts of
+     step 1 are summed over DP only (every stage of a pipeline holds the same micro-batches' counts; a middle
+     stage, which reads no data, gets them from the first: train/stage_data.py), and each stage's gradients over
+     that stage's DP ranks; an MoE model's stages attach their layers' router terms to their outputs' backward,
+     against the pool of all layers from a forward-only pre-pass through the pipeline, and their router sums are
+     summed over the stages;
   4. TP × DDP replicas sum their gradients over dp_replicate; partial TP gradients are summed over TP;
      global grad norm (every element counted once, one fp64 all-reduce), clip, set the lr, optimizer step;
      a NaN or infinite loss or norm stops the run before the update [weights and checkpoints stay finite].
@@ -40,18 +41,19 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.parallel import DistributedDataParallel
 
 from isotrain.errors import TrainingError
-from isotrain.models.packing_check import attention_kwargs, lm_forward
+from isotrain.models.packing_check import lm_forward
 from isotrain.models.unwrap import hf_model
 from isotrain.moe.routing import input_token_mask
 from isotrain.moe.objective import RouterStep, RouterValues, check_routing, router_values
-from isotrain.moe.prepass import begin_pipeline_router_step, begin_router_step, micro_batch_index
-from isotrain.moe.settings import RouterSettings
-from isotrain.parallel.dist import all_reduce_max, all_reduce_sum
+from isotrain.moe.prepass import begin_router_step
+from isotrain.parallel.dist import all_reduce_sum
 from isotrain.parallel.apply import sync_replica_grads
-from isotrain.parallel.cp import context_parallel_attention, local_piece, pad_micro_batch, pad_rows, padded_length
-from isotrain.parallel.pp import Pipeline, sync_tied_grads, tied_parameters, with_side_loss
-from isotrain.train.chunked_loss import no_positions, sft_chunked_forward, stage_chunked_forward
+from isotrain.parallel.cp import context_parallel_attention, local_piece, pad_rows, padded_length
+from isotrain.parallel.pp import tied_parameters
+from isotrain.train.chunked_loss import no_positions, sft_chunked_forward
 from isotrain.train.loss import loss_weights, micro_batch_counts, token_losses
+from isotrain.train.pipeline_step import pipeline_backpropagate, pipelined
+from isotrain.train.step_options import StepOptions, autocast_context, loss_parallel_context
 
 
 @dataclass
@@ -62,21 +64,6 @@ class StepResult:
     num_trained_tokens: int  # global, this step
     num_samples: int  # global, this step
     router: RouterValues | None = None  # MoE models: aux / z-loss and expert loads (loss includes their terms)
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    loss_reduction: str = "token"
-    grad_clip: float = 0.0
-    autocast_dtype: torch.dtype | None = None  # set for bf16 without FSDP (which casts itself)
-    dp_group: object = None  # counts and losses are summed over it; None only without a process group
-    loss_parallel: bool = False  # TP: logits arrive sharded over the vocabulary
-    parallel: object = None  # the run's ParallelState (TP × DDP gradient sums)
-    document_mask: bool = False  # packed batches get isotrain's per-document mask (models/packing_check.py)
-    router: RouterSettings | None = None  # MoE models: the router terms of the objective (isotrain/moe/)
-    loss_chunk_tokens: int = 0  # > 0: the cross-entropy over chunks of this many tokens (train/chunked_loss.py)
-    compile_loss: bool = False  # train.compile: the chunked loss's chunks are compiled too
-    pipeline: Pipeline | None = None  # parallel.pp: this rank's stage and schedules, kept across steps
 
 
 def _global_counts(micro_batches: list[dict], reduction: str, device: torch.device, group=None) -> torch.Tensor:
@@ -96,20 +83,6 @@ def _sync_context(model: nn.Module, is_last: bool):
     if isinstance(model, DistributedDataParallel) and not is_last:
         return model.no_sync()
     return contextlib.nullcontext()
-
-
-def _loss_parallel(options: StepOptions):
-    if not options.loss_parallel:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
-
-
-def _autocast(options: StepOptions, device: torch.device):
-    if options.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=options.autocast_dtype)
 
 
 def accumulate_gradients(model: nn.Module, micro_batches: list, loss_sum, denominator: float,
@@ -156,13 +129,13 @@ def _backpropagate(model: nn.Module, micro_batches: list, loss_sum, denominator,
     for i, mb in enumerate(micro_batches):
         # Vocabulary-parallel cross-entropy: forward and backward both run inside loss_parallel; so does context
         # parallel attention (activation checkpointing recomputes the forward inside the backward).
-        with _sync_context(model, i == len(micro_batches) - 1), _loss_parallel(options), \
+        with _sync_context(model, i == len(micro_batches) - 1), loss_parallel_context(options), \
                 _context_parallel(options, mb, device):
             if router is None:
-                weighted_sum = loss_sum(mb, _autocast(options, device))
+                weighted_sum = loss_sum(mb, autocast_context(options, device))
                 (weighted_sum / denominator).backward()
             else:
-                weighted_sum, router_term = loss_sum(mb, _autocast(options, device), i)
+                weighted_sum, router_term = loss_sum(mb, autocast_context(options, device), i)
                 (weighted_sum / denominator + router_term).backward()
         local_loss_sum += weighted_sum.detach().double()
     if options.parallel is not None:
@@ -240,119 +213,18 @@ def _router_step(micro_batches: list[dict], forward, options: StepOptions,
     pieces = [_cp_piece(mb, None, options)[0] for mb in micro_batches]
 
     def router_forward(index: int):
-        with _autocast(options, device), _context_parallel(options, micro_batches[index], device):
+        with autocast_context(options, device), _context_parallel(options, micro_batches[index], device):
             return forward(pieces[index]).router_logits  # routed exactly as the gradient pass will route it
 
     cp_group = options.parallel.cp_group if options.parallel is not None else None
     return begin_router_step(options.router, pieces, router_forward, options.dp_group, device, cp_group)
 
 
-def _pipelined(options: StepOptions) -> bool:
-    return options.parallel is not None and options.parallel.dims.pp > 1
-
-
-def _pipeline_router_step(model: nn.Module, pipeline: Pipeline, inputs: list[torch.Tensor] | None, kwargs: list[dict],
-                          masks: list[torch.Tensor], options: StepOptions, device: torch.device) -> RouterStep | None:
-    """An MoE model's router terms under pipeline parallelism (None for a dense model), after the routing pre-pass
-    through the pipeline (isotrain/moe/prepass.py), run as the gradient pass runs (same autocast)."""
-    if options.router is None:
-        return None
-    parallel = options.parallel
-    rows, num_layers, counts_tokens = pipeline.moe_layer_rows(hf_model(model))
-
-    def run_forward(router_fn):
-        with _autocast(options, device), _loss_parallel(options):
-            pipeline.forward(hf_model(model), inputs, kwargs, router_fn, device)
-
-    return begin_pipeline_router_step(options.router, masks, run_forward, rows, num_layers, counts_tokens,
-                                      options.dp_group, parallel.pp_group, device)
-
-
-def _pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denominator, options: StepOptions,
-                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, RouterStep | None]:
-    """The SFT backward passes under pipeline parallelism (parallel/pp.py): (the global loss sum, an fp64 tensor;
-    an MoE model's global router values, else None; its RouterStep, else None).
-
-    The last stage's loss of micro-batch m is Σ_{t∈m} w_t·ℓ_t / D (D global, known before the first backward) and
-    the schedule does not rescale it, so the stages' gradients are those of the global mean, as `_backpropagate`'s.
-    The micro-batches are padded to one length, the longest of any DP rank's (a stage's receive buffers have one
-    shape); padding weighs 0. A rank of middle stages holds each micro-batch's position and segment ids alone
-    (train/stage_data.py): it passes no token ids and no targets, which only the first and the last stage read.
-    An MoE model's stages each add their layers' router terms to their micro-batch outputs' backward (`with_side_loss`:
-    the terms carry the global normalisation, so nothing is counted twice); their logged sums are laid out over all the
-    model's MoE layers and summed over the stages and DP."""
-    parallel = options.parallel
-    pipeline = options.pipeline or Pipeline.of(parallel)
-    # One length on every DP rank, so that a stage's DP ranks build their schedules (torch's shape inference runs the
-    # stage, FSDP2's collectives included) at the same steps and reuse them at the same steps (parallel/pp.py).
-    length = all_reduce_max(max(mb["position_ids"].shape[1] for mb in micro_batches), options.dp_group, device)
-    padded = [pad_micro_batch(mb, length) for mb in micro_batches]
-    weighted_sums = []
-    read = "labels" in padded[0]  # (train/stage_data.py)
-    targets = [torch.stack([mb["labels"], mb["segment_ids"]]).to(device) for mb in padded] if read else None
-    chunk_tokens = options.loss_chunk_tokens
-
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """target [2, B, L]: the micro-batch's labels and segment ids. A stage also calls it once with a copy of the
-        first target and uninitialised logits when it is built, to learn the shapes of the gradients it sends: that
-        call is not one of the micro-batches' and is not counted. With the chunked loss, `logits` is the last stage's
-        output already: the micro-batch's Σ_t w_t·ℓ_t (`head_loss`)."""
-        if chunk_tokens:
-            weighted_sum = logits
-        else:
-            labels, segments = target
-            weights, _ = loss_weights(labels, segments, options.loss_reduction)
-            weighted_sum = (token_losses(logits, labels) * weights).sum()
-        if any(target is t for t in targets or ()):
-            weighted_sums.append(weighted_sum.detach().double())
-        return weighted_sum / denominator
-
-    kwargs = []
-    for mb in padded:
-        positions = mb["position_ids"].to(device)
-        kwargs.append({"position_ids": positions, **attention_kwargs(model, positions, options.document_mask)})
-    inputs = [mb["input_ids"] for mb in padded] if read else None
-    if chunk_tokens and read:  # the last stage computes each micro-batch's loss in chunks, inside its forward
-        kwargs = [{**kw, "micro_batch": index} for index, kw in enumerate(kwargs)]
-    router_fn = router = None
-    if options.router is not None:  # each micro-batch's input tokens travel with it to every stage
-        masks = [input_token_mask(mb["segment_ids"]).to(device) for mb in padded]
-        kwargs = [{**kw, "router_mask": mask} for kw, mask in zip(kwargs, masks, strict=True)]
-        router = _pipeline_router_step(model, pipeline, inputs, kwargs, masks, options, device)
-
-        def router_fn(output, router_logits, mask):
-            index = micro_batch_index(mask, masks)
-            if index is None:  # torch's shape inference
-                return output
-            return with_side_loss(output, router.term(router_logits, mask, index))
-
-    head_loss = None
-    if chunk_tokens and read:
-
-        def head_loss(stage_model: nn.Module, stage_inputs: dict, stage_kwargs: dict, index: int):
-            mb = padded[index]
-            weights, _ = loss_weights(mb["labels"].to(device), mb["segment_ids"].to(device), options.loss_reduction)
-            return stage_chunked_forward(stage_model, stage_inputs, stage_kwargs, mb["labels"], weights, chunk_tokens,
-                                         options.compile_loss)
-
-    with _autocast(options, device), _loss_parallel(options):  # (TP: the last stage's logits stay vocab-sharded)
-        pipeline.backward(hf_model(model), inputs, kwargs, targets, loss_fn, device, router_fn, head_loss)
-    sync_replica_grads(model, parallel)  # PP × DDP: each stage's gradients summed over its DP replicas
-    # A tied embedding's copies (first and last stage): each stage's part of its gradient, summed over the two.
-    sync_tied_grads(hf_model(model), parallel.pp_rank, parallel.dims.pp, parallel.embed_group)
-    local_loss_sum = torch.stack(weighted_sums).sum() if weighted_sums else torch.zeros((), dtype=torch.float64,
-                                                                                           device=device)
-    local = local_loss_sum.reshape(1) if router is None else torch.cat([local_loss_sum.reshape(1),
-                                                                        router.local_values()])
-    values = all_reduce_sum(all_reduce_sum(local, parallel.pp_group), options.dp_group)
-    return values[0], (None if router is None else values[1:]), router
-
-
 def _sft_backpropagate(model: nn.Module, micro_batches: list[dict], denominator, options: StepOptions,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, RouterStep | None]:
     """The SFT backward passes: (global loss sum, global router values or None, the step's RouterStep or None)."""
-    if _pipelined(options):
-        return _pipeline_backpropagate(model, micro_batches, denominator, options, device)
+    if pipelined(options):
+        return pipeline_backpropagate(model, micro_batches, denominator, options, device)
     router = _router_step(micro_batches, lambda mb: _sft_forward(model, mb, options, device), options, device)
     loss_sum, values = _backpropagate(model, micro_batches, _sft_loss_sum(model, options, device, router),
                                       denominator, options, device, router)
@@ -374,8 +246,8 @@ def forward_backward(
     """Accumulate gradients of the global-batch loss; return (global loss, global counts). The loss is the whole
     objective (an MoE model's router terms included)."""
     counts = global_counts(micro_batches, options.loss_reduction, device, options.dp_group)
-    if _pipelined(options):
-        loss_sum, values, router = _pipeline_backpropagate(model, micro_batches, max(counts[2], 1), options, device)
+    if pipelined(options):
+        loss_sum, values, router = pipeline_backpropagate(model, micro_batches, max(counts[2], 1), options, device)
         result = _router_result(values.tolist(), router) if router is not None else None
         loss = float(loss_sum) / max(counts[2], 1)
         return (loss if result is None else loss + result.objective(router.settings)), counts

@@ -331,14 +331,15 @@ if __name__ == "__main__":
         step._global_counts = lambda micro_batches, reduction, device, group=None: counts(
             micro_batches, reduction, device, None)
     if "tied_unsummed" in rest:  # on purpose: a tied embedding's copies each keep their own stage's gradient part
-        import isotrain.train.step as step
+        import isotrain.train.pipeline_step as pipeline_step
 
-        step.sync_tied_grads = lambda model, stage, pp, group: None
+        pipeline_step.sync_tied_grads = lambda model, stage, pp, group: None
     if "stage_unreduced" in rest:  # on purpose: PP × DDP without the DP sum of the last stage's gradients
-        import isotrain.train.step as step
+        import isotrain.train.pipeline_step as pipeline_step
 
-        sync = step.sync_replica_grads
-        step.sync_replica_grads = lambda model, parallel: None if parallel.pp_rank == 1 else sync(model, parallel)
+        sync = pipeline_step.sync_replica_grads
+        pipeline_step.sync_replica_grads = lambda model, parallel: (None if parallel.pp_rank == 1
+                                                                    else sync(model, parallel))
     if "boundaries_first_stage_only" in rest:  # on purpose: the stages after the first get no position ids (no
         import isotrain.parallel.pp as pp  # document restarts; transformers counts 0..L-1 along every row)
 

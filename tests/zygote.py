@@ -161,6 +161,11 @@ class Forked:
             ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
             assert ready, f"a rank did not end within {timeout} s"
 
+    def pid(self, rank: int) -> int:
+        """The process id of a rank (to find its children; signal it through its pidfd)."""
+        with open(f"/proc/self/fdinfo/{self.pidfds[rank]}") as info:
+            return next(int(line.split()[1]) for line in info if line.startswith("Pid:"))
+
     def wait_rank(self, rank: int, timeout: float) -> None:
         ready, _, _ = select.select([self.pidfds[rank]], [], [], timeout)
         assert ready, f"rank {rank} did not end within {timeout} s"

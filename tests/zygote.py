@@ -161,6 +161,15 @@ class Forked:
             ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
             assert ready, f"a rank did not end within {timeout} s"
 
+    def pid(self, rank: int) -> int:
+        """The process id of a rank (to find its children; signal it through its pidfd)."""
+        with open(f"/proc/self/fdinfo/{self.pidfds[rank]}") as info:
+            return next(int(line.split()[1]) for line in info if line.startswith("Pid:"))
+
+    def wait_rank(self, rank: int, timeout: float) -> None:
+        ready, _, _ = select.select([self.pidfds[rank]], [], [], timeout)
+        assert ready, f"rank {rank} did not end within {timeout} s"
+
     def finish(self, timeout: float) -> None:
         """Wait for every rank to end (a hang fails the test), then release the pidfds either way."""
         try:
@@ -184,11 +193,12 @@ class Forked:
 
 
 def fork_ranks(zygote: Zygote, nproc: int, argv: list[str], logs: list[Path], max_file_bytes: dict | None = None,
-               late_failure_s: dict | None = None, errs: list[Path] | None = None, cwd=REPO, script=None) -> Forked:
+               late_failure_s: dict | None = None, errs: list[Path] | None = None, cwd=REPO, script=None,
+               env: dict | None = None) -> Forked:
     """Start the `nproc` ranks of `isotrain argv` (or of `python script argv`), rank r writing to logs[r] (and its
     stderr to errs[r], if given). `max_file_bytes` maps a rank to the largest file it can write, `late_failure_s`
-    to how long its background saves wait before they report a failure."""
-    env, port = subprocess_env(), free_port()
+    to how long its background saves wait before they report a failure; `env` replaces `subprocess_env()`."""
+    env, port = dict(env) if env else subprocess_env(), free_port()
     pidfds = []
     for rank in range(nproc):
         rank_env = dict(env)

@@ -1,31 +1,40 @@
 """Asynchronous RL (`rl.max_off_policy_steps=1`, the process engine) killed and resumed: SIGKILL during a generation
 (DAPO: several rounds per rollout), during a weight sync (PPO's critic), during a save (FSDP2 2), then
 `checkpoint.resume=auto`: final weights, final checkpoint and metrics identical to an uninterrupted run. The kill
-comes from the run's own progress (a sitecustomize hook), never from a timer. Without the rollouts in flight in the
+comes from the run's own progress (a hook in its processes), never from a timer. Without the rollouts in flight in the
 checkpoint, the resumed run differs (tried).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import HANG_S, REPO, failure, model_weights, run_concurrently, subprocess_env
+from helpers import HANG_S, model_weights, run_concurrently, subprocess_env
 from test_async_rl import ASYNC, checkpoint, metrics, run, untimed
+from zygote import PORT_TAKEN, fork_ranks, shared_zygote
 
 # ----- SIGKILL at chosen moments, then resume -------------------------------------------------------------------
 
-# Loaded by every process of the killed run (a sitecustomize module on its PYTHONPATH). Once checkpoint 2 is
-# committed, rank 0 SIGKILLs itself at the first moment of the chosen kind: a generation round begun on the
-# rollout worker, a weight sync to the engine half sent, or a save with its state (the rollouts in flight
-# included) gathered but not yet committed. A marker says where it died.
+# Loaded by every process of the killed run: its ranks, forked from the zygote, import it before they run isotrain
+# (so the functions are replaced wherever an already-imported module holds them by name), and the processes they
+# spawn (the engine) import it from sitecustomize. Once checkpoint 2 is committed, rank 0 SIGKILLs itself at the
+# first moment of the chosen kind: a generation round begun on the rollout worker, a weight sync to the engine half
+# sent, or a save with its state (the rollouts in flight included) gathered but not yet committed. A marker says
+# where it died.
 KILLER = """
 import os
+import sys
+
+def replace(module, name, new):
+    original = getattr(module, name)
+    for other in list(sys.modules.values()):
+        if getattr(other, "__name__", "").startswith("isotrain") and getattr(other, name, None) is original:
+            setattr(other, name, new)
+
 if os.environ.get("RANK", "0") == "0":
     import signal
     from pathlib import Path
@@ -47,7 +56,7 @@ if os.environ.get("RANK", "0") == "0":
                 die(f"generation round {args[4]}")
             return original_round(*args, **kwargs)
 
-        generate.generate_round = generate_round
+        replace(generate, "generate_round", generate_round)
     elif where == "sync":
         import isotrain.models.weights as weights
 
@@ -59,7 +68,7 @@ if os.environ.get("RANK", "0") == "0":
                     die("weight sync, 3 tensors sent")
                 yield item
 
-        weights.sync_named_tensors = sync_named_tensors  # before isotrain.recipes.rl imports it by name
+        replace(weights, "sync_named_tensors", sync_named_tensors)  # isotrain.recipes.rl holds it by name
     elif where == "save":
         import isotrain.checkpoint.save as save
 
@@ -70,7 +79,15 @@ if os.environ.get("RANK", "0") == "0":
                 die("save of step 4, before its commit")
             return original_save(root, request, *args, **kwargs)
 
-        save.save = save_  # before isotrain.checkpoint.manager imports it by name
+        replace(save, "save", save_)  # isotrain.checkpoint.manager holds it by name
+"""
+# A rank: the hook, then `isotrain ARGV`.
+RANK = """
+import sys
+import killer
+if __name__ == "__main__":
+    import isotrain.cli
+    isotrain.cli.main(sys.argv[1:])
 """
 
 KILLS = {
@@ -83,20 +100,30 @@ RESUME = ["train.max_steps=5", "checkpoint.every_steps=2"]
 
 
 def killed_run(tmp_path: Path, run_dir: Path, where: str, nproc: int, overrides: list[str]) -> str:
-    """The run, SIGKILLed at the chosen moment; where it died."""
+    """The run on ranks forked from the zygote, SIGKILLed at the chosen moment; where it died. Rank 0 dies; the
+    other ranks are then SIGKILLed, as torchrun would."""
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(KILLER)
+    (hook / "killer.py").write_text(KILLER)
+    (hook / "sitecustomize.py").write_text("import killer\n")
+    (hook / "rank.py").write_text(RANK)
     env = subprocess_env()
     env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
     env.update(ISOTRAIN_TEST_KILL=where, ISOTRAIN_TEST_KILL_AFTER=str(checkpoint(run_dir, 2)),
                ISOTRAIN_TEST_KILL_MARK=str(tmp_path / "killed"))
-    args = ["-m", "isotrain", "rl", *ASYNC, f"output_dir={run_dir}", *overrides]
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc-per-node={nproc}"]
-    proc = subprocess.run([*launch, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
-    assert proc.returncode != 0, failure(proc)
-    assert (tmp_path / "killed").is_file(), failure(proc)
+    argv = ["rl", *ASYNC, f"output_dir={run_dir}", *overrides]
+    for attempt in range(3):
+        logs = [tmp_path / f"killed-{attempt}-rank{rank}.txt" for rank in range(nproc)]
+        forked = fork_ranks(shared_zygote(), nproc, argv, logs, script=hook / "rank.py", env=env)
+        try:
+            forked.wait_rank(0, HANG_S)
+        finally:
+            forked.close()  # SIGKILLs the ranks still running
+        output = forked.output()
+        if (tmp_path / "killed").is_file() or nproc == 1 or PORT_TAKEN not in output:
+            break
+    assert forked.exit_codes()[0] != 0, output[-3000:]
+    assert (tmp_path / "killed").is_file(), output[-3000:]
     return (tmp_path / "killed").read_text()
 
 

@@ -15,16 +15,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from helpers import HANG_S, REPO, descendants, orphaned_vllm_dirs, run_concurrently, subprocess_env, vllm_python
-from test_rl_e2e import LAYOUTS, SMALL, TWO_RANKS, assert_clean_error, metrics, rl_cli, rl_command, run_to_end, untimed
-from zygote import run_isotrain
+from helpers import HANG_S, descendants, orphaned_vllm_dirs, run_concurrently, vllm_python
+from test_rl_e2e import LAYOUTS, SMALL, TWO_RANKS, assert_clean_error, metrics, rl_arguments, rl_cli, run_to_end, untimed
+from zygote import fork_ranks, run_isotrain, shared_zygote
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +36,40 @@ def start_model(tmp_path_factory):
     return run_dir
 
 
-# probe_max_diff=1e-5: every sync (the start's, and after each of the 3 updates) must give engine log-probs of the
-# probe sequence within 1e-5 of the trainer's (fp32), else the run fails.
+# probe_max_diff=1e-5: every sync (the start's, and after each update) must give engine log-probs of the probe
+# sequence within 1e-5 of the trainer's (fp32), else the run fails.
 VLLM = ["rollout.engine=vllm", f"rollout.vllm.kv_cache_bytes={32 * 2**20}", "rollout.vllm.probe_max_diff=1e-5"]
 
 
+def one_process() -> list[str]:
+    """The one-process run of the first test, and the engine-kill test's run never interrupted."""
+    return [*SMALL, *VLLM, f"rollout.vllm.python={vllm_python()}", "train.max_steps=6", "checkpoint.every_steps=1",
+            "train.deterministic=true"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(start_model, tmp_path_factory):
+    """A call that runs the one-process run on first use (from whichever test comes first, side by side with its
+    other runs) and returns (its directory, its process) from then on."""
+    run_dir, lock, done = tmp_path_factory.mktemp("uninterrupted") / "run", threading.Lock(), []
+
+    def get():
+        with lock:
+            if not done:
+                done.append(run_to_end(start_model, run_dir, one_process()))
+            return run_dir, done[0]
+    return get
+
+
 @pytest.mark.slow
-def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes_and_with_lora(start_model, tmp_path):
-    """Every sync (the start's and each of 3 steps') passes the checksums and the probe within 1e-5, on one process,
-    on two FSDP2 ranks and on TP 2 (each rank's engine fed the weights gathered tensor by tensor) and with LoRA
-    adapters."""
+def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes_and_with_lora(start_model, uninterrupted,
+                                                                                     tmp_path):
+    """Every sync (the start's and each step's) passes the checksums and the probe within 1e-5, on one process (6
+    steps), on two FSDP2 ranks and on TP 2 (each rank's engine fed the weights gathered tensor by tensor) and with
+    LoRA adapters (3 steps)."""
     engine = [*VLLM, f"rollout.vllm.python={vllm_python()}"]
     runs = run_concurrently({
-        "one": lambda: run_to_end(start_model, tmp_path / "one", [*SMALL, "train.max_steps=3", *engine]),
+        "one": lambda: uninterrupted()[1],
         # LoRA as adapters: the base weights once, then only the adapter, a new version per update.
         "lora": lambda: run_to_end(start_model, tmp_path / "lora", [*SMALL, "train.max_steps=3", "lora.r=4",
                                                                     "rl.kl_coef=0.05", *engine]),
@@ -66,14 +87,15 @@ def test_vllm_engine_runs_the_bundled_task_on_1_and_fsdp2_2_processes_and_with_l
                                                                       "rl.rollout_correction=token_tis",
                                                                       "rl.rollout_is_cap=2.0"])})
     assert [r["behaviour_version"] for r in metrics(tmp_path / "async")] == [0, 0, 1]
-    for name, steps in (("one", 3), ("fsdp2", 3), ("lora", 3), ("tp2", 3)):
+    directories = {name: tmp_path / name for name in runs} | {"one": uninterrupted()[0]}
+    for name, steps in (("one", 6), ("fsdp2", 3), ("lora", 3), ("tp2", 3)):
         assert re.search(r"rollout engine: vLLM [\d.]+ on cpu \(torch [\w.+]+\), started in [\d.]+ s, log in "
                          r"vllm_engine.rank0.log; sleep mode "
                          r"\(freeing the engine's memory while training\) is unavailable on CPU", runs[name].stdout)
-        rows = metrics(tmp_path / name)
+        rows = metrics(directories[name])
         assert [r["step"] for r in rows] == list(range(1, steps + 1))
         assert all(r["rollout_logprob_diff"] < 1e-5 and r["token_mult_prob_error"] < 1 + 1e-5 for r in rows), rows
-        assert list((tmp_path / name / "model").glob("model*.safetensors"))
+        assert list((directories[name] / "model").glob("model*.safetensors"))
     assert (tmp_path / "fsdp2" / "vllm_engine.rank1.log").is_file()
     assert not orphaned_vllm_dirs()  # every engine's bucket files are gone
 
@@ -92,26 +114,30 @@ def test_vllm_engine_failures_are_one_sentence(start_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_vllm_engine_killed_mid_run_stops_it_and_loses_nothing(start_model, tmp_path):
+def test_a_vllm_engine_killed_mid_run_stops_it_and_loses_nothing(start_model, uninterrupted, tmp_path):
     """SIGKILL the engine process after checkpoint 1: the run stops with one sentence, every committed checkpoint
     verifies, no engine process or /dev/shm file is left, and `checkpoint.resume=auto` finishes the run with the
     metrics rows (rewards, counts, losses) of a run never interrupted."""
     run_dir = tmp_path / "killed"
-    overrides = [*SMALL, *VLLM, f"rollout.vllm.python={vllm_python()}", "train.max_steps=6", "checkpoint.every_steps=1",
-                 "train.deterministic=true"]
-    # The run never interrupted, side by side (an engine start is mostly waiting on imports).
-    whole = ThreadPoolExecutor(1).submit(run_to_end, start_model, tmp_path / "whole", overrides)
-    proc = subprocess.Popen(rl_command(start_model, run_dir, overrides), env=subprocess_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + HANG_S
-    while not (run_dir / "checkpoints" / "step-00000001").is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-        time.sleep(0.01)
-    engines = [pid for pid in descendants(proc.pid) if "vllm_server.py" in Path(f"/proc/{pid}/cmdline").read_text()]
-    assert len(engines) == 1
-    os.kill(engines[0], signal.SIGKILL)
-    _, stderr = proc.communicate(timeout=HANG_S)
-    assert proc.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
+    overrides = one_process()
+    # The run never interrupted (shared with the first test), side by side if not run yet.
+    whole = ThreadPoolExecutor(1).submit(uninterrupted)
+    logs, errs = [tmp_path / "killed.out"], [tmp_path / "killed.err"]
+    forked = fork_ranks(shared_zygote(), 1, rl_arguments(start_model, run_dir, overrides), logs, errs=errs)
+    try:
+        pid = forked.pid(0)
+        deadline = time.monotonic() + HANG_S
+        while not (run_dir / "checkpoints" / "step-00000001").is_dir():
+            assert forked.running() and time.monotonic() < deadline, errs[0].read_text()[-3000:]
+            time.sleep(0.01)
+        engines = [p for p in descendants(pid) if "vllm_server.py" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert len(engines) == 1
+        os.kill(engines[0], signal.SIGKILL)
+        forked.wait(HANG_S)
+    finally:
+        forked.close()
+    stderr = errs[0].read_text()
+    assert forked.exit_codes()[0] not in (0, None) and "Traceback" not in stderr, stderr[-3000:]
     assert re.search(rf"^error: step \d+: the vLLM engine process \(pid {engines[0]}\) was killed by SIGKILL during "
                      rf"\w+; see {re.escape(str(run_dir))}/vllm_engine.rank0.log$", stderr.strip()), stderr[-3000:]
     assert not os.path.exists(f"/proc/{engines[0]}")  # the trainer reaped its engine
@@ -122,7 +148,8 @@ def test_a_vllm_engine_killed_mid_run_stops_it_and_loses_nothing(start_model, tm
     resumed = run_to_end(start_model, run_dir, [*overrides, "checkpoint.resume=auto"])
     assert "resumed from" in resumed.stdout
     # Seeded vLLM rollouts across the resume: the same samples, hence the same rows, as a run never interrupted.
-    assert whole.result().returncode == 0
-    assert untimed(metrics(run_dir)) == untimed(metrics(tmp_path / "whole"))
+    whole_dir, whole_proc = whole.result()
+    assert whole_proc.returncode == 0
+    assert untimed(metrics(run_dir)) == untimed(metrics(whole_dir))
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
     assert not orphaned_vllm_dirs()  # every engine's files are gone

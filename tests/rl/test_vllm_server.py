@@ -35,7 +35,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import HANG_S, REPO, subprocess_env, vllm_python
+from helpers import HANG_S, REPO, vllm_python
 from isotrain.config import load_config
 from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.weights import checksums, sync_named_tensors, tensor_sha256
@@ -43,10 +43,10 @@ from isotrain.rl.engine_vllm import VLLMEngine
 from isotrain.rl.engine_vllm_server import VLLMServerEngine
 from isotrain.rl.rollout import SamplingParams
 from isotrain.rl.sync_check import check_checksums, probe, sync_and_verify
-from test_rl_e2e import (LAYOUTS, SMALL, TWO_RANKS, assert_clean_error, metrics, rl_cli, rl_command,
+from test_rl_e2e import (LAYOUTS, SMALL, TWO_RANKS, assert_clean_error, metrics, rl_arguments, rl_cli,
                          run_to_end)
 from test_vllm_engine import max_gap, train_steps, trainer_logprobs
-from zygote import run_isotrain
+from zygote import fork_ranks, run_isotrain, shared_zygote
 
 START_S = 900  # a server start on a loaded 2-core machine: generous, polled, never slept through
 CPU = torch.device("cpu")
@@ -346,20 +346,20 @@ def test_a_server_silent_mid_run_stops_it_and_loses_nothing(start_model, server,
     overrides = [*SMALL, "rollout.engine=vllm", f"rollout.vllm.url={server['url']}",
                  f"rollout.vllm.weights_dir={shared}", "rollout.vllm.timeout_s=20", "train.max_steps=1000",
                  "checkpoint.every_steps=1"]
-    proc = subprocess.Popen(rl_command(start_model, run_dir, overrides), env=subprocess_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs, errs = [tmp_path / "run.out"], [tmp_path / "run.err"]
+    forked = fork_ranks(shared_zygote(), 1, rl_arguments(start_model, run_dir, overrides), logs, errs=errs)
     try:
         deadline = time.monotonic() + HANG_S
         while not (run_dir / "checkpoints" / "step-00000001").is_dir():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            assert forked.running() and time.monotonic() < deadline, errs[0].read_text()[-3000:]
             time.sleep(0.01)
         os.killpg(server["process"].pid, signal.SIGSTOP)
-        _, stderr = proc.communicate(timeout=HANG_S)
+        forked.wait(HANG_S)
     finally:
         os.killpg(server["process"].pid, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
+        forked.close()
+    stderr = errs[0].read_text()
+    assert forked.exit_codes()[0] not in (0, None) and "Traceback" not in stderr, stderr[-3000:]
     assert re.search(rf"^error: step \d+: the vLLM server at {re.escape(server['url'])} gave no answer to .+ within "
                      r"rollout.vllm.timeout_s=20 s; raise rollout.vllm.timeout_s if it is only slow, else see the "
                      r"server's log$", stderr.strip()), stderr[-3000:]

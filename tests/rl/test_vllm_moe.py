@@ -31,7 +31,8 @@ from test_vllm_engine import ENGINE, PROMPTS, max_gap, train_steps, trainer_logp
 from zygote import run_forked_ranks
 
 CPU = torch.device("cpu")
-PROBE = r"the rollout engine's log-probs of a probe sequence differ from the trainer's by up to [\d.e-]+ " \
+# (or nan: experts the engine was not sent came out as nan after vLLM's reload in one loaded CI run)
+PROBE = r"the rollout engine's log-probs of a probe sequence differ from the trainer's by up to ([\d.e+-]+|nan|inf) " \
         r"\(rollout.vllm.probe_max_diff=1e-05\): it samples with other weights than the trainer holds"
 
 

@@ -68,6 +68,9 @@ def test_layers_split_evenly_in_order():
     (dict(pp=2, cp=2), "parallel.pp=2 with parallel.cp=2 is not supported yet (pipeline parallelism composes with "
      "data, tensor and expert parallelism only); set parallel.cp=1 and use parallel.dp_shard, parallel.dp_replicate or "
      "parallel.tp for the other ranks, or parallel.pp=1"),
+    (dict(pp=2, pp_schedule="zbv", pp_stages_per_rank=2, dp_shard=2, dp_replicate=1), "parallel.pp_schedule=zbv "
+     "with FSDP2 (parallel.dp_shard=2) is not supported yet; set parallel.dp_shard=1 and use parallel.dp_replicate for "
+     "the other ranks, or parallel.pp_schedule=interleaved_1f1b"),
     (dict(pp=2, ep=4), "parallel.ep=4 does not divide the data-parallel size dp_replicate × dp_shard = 2 × 1 = 2, "
      "out of which the expert-parallel groups are carved; use a parallel.ep that divides 2, or launch a multiple of 4 "
      "data-parallel ranks"),

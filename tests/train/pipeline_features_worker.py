@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from equivalence_worker import GLOBAL_BATCH, NUM_STEPS, full, make_samples, tiny_model
+from equivalence_worker import GLOBAL_BATCH, NUM_STEPS, _all_stages, full, make_samples, tiny_model
 from isotrain.config import LoraConfig, MoeConfig, TrainConfig
 from isotrain.data.collate import collate
 from isotrain.data.sampler import GlobalBatchSampler
@@ -74,7 +74,7 @@ def run_case(parallel, case: str, micro_batch: int, chunk_tokens: int | None = N
     params = [p for p in model.parameters() if p.requires_grad]
     # Compiled: every row padded to the longest sample's 20 tokens, one shape (as the SFT recipe pads compiled runs)
     length = 20 if name == "compile" else None
-    losses, norms, grads = [], [], None
+    losses, norms, grads, held_twice = [], [], None, []
     for step in range(NUM_STEPS):
         index_lists = sampler.micro_batches(step, parallel.dp_rank, parallel.dp_size, micro_batch)
         micro_batches = stage_micro_batches(lambda idx: collate([samples[i] for i in idx], pad_id=0, length=length),
@@ -82,26 +82,16 @@ def run_case(parallel, case: str, micro_batch: int, chunk_tokens: int | None = N
         loss, _ = forward_backward(model, micro_batches, options, torch.device("cpu"))  # (with the router terms)
         if step == 0:
             grads = _all_stages({n: full(p.grad) for n, p in unwrap(model).named_parameters() if p.requires_grad},
-                                parallel)
+                                parallel, held_twice)
         losses.append(loss)
         norms.append(optimizer_step(optimizer, params, lr=1e-2, grad_clip=1.0, loss=loss, stages=parallel.dims.pp,
                                     shared=shared_parameters(model, options)))
-    weights = _all_stages({n: full(p) for n, p in unwrap(model).named_parameters() if p.requires_grad}, parallel)
-    frozen = _all_stages({n: full(p) for n, p in unwrap(model).named_parameters() if not p.requires_grad}, parallel)
+    weights = _all_stages({n: full(p) for n, p in unwrap(model).named_parameters() if p.requires_grad}, parallel,
+                          held_twice)
+    frozen = _all_stages({n: full(p) for n, p in unwrap(model).named_parameters() if not p.requires_grad}, parallel,
+                         held_twice)
+    assert not held_twice, "two stages hold one tensor"
     return {"losses": losses, "norms": norms, "grads": grads, "weights": weights, "frozen": frozen}
-
-
-def _all_stages(tensors: dict, parallel) -> dict:
-    """Every stage's tensors by name (one process's set), on every rank."""
-    if parallel.dims.pp == 1:
-        return tensors
-    gathered = [None] * parallel.dims.pp
-    torch.distributed.all_gather_object(gathered, tensors, group=parallel.pp_group)
-    merged = {}
-    for stage in gathered:
-        assert not merged.keys() & stage.keys(), "two stages hold one tensor"
-        merged.update(stage)
-    return merged
 
 
 def compile_with(backend: str) -> None:

@@ -17,8 +17,9 @@ end, in the same order (it is deterministic: `named_parameters()` order).
 `saved_named_tensors` gives the same weights under the keys `save_pretrained` writes, for an engine that
 loads Hugging Face checkpoints (vLLM): a mixture-of-experts model's fused experts become one tensor per
 expert and projection (models/expert_keys.py), and each expert's block is gathered on its own, broadcast
-from the rank that holds it (expert parallelism, FSDP2), so the largest tensor any rank materialises is
-one expert's, never a layer's experts.
+from the rank that holds it (expert parallelism, with or without TP; FSDP2 or HSDP, with or without TP), or
+assembled from its pieces where experts are split on several mesh dimensions, so the largest tensor any rank
+materialises is one expert's, never a layer's experts.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from isotrain.models.expert_keys import Part, expert_format, saved_parts
+from isotrain.parallel.boxes import box_index, is_empty, shard_spec
 from isotrain.models.unwrap import hf_model
 
 # Parameter names of a peft LoRA layer: `<module>.base_layer.<leaf>` holds the frozen weight,
@@ -98,12 +100,13 @@ def _expert_parts(tensor: torch.Tensor, parts: list[Part]) -> Iterator[tuple[str
 
 
 def _expert_blocks(tensor: torch.Tensor):
-    """A function e -> tensor[e] as a fresh fp32 CPU tensor.
+    """A function e -> tensor[e] as a fresh fp32 CPU tensor; a collective over the DTensor's mesh.
 
     A DTensor sharded over its experts (dim 0) on one mesh dimension and replicated on the others (expert
-    parallelism, with or without TP; FSDP2 without EP; HSDP) sends expert e from its owner, the rank holding
-    block e // ceil(E / size) of torch.chunk's split, to the group of that mesh dimension: a broadcast of
-    one expert. Any other layout is gathered whole once (one tensor, as sync_named_tensors does)."""
+    parallelism, with or without TP; FSDP2 without EP, with or without TP; HSDP) sends expert e from its owner, the
+    rank holding block e // ceil(E / size) of torch.chunk's split, to the group of that mesh dimension: a broadcast of
+    one expert. Any other placements (several sharded mesh dimensions, a sharded dim other than 0) assemble expert e
+    from its pieces (`_assembled_block`), one expert at a time too."""
     placements = getattr(tensor, "placements", None)
     if placements is None:
         return lambda e: tensor[e].detach().to(device="cpu", dtype=torch.float32, copy=True)
@@ -113,8 +116,7 @@ def _expert_blocks(tensor: torch.Tensor):
         return lambda e: local[e].detach().to(device="cpu", dtype=torch.float32, copy=True)
     placement = placements[sharded[0]]
     if len(sharded) > 1 or type(placement) is not Shard or placement.dim != 0:  # (not _StridedShard either)
-        whole = full_cpu(tensor)
-        return lambda e: whole[e]
+        return lambda e: _assembled_block(tensor, e)
     mesh_dim = sharded[0]
     group, rank = tensor.device_mesh.get_group(mesh_dim), tensor.device_mesh.get_local_rank(mesh_dim)
     per_rank = -(-tensor.shape[0] // dist.get_world_size(group))  # torch.chunk's block size
@@ -129,6 +131,27 @@ def _expert_blocks(tensor: torch.Tensor):
         return rows.to(device="cpu", dtype=torch.float32)
 
     return block
+
+
+def _assembled_block(tensor, e: int) -> torch.Tensor:
+    """Expert e of a DTensor of any placements, assembled from the pieces its ranks hold; memory: one expert's block.
+
+    Every rank writes its own piece of expert e (its box of the full tensor, parallel/boxes.py, cut at row e) into a
+    block of zero bits, then the block is summed over each sharded mesh dimension in turn, as int32 bit patterns:
+    the pieces of the ranks along a sharded dimension are disjoint, so the integer sum of their bits is exactly
+    their union (a float sum would turn -0.0 into 0.0), and ranks along a replicated dimension already hold the
+    same block, so they are never summed."""
+    mesh, placements = tensor.device_mesh, tensor.placements
+    box = shard_spec(tensor).box(dist.get_rank())
+    block = torch.zeros(tuple(tensor.shape[1:]), dtype=torch.float32, device=tensor.to_local().device)
+    (start, stop), rest = box[0], box[1:]
+    if start <= e < stop and not is_empty(box):
+        block[box_index(rest)] = tensor.to_local()[e - start].detach().to(torch.float32)
+    bits = block.view(torch.int32)
+    for mesh_dim, placement in enumerate(placements):
+        if not placement.is_replicate():
+            dist.all_reduce(bits, group=mesh.get_group(mesh_dim))
+    return block.to(device="cpu", copy=True)
 
 
 def _plain_tensors(model: nn.Module, gather: bool) -> Iterator[tuple[str, torch.Tensor]]:

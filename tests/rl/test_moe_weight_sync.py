@@ -1,8 +1,11 @@
 """What a vLLM engine receives from a mixture-of-experts policy in every layout: the keys and bytes of its Hugging
 Face checkpoint, each expert gathered alone (tests/rl/test_vllm_moe.py serves them with real vLLM).
 
-One launch of 2 forked ranks (moe_sync_worker.py) streams the tiny Qwen3-MoE policy with `saved_named_tensors` under
-EP 2 over DDP, FSDP2 2 × EP 2 and FSDP2 2 (experts sharded by FSDP2); in this process the plain model streams too.
+One launch of 4 forked ranks (moe_sync_worker.py) streams the tiny Qwen3-MoE policy with `saved_named_tensors` under
+every way isotrain places experts on 4 ranks: EP over DDP, FSDP2 (experts sharded by FSDP2 itself, or by EP), EP × TP
+over FSDP2 and over DDP, FSDP2 × TP, HSDP 2 × 2 with and without EP; and, on a 2 × 2 mesh, experts split on two mesh
+dimensions or along another dim than the expert dim (assembled from their pieces, one expert at a time). In this
+process the plain model streams too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from zygote import run_forked_ranks
 @pytest.fixture(scope="module")
 def streams(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe-sync") / "streams.json"
-    proc = run_forked_ranks(2, [str(out)], script=str(Path(__file__).with_name("moe_sync_worker.py")))
+    proc = run_forked_ranks(4, [str(out)], script=str(Path(__file__).with_name("moe_sync_worker.py")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -45,14 +48,26 @@ def test_the_engine_gets_the_keys_and_bytes_of_the_hugging_face_checkpoint(tmp_p
         (n, tensor_sha256(t)) for n, t in sync_named_tensors(dense)]
 
 
+# The experts' placements each layout gives (the branch of models/weights.py `_expert_blocks` it takes).
+PLACEMENTS = {
+    "ddp4_ep2": "(Shard(dim=0),)", "fsdp4_ep4": "(Shard(dim=0),)", "fsdp4": "(Shard(dim=0),)",
+    "fsdp2_tp2_ep2": "(Shard(dim=0), Replicate())", "ddp2_tp2_ep2": "(Shard(dim=0), Replicate())",
+    "fsdp2_tp2": "(Shard(dim=0), Replicate())", "hsdp2x2": "(Replicate(), Shard(dim=0))",
+    "hsdp2x2_ep2": "(Shard(dim=0),)", "hsdp2x2_ep4": "(Shard(dim=0),)",
+    "shard0_shard1": "(Shard(dim=0), Shard(dim=1))", "shard1_replicate": "(Shard(dim=1), Replicate())",
+    "shard0_shard0": "(Shard(dim=0), Shard(dim=0))"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp2_ep2", "fsdp2_ep2", "fsdp2"])
-def test_every_layout_sends_the_one_process_weights_one_expert_at_a_time(streams, layout):
-    """Each rank streams exactly the one-process model's tensors (names, shapes, sha256, order): expert parallel
-    shards and FSDP2 shards gathered. No expert tensor is ever gathered whole (no 3-D `full_tensor`): each expert
-    travels alone, the largest expert tensor a rank holds is one expert's [2I, H] block."""
-    for rank in streams[layout]:
-        assert rank["stream"] == streams["reference"]
-        assert all(len(shape) < 3 for shape in rank["gathered"]), rank["gathered"]
-    if layout.startswith("fsdp2"):  # FSDP2 gathers the dense tensors one at a time
-        assert streams[layout][0]["gathered"]
+def test_every_layout_sends_the_one_process_weights_one_expert_at_a_time(streams):
+    """Each rank of each layout streams exactly the one-process model's tensors (names, shapes, sha256, order): expert
+    parallel, tensor parallel and FSDP2/HSDP shards gathered. No expert tensor is ever gathered whole (no 3-D
+    `full_tensor`): each expert travels alone, the largest expert tensor a rank holds is one expert's [2I, H] block."""
+    assert streams["reference"] and set(streams) == {"reference", *PLACEMENTS}
+    for layout, placements in PLACEMENTS.items():
+        for rank in streams[layout]:
+            assert rank["placements"] == [placements], (layout, rank["placements"])
+            assert rank["stream"] == streams["reference"], layout
+            assert all(len(shape) < 3 for shape in rank["gathered"]), (layout, rank["gathered"])
+        if layout.startswith(("fsdp", "hsdp")):  # FSDP2 gathers the dense tensors one at a time
+            assert streams[layout][0]["gathered"], layout

@@ -63,7 +63,8 @@ class RL(Recipe):
     def __init__(self, cfg: RLRunConfig, degrees):
         self.cfg = cfg
         self.plan = plan_rl_batches(cfg, degrees)
-        check_moe_section(cfg.moe, checked_config(cfg))  # a dense policy with moe.* set: refused before any work
+        hf_config = checked_config(cfg)
+        check_moe_section(cfg.moe, hf_config)  # a dense policy with moe.* set: refused before any work
         check_layout_fits(cfg.model, degrees)
         self.eval_every = cfg.rl.eval_every
         self.reward_fn = load_reward(cfg.rl.reward)
@@ -82,10 +83,11 @@ class RL(Recipe):
             logprobs_mode_for(cfg.rl.temperature, cfg.rl.top_p)
             vllm_lora_rank(cfg.lora.r)
         elif cfg.rollout.engine == "vllm":  # the engine's interpreter and settings, refused before any work
-            from isotrain.rl.engine_vllm import check_settings, vllm_lora_rank
+            from isotrain.rl.engine_vllm import check_moe_lora, check_settings, vllm_lora_rank
 
             check_settings(cfg.rollout.vllm.python, cfg.rl.temperature, cfg.rl.top_p, cfg.rollout.vllm.engine_args)
             vllm_lora_rank(cfg.lora.r)
+            check_moe_lora(cfg.rollout.vllm.python, cfg.lora.r, hf_config)
         self.engine = None
         self.ahead: RolloutsAhead | None = None  # rl.max_off_policy_steps >= 1: rollouts generated ahead
         self.in_flight = []  # a resumed asynchronous run's rollouts, read from its checkpoint

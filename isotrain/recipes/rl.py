@@ -27,7 +27,7 @@ from isotrain.errors import ConfigError, TrainingError
 from isotrain.models.checks import check_prompt_room
 from isotrain.models.loading import check_layout_fits, checked_config, count_parameters, model_config
 from isotrain.models.unwrap import hf_model
-from isotrain.models.weights import sync_named_tensors
+from isotrain.models.weights import saved_named_tensors
 from isotrain.moe.settings import check_moe_section, router_settings
 from isotrain.parallel.dist import barrier, twin_group
 from isotrain.rl.ahead import IN_FLIGHT_FILE, RolloutsAhead, read_in_flight
@@ -261,7 +261,8 @@ class RL(Recipe):
         probe of its log-probs against the trainer's, which shows the weights are used as the trainer uses them."""
         if self.cfg.rollout.engine != "vllm":
             sent: dict[str, str] = {}
-            self.engine.update_weights(recording_checksums(sync_named_tensors(self.model), sent))
+            # Under save_pretrained's keys: a MoE model's experts one expert at a time, never a layer's gathered whole.
+            self.engine.update_weights(recording_checksums(saved_named_tensors(self.model), sent))
             check_checksums(sent, self.engine.checksums(), when)
             return
         from isotrain.rl.generate import encode_prompts

@@ -3,7 +3,9 @@
 An engine is anything that samples responses and accepts new weights; the RL loop talks to it
 only through `RolloutEngine`, so an external engine (vLLM, SGLang) can replace `HFEngine`
 later. The weight contract is the one of `isotrain.models.weights.sync_named_tensors`: Hugging Face
-names of the plain causal LM, full logical shapes.
+names of the plain causal LM, full logical shapes; `HFEngine` also takes `saved_named_tensors`' keys (a MoE
+model's experts one tensor per expert and projection, the keys `save_pretrained` writes), which the RL loop sends so
+that no rank gathers a layer's fused experts whole, and answers its checksums under the keys it was sent.
 
 Log-probs: the engine reports, for each response token y_t,
 
@@ -24,8 +26,10 @@ from typing import Protocol
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
+from isotrain.models.expert_keys import Part, expert_format, saved_parts
 from isotrain.models.unwrap import unwrap
 from isotrain.models.weights import tensor_sha256
+from isotrain.parallel.boxes import box_index
 from isotrain.rl.decode import sample
 
 
@@ -107,6 +111,14 @@ class HFEngine:
         }
         self._shapes = {name: p.shape for name, p in self._params.items()}
         self._stale: set[str] = set()
+        # Saved keys that name a block of a parameter, or the parameter under another name (models/expert_keys.py):
+        # {key: (parameter name, its Part)}; a parameter last filled through them reports checksums by them.
+        fmt = expert_format(model.config)
+        self._saved_parts = {name: saved_parts(name, tuple(shape), fmt) for name, shape in self._shapes.items()}
+        self._part_of = {part.key: (name, part) for name, parts in self._saved_parts.items() for part in parts
+                         if len(parts) > 1 or part.key != name}
+        self._missing_parts: dict[str, set[str]] = {}  # parameter -> its part keys not received yet in this sync
+        self._filled_by_parts: set[str] = set()
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> Rollout:
@@ -170,6 +182,9 @@ class HFEngine:
 
     def _copy_one(self, name: str, tensor: torch.Tensor) -> None:
         target = self._aliases.get(name)
+        if target is None and name in self._part_of:
+            self._copy_part(*self._part_of[name], tensor)
+            return
         if target is None:
             raise ValueError(
                 f"update_weights got unknown weight {name!r}; the engine has e.g. {next(iter(self._shapes))!r} "
@@ -180,23 +195,52 @@ class HFEngine:
                 f"update_weights got {name!r} of shape {tuple(tensor.shape)}, the engine expects "
                 f"{tuple(self._shapes[target])} (send full logical shapes, not shards)"
             )
+        self._storage(target).copy_(tensor)
+        self._stale.discard(target)
+        self._filled_by_parts.discard(target)
+
+    def _copy_part(self, target: str, part: Part, tensor: torch.Tensor) -> None:
+        """One saved key's block of a parameter; the parameter is stale from its first part of a sync until its last
+        arrives (a half-updated fused tensor never samples)."""
+        if tuple(tensor.shape) != part.shape:
+            raise ValueError(f"update_weights got {part.key!r} of shape {tuple(tensor.shape)}, the engine expects "
+                             f"{part.shape} (send full logical shapes, not shards)")
+        missing = self._missing_parts.setdefault(target, {p.key for p in self._saved_parts[target]})
+        self._stale.add(target)
+        block = self._storage(target)[box_index(part.box)]
+        block.copy_(tensor.reshape(block.shape))
+        missing.discard(part.key)
+        if not missing:
+            del self._missing_parts[target]
+            self._stale.discard(target)
+            self._filled_by_parts.add(target)
+
+    def _storage(self, target: str) -> torch.Tensor:
         param = self._params[target]
         if param.shape != self._shapes[target]:
             # Released: rebuild the storage. Assigning .data keeps tied aliases one Parameter.
             param.data = torch.empty(self._shapes[target], dtype=param.dtype, device=param.device)
-        param.copy_(tensor)
-        self._stale.discard(target)
+        return param
 
     def checksums(self) -> dict[str, str]:
-        """sha256 of each weight that holds storage (released ones are left out), by name."""
-        return {
-            name: tensor_sha256(p) for name, p in self._params.items() if p.shape == self._shapes[name]
-        }
+        """sha256 of each weight that holds storage (released ones are left out), by the name it was last sent under:
+        a parameter filled through saved keys (a MoE model's experts) by those keys, one checksum per block."""
+        sums = {}
+        for name, p in self._params.items():
+            if p.shape != self._shapes[name]:
+                continue
+            if name not in self._filled_by_parts:
+                sums[name] = tensor_sha256(p)
+                continue
+            for part in self._saved_parts[name]:
+                sums[part.key] = tensor_sha256(p[box_index(part.box)].reshape(part.shape))
+        return sums
 
     def release_memory(self) -> None:
         for param in self._params.values():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._stale = set(self._shapes)
+        self._missing_parts.clear()
 
     def close(self) -> None:
         self.release_memory()

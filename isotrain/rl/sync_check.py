@@ -61,6 +61,7 @@ def probe(engine, model, prompt_ids: list[int], max_new_tokens: int, max_diff: f
                                     autocast_dtype=autocast_dtype, **kwargs)[0]
     finally:
         model.train(was_training)
+        _reshard(model)
     gap = max((abs(a - b) for a, b in zip(out.response_logprobs[0], trainer)), default=0.0)
     if not gap <= max_diff:  # also NaN
         raise TrainingError(
@@ -70,6 +71,18 @@ def probe(engine, model, prompt_ids: list[int], max_new_tokens: int, max_diff: f
             "lower-precision engine"
         )
     return gap
+
+
+def _reshard(model) -> None:
+    """Free the parameters the probe's forward gathered (a forward without a backward leaves FSDP2 modules gathered),
+    so that the next step starts from the shards, as models/packing_check.py does after its probe: left gathered
+    under FSDP2 2 × TP 2 (with or without EP), the backward of the step after the first sync's probe failed
+    ("Trying to resize storage that is not resizable") in `isotrain rl rollout.engine=vllm`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def sync_adapter_and_verify(engine, model, with_base: bool, probe_prompt: list[int], max_new_tokens: int,

@@ -10,7 +10,8 @@ Proven here, on the tiny Qwen3-MoE of engine_models.tiny_moe (fp32):
 - a sync that leaves out one expert's projection leaves that fused parameter stale: generate refuses, naming it,
   until a complete sync;
 - the fused names (`sync_named_tensors`) are still taken, and the checksums then follow them;
-- `isotrain rl` with rollout.engine=hf under FSDP2 2 × EP 2 syncs that way: no rank gathers a fused expert tensor.
+- `isotrain rl` with rollout.engine=hf under FSDP2 2 × EP 2 syncs that way: no rank gathers a fused expert tensor;
+- the probe a vLLM run makes after each sync leaves FSDP2 2 × TP 2 × EP 2 able to train (probe_fsdp_worker.py).
 """
 
 from __future__ import annotations
@@ -96,3 +97,15 @@ def test_isotrain_rl_sends_the_experts_one_expert_at_a_time_to_its_own_engine(tm
     for rank in range(2):
         shapes = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         assert shapes and all(len(shape) < 3 for shape in shapes), shapes
+
+
+def test_the_vllm_probe_leaves_fsdp2_and_tp_ready_to_train(tmp_path):
+    """FSDP2 2 × TP 2 × EP 2: every sync followed by the probe a vLLM run makes (its forward has no backward). Left
+    gathered by it, the next step's backward failed ("Trying to resize storage that is not resizable"), as in
+    `isotrain rl rollout.engine=vllm` under FSDP2 2 × TP 2 with and without EP; the probe reshards them."""
+    argv = [a for a in MOE_HF_RL if "num_key_value_heads" not in a] + [
+        "model.config.num_key_value_heads=2", "parallel.tp=2", f"output_dir={tmp_path / 'run'}"]
+    proc = run_forked_ranks(4, argv, script=str(Path(__file__).with_name("probe_fsdp_worker.py")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [row["step"] for row in metrics(tmp_path / "run")] == [1, 2]
+    assert proc.stdout.count("probe ") == 4 * 3  # the start's and both updates' on each rank

@@ -160,9 +160,9 @@ def check_moe_lora(python: str | None, lora_r: int, config) -> None:
                            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     build = found.stdout.strip()
     if "cpu" in build:
-        raise ConfigError(f"lora.r={lora_r} on a mixture-of-experts policy cannot run on vLLM's CPU build ({build} at "
-                          f"rollout.vllm.python={python!r}), whose MoE layers need Triton once LoRA is enabled and fail "
-                          "at the first generate; set lora.r=0 (the full weights are synced every step), or use "
+        raise ConfigError(f"lora.r={lora_r} on a mixture-of-experts policy cannot run on vLLM's CPU build ({build} "
+                          f"at rollout.vllm.python={python!r}), whose MoE layers need Triton once LoRA is enabled and "
+                          "fail at the first generate; set lora.r=0 (the full weights are synced every step), or use "
                           "rollout.engine=hf, or a GPU vLLM environment")
 
 

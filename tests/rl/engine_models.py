@@ -39,7 +39,8 @@ def tiny_moe(tokenizer, seed: int = 0, kv_heads: int = 1, vocab_size: int | None
     config = AutoConfig.for_model(
         "qwen3_moe", vocab_size=vocab_size or len(tokenizer), hidden_size=64, intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=32, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=64,
+        num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=64,
         initializer_range=0.2,  # peaked logits: greedy argmaxes are not near-ties
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)

@@ -148,6 +148,7 @@ def test_lora_on_a_moe_policy_is_refused_before_the_run_on_vllm_cpu(tmp_path, po
                          f"output_dir={tmp_path / 'run'}"])
     assert proc.returncode != 0
     assert re.match(MOE_LORA, proc.stderr.strip().splitlines()[-1].removeprefix("error: ")).group(1) == "4", proc.stderr
-    assert not (tmp_path / "run" / "vllm_engine.rank0.log").exists() and not (tmp_path / "run" / "metrics.jsonl").exists()
+    run = tmp_path / "run"
+    assert not (run / "vllm_engine.rank0.log").exists() and not (run / "metrics.jsonl").exists()
     with pytest.raises(ConfigError, match=MOE_LORA):  # (refused before it makes its temporary directory)
         VLLMEngine(policy.config, tokenizer.eos_token_id, python=vllm_python(), max_lora_rank=8, **ENGINE)

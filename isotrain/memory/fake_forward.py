@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from isotrain.memory.fake_cp import context_parallel_on_one_process, piece_length
 from isotrain.memory.fake_experts import balance_expert_parallel, grouped_mm_as_saved
-from isotrain.memory.saved import SavedBytes, count_saved, forward_loss
+from isotrain.memory.saved import SavedBytes, chunked_loss_fn, count_saved, forward_loss
 from isotrain.parallel.apply import apply_activation_checkpointing, decoder_layers
 from isotrain.parallel.dims import has_dense_mlp
 
@@ -184,7 +184,7 @@ class _Registered(torch.autograd.Function):
 def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int, micro_batch_size: int,
                        seq_len: int, autocast_dtype: torch.dtype | None, activation_checkpointing: bool,
                        device: str = "cpu", param_dtype: torch.dtype = torch.float32, tp: int = 1,
-                       fsdp: bool = False, split=None) -> tuple[SavedBytes, int, int]:
+                       fsdp: bool = False, split=None, chunk_tokens: int = 0) -> tuple[SavedBytes, int, int]:
     """What one micro-batch's forward of pipeline stage `stage` of `pp` (its layers: `split`, parallel.pp_split, or
     an even share) keeps for its backward (parallel/pp.py: the
     Hugging Face model reduced to the stage, run by the schedule's `StageModule`, the last stage's loss after it),
@@ -193,10 +193,13 @@ def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int,
     `param_dtype`: FSDP2's compute dtype (its stage computes, and sends, in it); `tp`: one TP rank's share of the
     heads, MLP width and vocabulary (`tp_rank_config`, as `fake_forward`). `fsdp`: FSDP2's root registers its
     post-backward on the stage's inputs through an identity autograd function, so what the stage makes of the
-    received hidden states (a norm's fp32 upcast) is an activation, not a cast of a leaf (a weight copy)."""
+    received hidden states (a norm's fp32 upcast) is an activation, not a cast of a leaf (a weight copy).
+    `chunk_tokens` (train.loss_chunk_tokens): the last stage computes its loss in chunks inside its forward, as the
+    step's `head_loss` does (`chunked_loss_fn`: the kept hidden states and one chunk's head and loss)."""
     from transformers import AutoModelForCausalLM
 
     from isotrain.parallel.pp import PassThrough, StageModule, apply_pp
+    from isotrain.train.chunked_loss import stage_loss_forward
     from isotrain.train.loss import loss_weights, token_losses
 
     autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
@@ -221,12 +224,19 @@ def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int,
         with count_saved(model, own) as saved:
             if stage > 0:
                 saved.skip(x)  # the receive buffer: counted with the pipeline's buffers
+            x_in = _Registered.apply(x) if fsdp and stage > 0 else x
+            labels, segments = torch.zeros(2, micro_batch_size, seq_len, dtype=torch.long)
+            weights, _ = loss_weights(labels, segments, "token")
             with autocast:
-                output = module(_Registered.apply(x) if fsdp and stage > 0 else x, position_ids=position_ids)
-                if stage == pp - 1:  # the step's loss_fn (train/step.py): target = [labels, segment ids]
-                    labels, segments = torch.zeros(2, micro_batch_size, seq_len, dtype=torch.long)
-                    weights, _ = loss_weights(labels, segments, "token")
-                    (token_losses(output, labels) * weights).sum() / torch.ones((), dtype=torch.long)
+                if stage == pp - 1 and chunk_tokens:  # the loss sum is the last stage's output (pipeline_step.py)
+                    inputs = {"input_ids": x_in} if stage == 0 else {"inputs_embeds": x_in}
+                    output = stage_loss_forward(module.model, inputs, {"position_ids": position_ids},
+                                                chunked_loss_fn(labels, weights, chunk_tokens, saved)).loss
+                else:
+                    output = module(x_in, position_ids=position_ids)
+                if stage == pp - 1:  # the step's loss_fn (train/pipeline_step.py): target = [labels, segment ids]
+                    weighted = output if chunk_tokens else (token_losses(output, labels) * weights).sum()
+                    weighted / torch.ones((), dtype=torch.long)
         sent = output.nbytes if stage < pp - 1 else 0
     return saved, received, sent
 

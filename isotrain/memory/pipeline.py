@@ -30,7 +30,10 @@ batch plan's gradient-accumulation micro-batches (the pipeline's, isotrain/sizes
                                           gradients each weight waits for between I and W are not counted
 
 The logits (and the loss's saved tensors) of a micro-batch exist on the last stage only, once per micro-batch in
-flight (the schedule keeps each stage output until its backward). Autocast's low-precision weight copies are made
+flight (the schedule keeps each stage output until its backward). With the chunked loss (train.loss_chunk_tokens)
+the last stage's forward computes the micro-batch's loss in chunks: each micro-batch in flight keeps its trained
+tokens' final hidden states (labels, weights) for its chunks' checkpoints, and backward recomputes one chunk at a
+time, so one chunk's head/loss tensors and logits are held once (`_logits_bytes`). Autocast's low-precision weight copies are made
 once per step (the schedule runs in one autocast region, which caches them), not once per micro-batch.
 
 Pipeline buffers (torch.distributed.pipelining's stage): a receive buffer per micro-batch for the hidden states
@@ -94,8 +97,8 @@ def peak_in_flight(degrees: ParallelDims, rank: int, num_microbatches: int, byte
 
 
 def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
-    """The pipelines estimated: every schedule beside DDP, FSDP2 (not interleaved) and TP, for SFT without the
-    chunked loss."""
+    """The pipelines estimated: every schedule beside DDP, FSDP2 (not interleaved) and TP, for SFT, with or without
+    the chunked loss."""
     from isotrain.config import RLRunConfig
 
     if degrees.fsdp and degrees.pp_stages_per_rank > 1:
@@ -110,10 +113,6 @@ def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
     if isinstance(cfg, RLRunConfig):
         raise ConfigError(f"isotrain estimate-memory estimates pipeline stages (parallel.pp={degrees.pp}) of SFT runs "
                           "only; estimate the RL run with parallel.pp=1")
-    if cfg.train.loss_chunk_tokens:
-        raise ConfigError(f"isotrain estimate-memory estimates pipeline stages (parallel.pp={degrees.pp}) with the "
-                          f"whole logits only, not train.loss_chunk_tokens={cfg.train.loss_chunk_tokens}; estimate "
-                          "with train.loss_chunk_tokens=0 (an upper bound for the last stage)")
 
 
 def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str, stages: list[int],
@@ -132,14 +131,19 @@ def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str,
                                       micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
                                       autocast_dtype=compute if lowp and not degrees.fsdp else None,
                                       param_dtype=compute if degrees.fsdp else torch.float32, tp=degrees.tp,
-                                      fsdp=degrees.fsdp,
+                                      fsdp=degrees.fsdp, chunk_tokens=cfg.train.loss_chunk_tokens,
                                       activation_checkpointing=checkpointing)
             for stage in stages}
 
 
-def _logits_bytes(saved) -> int:
+def _logits_bytes(saved) -> tuple[int, int]:
+    """(bytes each micro-batch in flight holds, bytes held once) of the head and the loss. With the chunked loss,
+    a micro-batch keeps its final hidden states until its backward, which recomputes one chunk's head and loss at a
+    time: the chunk's tensors and logits are held once, whatever the micro-batches in flight."""
     upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype not in (None, torch.float32) else 0
-    return saved.by_kind["logits_loss"] + saved.logits_bytes + upcast
+    total = saved.by_kind["logits_loss"] + saved.logits_bytes + upcast
+    once = saved.chunk_bytes + saved.logits_bytes + upcast if saved.chunk_bytes else 0
+    return total - once, once
 
 
 def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, rank: int,
@@ -156,8 +160,8 @@ def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, ran
     checkpointing = cfg.train.activation_checkpointing == "full"
     forwards = _stage_forwards(cfg, config, degrees, dtype, device, stages, checkpointing)
     activations = peak_in_flight(degrees, rank, m, {s: f[0].by_kind["activations"] for s, f in forwards.items()})
-    logits = peak_in_flight(degrees, rank, m, {s: _logits_bytes(f[0]) if s == last_stage else 0
-                                               for s, f in forwards.items()})
+    head = {s: _logits_bytes(f[0]) if s == last_stage else (0, 0) for s, f in forwards.items()}
+    logits = peak_in_flight(degrees, rank, m, {s: b[0] for s, b in head.items()}) + sum(b[1] for b in head.values())
     kept = peak_in_flight(degrees, rank, m, {s: f[2] for s, f in forwards.items()})
     buffers = sum(m * (received + sent) for _, received, sent in forwards.values()) + kept
     recomputed = []
@@ -176,13 +180,16 @@ def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, ran
         schedule = (f"{degrees.pp_schedule}: stages {', '.join(map(str, stages))} of {degrees.pp_stages}, the most "
                     f"held at once in torch's order of their {m} micro-batches each")
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
-    holds_last = last_stage in stages
+    holds_last, chunk = last_stage in stages, cfg.train.loss_chunk_tokens
     return [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),
             Term("activations", activations, f"saved for backward, {tokens} per micro-batch ({schedule})"
                  + (", layer inputs only (checkpointing)" if checkpointing else "")),
             Term("compute copies", sum(f[0].by_kind["compute_copies"] for f in forwards.values()),
                  "autocast's low-precision weight copies, made once per step (one autocast region)"),
-            Term("logits and loss", logits, "head/loss saved tensors + logits of the micro-batches in flight"
+            Term("logits and loss", logits, ((f"chunked ({chunk} tokens): the final hidden states of the micro-batches "
+                                              "in flight + one chunk's head/loss tensors and logits, as backward "
+                                              "recomputes it") if chunk else
+                                             "head/loss saved tensors + logits of the micro-batches in flight")
                  if holds_last else "none: the last stage computes them"),
             Term("pipeline buffers", buffers,
                  f"receive buffers of {m} micro-batches per stage (hidden states after the first stage, their "

@@ -181,10 +181,34 @@ class _Registered(torch.autograd.Function):
         return grad
 
 
+def _stage_owner(saved: SavedBytes, router, labels, weights, chunk_tokens: int):
+    """What the step's Pipeline gives a StageModule (parallel/pp.py): `router_fn`, which attaches an MoE stage's router
+    terms of its layers to its output (counted as `router`: train/pipeline_step.py; `micro_batch` scope, as
+    `forward_loss`), and the chunked loss's `head_loss` (`chunked_loss_fn`)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from isotrain.moe.objective import RouterStep
+    from isotrain.parallel.pp import with_side_loss
+    from isotrain.train.chunked_loss import stage_loss_forward
+
+    def router_fn(output, router_logits, mask):
+        saved.in_router = True
+        term = RouterStep(replace(router, aux_loss_scope="micro_batch"), 1).term(router_logits, mask, 0)
+        saved.in_router = False
+        return with_side_loss(output, term)
+
+    def head_loss(model, inputs, kwargs, index):
+        return stage_loss_forward(model, inputs, kwargs, chunked_loss_fn(labels, weights, chunk_tokens, saved))
+
+    return SimpleNamespace(router_fn=router_fn, head_loss=head_loss if chunk_tokens else None)
+
+
 def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int, micro_batch_size: int,
                        seq_len: int, autocast_dtype: torch.dtype | None, activation_checkpointing: bool,
                        device: str = "cpu", param_dtype: torch.dtype = torch.float32, tp: int = 1,
-                       fsdp: bool = False, split=None, chunk_tokens: int = 0) -> tuple[SavedBytes, int, int]:
+                       fsdp: bool = False, split=None, chunk_tokens: int = 0, ep: int = 1,
+                       router=None) -> tuple[SavedBytes, int, int]:
     """What one micro-batch's forward of pipeline stage `stage` of `pp` (its layers: `split`, parallel.pp_split, or
     an even share) keeps for its backward (parallel/pp.py: the
     Hugging Face model reduced to the stage, run by the schedule's `StageModule`, the last stage's loss after it),
@@ -195,24 +219,28 @@ def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int,
     post-backward on the stage's inputs through an identity autograd function, so what the stage makes of the
     received hidden states (a norm's fp32 upcast) is an activation, not a cast of a leaf (a weight copy).
     `chunk_tokens` (train.loss_chunk_tokens): the last stage computes its loss in chunks inside its forward, as the
-    step's `head_loss` does (`chunked_loss_fn`: the kept hidden states and one chunk's head and loss)."""
+    step's `head_loss` does (`chunked_loss_fn`: the kept hidden states and one chunk's head and loss). `ep`, `router`:
+    an MoE model's expert-parallel degree (the stage's experts over its EP group, balanced routing, as `fake_forward`)
+    and its RouterSettings (the stage's router terms, counted as `router`)."""
     from transformers import AutoModelForCausalLM
 
+    from isotrain.moe.routing import input_token_mask
     from isotrain.parallel.pp import PassThrough, StageModule, apply_pp
-    from isotrain.train.chunked_loss import stage_loss_forward
     from isotrain.train.loss import loss_weights, token_losses
 
     autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
     config = tp_rank_config(config, tp)
-    with FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(True):
+    with (FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(True),
+          grouped_mm_as_saved()):
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_implementation)
         model.config.use_cache = False
         apply_pp(model, stage, pp, split=split)  # first, as parallel/apply.py does
+        if ep > 1:
+            balance_expert_parallel(model, ep)
         if activation_checkpointing:
             apply_activation_checkpointing(model)
         model.train()
-        module = StageModule(model, stage, pp)
         position_ids = torch.arange(seq_len).expand(micro_batch_size, seq_len).contiguous()
         received = 0
         if stage == 0:
@@ -220,20 +248,17 @@ def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int,
         else:  # the residual stream between stages: fp32 under autocast (it leaves the residual adds), or FSDP2's dtype
             x = torch.zeros(micro_batch_size, seq_len, config.hidden_size, dtype=param_dtype, requires_grad=True)
             received = x.nbytes
+        labels, segments = torch.zeros(2, micro_batch_size, seq_len, dtype=torch.long)
+        weights, _ = loss_weights(labels, segments, "token")
+        kwargs = {"position_ids": position_ids, "micro_batch": 0 if chunk_tokens else None,
+                  "router_mask": input_token_mask(segments) if router is not None else None}
         own = [layer for layer in decoder_layers(model) if not isinstance(layer, PassThrough)]
         with count_saved(model, own) as saved:
+            module = StageModule(model, stage, pp, owner=_stage_owner(saved, router, labels, weights, chunk_tokens))
             if stage > 0:
                 saved.skip(x)  # the receive buffer: counted with the pipeline's buffers
-            x_in = _Registered.apply(x) if fsdp and stage > 0 else x
-            labels, segments = torch.zeros(2, micro_batch_size, seq_len, dtype=torch.long)
-            weights, _ = loss_weights(labels, segments, "token")
             with autocast:
-                if stage == pp - 1 and chunk_tokens:  # the loss sum is the last stage's output (pipeline_step.py)
-                    inputs = {"input_ids": x_in} if stage == 0 else {"inputs_embeds": x_in}
-                    output = stage_loss_forward(module.model, inputs, {"position_ids": position_ids},
-                                                chunked_loss_fn(labels, weights, chunk_tokens, saved)).loss
-                else:
-                    output = module(x_in, position_ids=position_ids)
+                output = module(_Registered.apply(x) if fsdp and stage > 0 else x, **kwargs)
                 if stage == pp - 1:  # the step's loss_fn (train/pipeline_step.py): target = [labels, segment ids]
                     weighted = output if chunk_tokens else (token_losses(output, labels) * weights).sum()
                     weighted / torch.ones((), dtype=torch.long)

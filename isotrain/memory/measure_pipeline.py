@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import isotrain.train.chunked_loss as chunked_loss
+from isotrain.moe.objective import RouterStep
 
 from isotrain.memory.measure import (fsdp_buffers, fsdp_groups, gradient_bytes, optimizer_bytes, parameter_bytes,
                                      storage_bytes)
@@ -103,10 +104,22 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
         return result
 
     own = [layer for layer in decoder_layers(model) if not isinstance(layer, PassThrough)]
-    loss_sum = chunked_loss.chunked_loss_sum
+    loss_sum, router_term = chunked_loss.chunked_loss_sum, RouterStep.term
+
+    def term(step, *args, **kwargs):  # an MoE stage's router terms (train/pipeline_step.py router_fn)
+        saved = current["saved"]
+        if saved is not None:
+            saved.in_router = True
+        try:
+            return router_term(step, *args, **kwargs)
+        finally:
+            if saved is not None:
+                saved.in_router = False
+
     PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk = forward_one_chunk, backward_one_chunk
     PipelineStage.backward_weight_one_chunk = backward_weight_one_chunk
     chunked_loss.chunked_loss_sum = _counted_chunks(loss_sum, current, peak)
+    RouterStep.term = term
     try:
         with count_saved(model, own, target=lambda: current["saved"]):
             yield peak
@@ -114,7 +127,7 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
     finally:
         PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk = forward, backward
         PipelineStage.backward_weight_one_chunk = weight_backward
-        chunked_loss.chunked_loss_sum = loss_sum
+        chunked_loss.chunked_loss_sum, RouterStep.term = loss_sum, router_term
 
 
 def measure_pipeline_terms(model: nn.Module, optimizer: torch.optim.Optimizer, options, steps: tuple[list, list],
@@ -143,6 +156,8 @@ def measure_pipeline_terms(model: nn.Module, optimizer: torch.optim.Optimizer, o
     measured["logits and loss"] = (peak.get("logits_loss", 0) + peak.get("logits", 0) + peak.get("chunk", 0)
                                    if last else 0)
     measured["pipeline buffers"] = peak["buffers"]
+    if options.router is not None:
+        measured["router logits and terms"] = peak.get("router", 0)
     return measured
 
 

@@ -12,7 +12,7 @@ Activations, compute copies and the logits/loss tensors come from one fake-tenso
 micro-batch (train.micro_batch_size × data.max_seq_len, memory/fake_forward.py). The logits (compute dtype)
 and, when they are not fp32, their fp32 upcast by the loss exist at once at the end of the forward. With
 train.loss_chunk_tokens the logits term is one chunk's instead, beside the hidden states the chunks keep
-(memory/saved.py `_chunked_loss_fn`).
+(memory/saved.py `chunked_loss_fn`).
 
 FSDP2 (dp_shard > 1, or -1 on one torchrun process) adds its buffers, in the dtype it computes in
 (`fsdp_terms`): the root's unsharded parameters (embeddings, final norm, head: not resharded after forward)

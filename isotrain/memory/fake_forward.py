@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from isotrain.memory.fake_cp import context_parallel_on_one_process, piece_length
 from isotrain.memory.fake_experts import balance_expert_parallel, grouped_mm_as_saved
-from isotrain.memory.saved import SavedBytes, count_saved, forward_loss
+from isotrain.memory.saved import SavedBytes, chunked_loss_fn, count_saved, forward_loss
 from isotrain.parallel.apply import apply_activation_checkpointing, decoder_layers
 from isotrain.parallel.dims import has_dense_mlp
 
@@ -181,10 +181,34 @@ class _Registered(torch.autograd.Function):
         return grad
 
 
+def _stage_owner(saved: SavedBytes, router, labels, weights, chunk_tokens: int):
+    """What the step's Pipeline gives a StageModule (parallel/pp.py): `router_fn`, which attaches an MoE stage's router
+    terms of its layers to its output (counted as `router`: train/pipeline_step.py; `micro_batch` scope, as
+    `forward_loss`), and the chunked loss's `head_loss` (`chunked_loss_fn`)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from isotrain.moe.objective import RouterStep
+    from isotrain.parallel.pp import with_side_loss
+    from isotrain.train.chunked_loss import stage_loss_forward
+
+    def router_fn(output, router_logits, mask):
+        saved.in_router = True
+        term = RouterStep(replace(router, aux_loss_scope="micro_batch"), 1).term(router_logits, mask, 0)
+        saved.in_router = False
+        return with_side_loss(output, term)
+
+    def head_loss(model, inputs, kwargs, index):
+        return stage_loss_forward(model, inputs, kwargs, chunked_loss_fn(labels, weights, chunk_tokens, saved))
+
+    return SimpleNamespace(router_fn=router_fn, head_loss=head_loss if chunk_tokens else None)
+
+
 def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int, micro_batch_size: int,
                        seq_len: int, autocast_dtype: torch.dtype | None, activation_checkpointing: bool,
                        device: str = "cpu", param_dtype: torch.dtype = torch.float32, tp: int = 1,
-                       fsdp: bool = False, split=None) -> tuple[SavedBytes, int, int]:
+                       fsdp: bool = False, split=None, chunk_tokens: int = 0, ep: int = 1,
+                       router=None) -> tuple[SavedBytes, int, int]:
     """What one micro-batch's forward of pipeline stage `stage` of `pp` (its layers: `split`, parallel.pp_split, or
     an even share) keeps for its backward (parallel/pp.py: the
     Hugging Face model reduced to the stage, run by the schedule's `StageModule`, the last stage's loss after it),
@@ -193,23 +217,30 @@ def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int,
     `param_dtype`: FSDP2's compute dtype (its stage computes, and sends, in it); `tp`: one TP rank's share of the
     heads, MLP width and vocabulary (`tp_rank_config`, as `fake_forward`). `fsdp`: FSDP2's root registers its
     post-backward on the stage's inputs through an identity autograd function, so what the stage makes of the
-    received hidden states (a norm's fp32 upcast) is an activation, not a cast of a leaf (a weight copy)."""
+    received hidden states (a norm's fp32 upcast) is an activation, not a cast of a leaf (a weight copy).
+    `chunk_tokens` (train.loss_chunk_tokens): the last stage computes its loss in chunks inside its forward, as the
+    step's `head_loss` does (`chunked_loss_fn`: the kept hidden states and one chunk's head and loss). `ep`, `router`:
+    an MoE model's expert-parallel degree (the stage's experts over its EP group, balanced routing, as `fake_forward`)
+    and its RouterSettings (the stage's router terms, counted as `router`)."""
     from transformers import AutoModelForCausalLM
 
+    from isotrain.moe.routing import input_token_mask
     from isotrain.parallel.pp import PassThrough, StageModule, apply_pp
     from isotrain.train.loss import loss_weights, token_losses
 
     autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
     config = tp_rank_config(config, tp)
-    with FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(True):
+    with (FakeTensorMode(allow_non_fake_inputs=True), _sdpa_as_real(device), _one_document_per_row(True),
+          grouped_mm_as_saved()):
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype, attn_implementation=attn_implementation)
         model.config.use_cache = False
         apply_pp(model, stage, pp, split=split)  # first, as parallel/apply.py does
+        if ep > 1:
+            balance_expert_parallel(model, ep)
         if activation_checkpointing:
             apply_activation_checkpointing(model)
         model.train()
-        module = StageModule(model, stage, pp)
         position_ids = torch.arange(seq_len).expand(micro_batch_size, seq_len).contiguous()
         received = 0
         if stage == 0:
@@ -217,16 +248,20 @@ def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int,
         else:  # the residual stream between stages: fp32 under autocast (it leaves the residual adds), or FSDP2's dtype
             x = torch.zeros(micro_batch_size, seq_len, config.hidden_size, dtype=param_dtype, requires_grad=True)
             received = x.nbytes
+        labels, segments = torch.zeros(2, micro_batch_size, seq_len, dtype=torch.long)
+        weights, _ = loss_weights(labels, segments, "token")
+        kwargs = {"position_ids": position_ids, "micro_batch": 0 if chunk_tokens else None,
+                  "router_mask": input_token_mask(segments) if router is not None else None}
         own = [layer for layer in decoder_layers(model) if not isinstance(layer, PassThrough)]
         with count_saved(model, own) as saved:
+            module = StageModule(model, stage, pp, owner=_stage_owner(saved, router, labels, weights, chunk_tokens))
             if stage > 0:
                 saved.skip(x)  # the receive buffer: counted with the pipeline's buffers
             with autocast:
-                output = module(_Registered.apply(x) if fsdp and stage > 0 else x, position_ids=position_ids)
-                if stage == pp - 1:  # the step's loss_fn (train/step.py): target = [labels, segment ids]
-                    labels, segments = torch.zeros(2, micro_batch_size, seq_len, dtype=torch.long)
-                    weights, _ = loss_weights(labels, segments, "token")
-                    (token_losses(output, labels) * weights).sum() / torch.ones((), dtype=torch.long)
+                output = module(_Registered.apply(x) if fsdp and stage > 0 else x, **kwargs)
+                if stage == pp - 1:  # the step's loss_fn (train/pipeline_step.py): target = [labels, segment ids]
+                    weighted = output if chunk_tokens else (token_losses(output, labels) * weights).sum()
+                    weighted / torch.ones((), dtype=torch.long)
         sent = output.nbytes if stage < pp - 1 else 0
     return saved, received, sent
 

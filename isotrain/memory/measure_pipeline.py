@@ -17,9 +17,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+import isotrain.train.chunked_loss as chunked_loss
+from isotrain.moe.objective import RouterStep
+
 from isotrain.memory.measure import (fsdp_buffers, fsdp_groups, gradient_bytes, optimizer_bytes, parameter_bytes,
                                      storage_bytes)
-from isotrain.memory.saved import SavedBytes, count_saved
+from isotrain.memory.saved import SavedBytes, chunks_kept, count_saved
 
 
 def _in_flight_bytes(per_microbatch: dict[tuple[int, int], SavedBytes]) -> dict[str, int]:
@@ -101,8 +104,22 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
         return result
 
     own = [layer for layer in decoder_layers(model) if not isinstance(layer, PassThrough)]
+    loss_sum, router_term = chunked_loss.chunked_loss_sum, RouterStep.term
+
+    def term(step, *args, **kwargs):  # an MoE stage's router terms (train/pipeline_step.py router_fn)
+        saved = current["saved"]
+        if saved is not None:
+            saved.in_router = True
+        try:
+            return router_term(step, *args, **kwargs)
+        finally:
+            if saved is not None:
+                saved.in_router = False
+
     PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk = forward_one_chunk, backward_one_chunk
     PipelineStage.backward_weight_one_chunk = backward_weight_one_chunk
+    chunked_loss.chunked_loss_sum = _counted_chunks(loss_sum, current, peak)
+    RouterStep.term = term
     try:
         with count_saved(model, own, target=lambda: current["saved"]):
             yield peak
@@ -110,6 +127,7 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
     finally:
         PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk = forward, backward
         PipelineStage.backward_weight_one_chunk = weight_backward
+        chunked_loss.chunked_loss_sum, RouterStep.term = loss_sum, router_term
 
 
 def measure_pipeline_terms(model: nn.Module, optimizer: torch.optim.Optimizer, options, steps: tuple[list, list],
@@ -135,6 +153,42 @@ def measure_pipeline_terms(model: nn.Module, optimizer: torch.optim.Optimizer, o
     # (an earlier stage's HandOff is its "head": what it hands on is counted with the buffers, not as logits)
     dims = options.parallel.dims
     last = options.parallel.pp_rank == last_stage_rank(dims.pp, dims.pp_schedule)
-    measured["logits and loss"] = peak.get("logits_loss", 0) + peak.get("logits", 0) if last else 0
+    measured["logits and loss"] = (peak.get("logits_loss", 0) + peak.get("logits", 0) + peak.get("chunk", 0)
+                                   if last else 0)
     measured["pipeline buffers"] = peak["buffers"]
+    if options.router is not None:
+        measured["router logits and terms"] = peak.get("router", 0)
     return measured
+
+
+def _counted_chunks(loss_sum, current: dict, peak: dict):
+    """The last stage's chunked loss (train.loss_chunk_tokens, train/chunked_loss.py) as the step runs it, counted as
+    the measurement without a pipeline counts it (memory/saved.py `chunked_loss_fn`): the trained tokens' final
+    hidden states, labels and weights, which the chunks' checkpoints keep until the micro-batch's backward, are the
+    micro-batch's "logits_loss"; one more forward of a first chunk on them outside checkpointing, left out of the
+    loss, gives what a chunk's head and loss hold while backward recomputes it (one chunk at a time: its peak is
+    "chunk", held once). The chunks' logits that the head noted are freed by their checkpoints: not the
+    micro-batch's."""
+    from isotrain.train.chunked_loss import chunk_loss_sum
+
+    def counted(head, hidden, labels, weights, chunk_tokens, trained=None, compiled=False):
+        loss, kept = chunks_kept(loss_sum, head, hidden, labels, weights, chunk_tokens, trained, compiled)
+        saved = current["saved"]
+        if saved is None or trained is None:
+            return loss
+        saved.logits_bytes, saved.logits_numel, saved.logits_dtype = 0, 0, None
+        saved.add(kept, "logits_loss")
+        chunk = current["saved"] = SavedBytes(in_head=True)
+        chunk_labels, chunk_weights = labels.reshape(-1)[trained], weights.reshape(-1)[trained]
+        for held in (kept, chunk_labels, chunk_weights):  # the micro-batch's (its chunks' stand-ins)
+            chunk.skip(held)
+        try:
+            first = slice(0, chunk_tokens)
+            chunk_loss_sum(head, kept[first], chunk_labels[first], chunk_weights[first])
+        finally:
+            current["saved"] = saved
+        upcast = chunk.logits_numel * 4 if chunk.logits_dtype not in (None, torch.float32) else 0
+        peak["chunk"] = max(peak.get("chunk", 0), chunk.by_kind["logits_loss"] + chunk.logits_bytes + upcast)
+        return loss
+
+    return counted

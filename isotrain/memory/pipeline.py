@@ -30,8 +30,19 @@ batch plan's gradient-accumulation micro-batches (the pipeline's, isotrain/sizes
                                           gradients each weight waits for between I and W are not counted
 
 The logits (and the loss's saved tensors) of a micro-batch exist on the last stage only, once per micro-batch in
-flight (the schedule keeps each stage output until its backward). Autocast's low-precision weight copies are made
+flight (the schedule keeps each stage output until its backward). With the chunked loss (train.loss_chunk_tokens)
+the last stage's forward computes the micro-batch's loss in chunks: each micro-batch in flight keeps its trained
+tokens' final hidden states (labels, weights) for its chunks' checkpoints, and backward recomputes one chunk at a
+time, so one chunk's head/loss tensors and logits are held once (`_logits_bytes`). Autocast's low-precision weight copies are made
 once per step (the schedule runs in one autocast region, which caches them), not once per micro-batch.
+
+Mixture-of-experts models (the run allows them under 1F1B and GPipe): each stage's experts split over its EP group
+(whole experts, out of FSDP2), its forward routed as without a pipeline (transformers' grouped_mm, or EP's
+dispatch under balanced routing), its router terms per micro-batch in flight (`router logits and terms`). EP casts
+its local experts to the compute dtype in every micro-batch's forward (not autocast's cached copies): those copies
+count per micro-batch in flight (`_expert_copies`). The routing pre-pass (moe/prepass.py) runs a forward-only
+schedule of its own, whose stages hold their receive buffers and keep each micro-batch's output until its next step:
+the pipeline buffers twice.
 
 Pipeline buffers (torch.distributed.pipelining's stage): a receive buffer per micro-batch for the hidden states
 (every stage after the first) and for their gradients (every stage before the last), allocated when the schedule
@@ -94,8 +105,8 @@ def peak_in_flight(degrees: ParallelDims, rank: int, num_microbatches: int, byte
 
 
 def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
-    """The pipelines estimated: every schedule beside DDP, FSDP2 (not interleaved) and TP, for SFT without the
-    chunked loss."""
+    """The pipelines estimated: every schedule beside DDP, FSDP2 (not interleaved) and TP, for SFT, with or without
+    the chunked loss, dense or mixture-of-experts models, with or without expert parallelism."""
     from isotrain.config import RLRunConfig
 
     if degrees.fsdp and degrees.pp_stages_per_rank > 1:
@@ -103,17 +114,9 @@ def check_pipeline_estimate(cfg, degrees: ParallelDims) -> None:
                           f"FSDP2 (parallel.dp_shard={degrees.dp_shard}) yet, whose stages keep their parameters and "
                           "gradients gathered through the step; estimate it with parallel.pp_schedule=1f1b, or with "
                           "parallel.dp_shard=1")
-    if degrees.ep > 1:
-        raise ConfigError(f"isotrain estimate-memory does not estimate expert parallelism beside a pipeline "
-                          f"(parallel.ep={degrees.ep}, parallel.pp={degrees.pp}) yet; estimate the stage's layout with "
-                          "parallel.pp=1, or the pipeline with parallel.ep=1")
     if isinstance(cfg, RLRunConfig):
         raise ConfigError(f"isotrain estimate-memory estimates pipeline stages (parallel.pp={degrees.pp}) of SFT runs "
                           "only; estimate the RL run with parallel.pp=1")
-    if cfg.train.loss_chunk_tokens:
-        raise ConfigError(f"isotrain estimate-memory estimates pipeline stages (parallel.pp={degrees.pp}) with the "
-                          f"whole logits only, not train.loss_chunk_tokens={cfg.train.loss_chunk_tokens}; estimate "
-                          "with train.loss_chunk_tokens=0 (an upper bound for the last stage)")
 
 
 def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str, stages: list[int],
@@ -121,6 +124,7 @@ def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str,
     """stage -> (SavedBytes of one micro-batch, bytes received, bytes sent) of each of `stages`."""
     from isotrain.memory.fake_forward import fake_stage_forward
     from isotrain.models.checks import attention_kernel
+    from isotrain.moe.settings import router_settings
     from transformers import AutoModelForCausalLM
 
     _, compute = DTYPES[dtype]
@@ -132,14 +136,60 @@ def _stage_forwards(cfg, config, degrees: ParallelDims, dtype: str, device: str,
                                       micro_batch_size=cfg.train.micro_batch_size, seq_len=cfg.data.max_seq_len,
                                       autocast_dtype=compute if lowp and not degrees.fsdp else None,
                                       param_dtype=compute if degrees.fsdp else torch.float32, tp=degrees.tp,
-                                      fsdp=degrees.fsdp,
+                                      fsdp=degrees.fsdp, chunk_tokens=cfg.train.loss_chunk_tokens, ep=degrees.ep,
+                                      router=router_settings(cfg.moe, config),
                                       activation_checkpointing=checkpointing)
             for stage in stages}
 
 
-def _logits_bytes(saved) -> int:
+def _logits_bytes(saved) -> tuple[int, int]:
+    """(bytes each micro-batch in flight holds, bytes held once) of the head and the loss. With the chunked loss,
+    a micro-batch keeps its final hidden states until its backward, which recomputes one chunk's head and loss at a
+    time: the chunk's tensors and logits are held once, whatever the micro-batches in flight."""
     upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype not in (None, torch.float32) else 0
-    return saved.by_kind["logits_loss"] + saved.logits_bytes + upcast
+    total = saved.by_kind["logits_loss"] + saved.logits_bytes + upcast
+    once = saved.chunk_bytes + saved.logits_bytes + upcast if saved.chunk_bytes else 0
+    return total - once, once
+
+
+def _expert_copies(model, config, degrees: ParallelDims, dtype: str, stages: list[int]) -> dict[int, int]:
+    """stage -> bytes of its local experts' compute-dtype copies, which expert parallelism makes in every micro-batch's
+    forward (parallel/ep.py: a cast of the weights, not autocast's, so not cached for the step); 0 without EP or in
+    fp32."""
+    from isotrain.memory.shards import expert_parameter_names
+    from isotrain.parallel.pp import stage_layers
+
+    _, compute = DTYPES[dtype]
+    if degrees.ep == 1 or compute == torch.float32:
+        return dict.fromkeys(stages, 0)
+    names = expert_parameter_names(model)
+    shapes = {name: p.numel() // degrees.ep for name, p in model.named_parameters() if name in names}
+    prefix = lambda layer: f".layers.{layer}."  # noqa: E731
+    return {s: sum(n for name, n in shapes.items()
+                   if any(prefix(layer) in f".{name}" for layer in stage_layers(config.num_hidden_layers,
+                                                                                 degrees.pp_stages, s,
+                                                                                 degrees.pp_split)))
+               * compute.itemsize for s in stages}
+
+
+def _router_terms(cfg, config, degrees: ParallelDims, rank: int, num_microbatches: int,
+                  forwards: dict) -> tuple[list[Term], bool]:
+    """An MoE model's router term of pipeline rank `rank` (its stages' router logits and terms, per micro-batch in
+    flight), and whether the step runs the routing pre-pass (moe/prepass.py): a forward-only schedule of its own,
+    whose stages hold receive buffers of the hidden states for each micro-batch and keep each micro-batch's output
+    (torch's fwd_cache, cleared at that schedule's next step), as many bytes again as the training schedule's
+    receive buffers and sends."""
+    from isotrain.moe.prepass import runs_pipeline_prepass
+    from isotrain.moe.settings import router_settings
+
+    settings = router_settings(cfg.moe, config)
+    if settings is None:
+        return [], False
+    held = peak_in_flight(degrees, rank, num_microbatches, {s: f[0].by_kind["router"] for s, f in forwards.items()})
+    note = ("the stage's router logits kept for its aux / z-loss terms, their fp32 probabilities, of the micro-batches "
+            "in flight" + ("; EP: balanced routing (each rank receives as many rows as it sends)" if degrees.ep > 1
+                           else ""))
+    return [Term("router logits and terms", held, note)], runs_pipeline_prepass(settings)
 
 
 def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, rank: int,
@@ -156,10 +206,14 @@ def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, ran
     checkpointing = cfg.train.activation_checkpointing == "full"
     forwards = _stage_forwards(cfg, config, degrees, dtype, device, stages, checkpointing)
     activations = peak_in_flight(degrees, rank, m, {s: f[0].by_kind["activations"] for s, f in forwards.items()})
-    logits = peak_in_flight(degrees, rank, m, {s: _logits_bytes(f[0]) if s == last_stage else 0
-                                               for s, f in forwards.items()})
+    head = {s: _logits_bytes(f[0]) if s == last_stage else (0, 0) for s, f in forwards.items()}
+    logits = peak_in_flight(degrees, rank, m, {s: b[0] for s, b in head.items()}) + sum(b[1] for b in head.values())
     kept = peak_in_flight(degrees, rank, m, {s: f[2] for s, f in forwards.items()})
-    buffers = sum(m * (received + sent) for _, received, sent in forwards.values()) + kept
+    router, prepass = _router_terms(cfg, config, degrees, rank, m, forwards)
+    experts = _expert_copies(model, config, degrees, dtype, stages)
+    copies = (sum(f[0].by_kind["compute_copies"] - experts[s] for s, f in forwards.items())
+              + peak_in_flight(degrees, rank, m, experts))
+    buffers = sum(m * (received + sent) for _, received, sent in forwards.values()) * (2 if prepass else 1) + kept
     recomputed = []
     if checkpointing:
         full = _stage_forwards(cfg, config, degrees, dtype, device, stages, False)
@@ -176,16 +230,22 @@ def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, ran
         schedule = (f"{degrees.pp_schedule}: stages {', '.join(map(str, stages))} of {degrees.pp_stages}, the most "
                     f"held at once in torch's order of their {m} micro-batches each")
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
-    holds_last = last_stage in stages
+    holds_last, chunk = last_stage in stages, cfg.train.loss_chunk_tokens
     return [*model_state_terms(model, config, degrees, dtype), *fsdp_terms(model, config, degrees, dtype),
             Term("activations", activations, f"saved for backward, {tokens} per micro-batch ({schedule})"
                  + (", layer inputs only (checkpointing)" if checkpointing else "")),
-            Term("compute copies", sum(f[0].by_kind["compute_copies"] for f in forwards.values()),
-                 "autocast's low-precision weight copies, made once per step (one autocast region)"),
-            Term("logits and loss", logits, "head/loss saved tensors + logits of the micro-batches in flight"
+            Term("compute copies", copies, "autocast's low-precision weight copies, made once per step (one "
+                 "autocast region)" + ("; EP: the local experts cast to the compute dtype by each micro-batch's "
+                                        "forward, of the micro-batches in flight" if any(experts.values()) else "")),
+            Term("logits and loss", logits, ((f"chunked ({chunk} tokens): the final hidden states of the micro-batches "
+                                              "in flight + one chunk's head/loss tensors and logits, as backward "
+                                              "recomputes it") if chunk else
+                                             "head/loss saved tensors + logits of the micro-batches in flight")
                  if holds_last else "none: the last stage computes them"),
             Term("pipeline buffers", buffers,
                  f"receive buffers of {m} micro-batches per stage (hidden states after the first stage, their "
                  "gradients before the last) + the hidden states sent on, kept while in flight; one schedule's "
-                 "(parallel/pp.py keeps up to 2 shapes')" if buffers else "none"),
-            *recomputed]
+                 "(parallel/pp.py keeps up to 2 shapes')"
+                 + ("; twice: the MoE routing pre-pass's forward-only schedule too" if prepass else "")
+                 if buffers else "none"),
+            *router, *recomputed]

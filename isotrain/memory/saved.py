@@ -73,6 +73,7 @@ class SavedBytes:
     logits_dtype: torch.dtype | None = None
     logits_numel: int = 0
     exchange_bytes: int = 0  # context parallelism: the exchanges' largest buffers at once (memory/fake_cp.py)
+    chunk_bytes: int = 0  # the chunked loss: what one chunk's head and loss save (in `logits_loss` too)
 
     def skip(self, t: torch.Tensor) -> None:
         """Count `t`'s storage as seen, for nothing: memory counted elsewhere (a pipeline's receive buffer)."""
@@ -157,25 +158,44 @@ def _note_logits(saved: SavedBytes, out: torch.Tensor) -> None:
     saved.logits_dtype, saved.logits_numel = local.dtype, local.numel()
 
 
-def _chunked_loss_fn(labels, weights, chunk_tokens: int, saved: SavedBytes | None):
+def chunks_kept(loss_sum, head: nn.Module, *args):
+    """`loss_sum(head, *args)` (train/chunked_loss.py `chunked_loss_sum`), and the trained tokens' final hidden states
+    [n, H] whose slices its chunks took (the head's input in each chunk is one): the tensor their checkpoints keep
+    until backward."""
+    inputs = []
+    handle = head.register_forward_pre_hook(lambda module, hook_args: inputs.append(hook_args[0]))
+    try:
+        loss = loss_sum(head, *args)
+    finally:
+        handle.remove()
+    return loss, inputs[0] if inputs[0]._base is None else inputs[0]._base
+
+
+def chunked_loss_fn(labels, weights, chunk_tokens: int, saved: SavedBytes | None):
     """The chunked SFT loss (train/chunked_loss.py) as `lm_loss_forward` takes it, plus one more forward of a
     first chunk outside checkpointing, left out of the loss: what a chunk's head and loss hold when backward
-    recomputes it, counted as the unchunked loss is (saved tensors and logits). Beside it, the trained tokens'
-    hidden states, which the chunks' checkpoints keep until backward, are counted explicitly (checkpointing
-    keeps them without autograd's saved-tensor hooks). Every position is trained (the estimate's assumption
-    and the measured batches'), so the trained positions need no data-dependent `nonzero`, which fake tensors
-    cannot run."""
+    recomputes it, counted as the unchunked loss is (saved tensors and logits; `saved.chunk_bytes`: its saved
+    tensors alone). Its inputs are the chunks' own (their kept hidden states; labels and weights of the trained
+    tokens like theirs, counted once), which the chunks' checkpoints keep until backward (autograd's saved-tensor
+    hooks see them; the kept hidden states are counted again explicitly, once, should a torch keep them unseen).
+    Every position is trained (the estimate's assumption and the measured batches'), so the trained positions
+    need no data-dependent `nonzero`, which fake tensors cannot run."""
     from isotrain.train.chunked_loss import chunk_loss_sum, chunked_loss_sum
 
     trained = torch.arange(labels.numel(), device=labels.device)
 
     def loss_fn(hidden, head):
-        loss = chunked_loss_sum(head, hidden, labels, weights, chunk_tokens, trained)
-        kept = hidden.reshape(-1, hidden.shape[-1]).index_select(0, trained)
-        if saved is not None:
-            saved.add(kept, "logits_loss")
+        loss, kept = chunks_kept(chunked_loss_sum, head, hidden, labels, weights, chunk_tokens, trained)
+        if saved is None:
+            return loss
+        saved.add(kept, "logits_loss")
+        chunk_labels, chunk_weights = labels.reshape(-1)[trained], weights.reshape(-1)[trained]
+        saved.skip(chunk_labels)
+        saved.skip(chunk_weights)
         first = slice(0, chunk_tokens)
-        chunk_loss_sum(head, kept[first], labels.reshape(-1)[first], weights.reshape(-1)[first])
+        before = saved.by_kind["logits_loss"]
+        chunk_loss_sum(head, kept[first], chunk_labels[first], chunk_weights[first])
+        saved.chunk_bytes = saved.by_kind["logits_loss"] - before
         return loss
 
     return loss_fn
@@ -187,7 +207,7 @@ def forward_loss(model: nn.Module, input_ids, position_ids, labels, weights, aut
     when the step uses it, then Σ weighted token losses in fp32. `router` (an MoE model's RouterSettings): the
     model also returns its router logits and the micro-batch's router term joins the loss, as in the step
     (`micro_batch` scope, which needs no collective and saves the same tensors as `global`); what it saves
-    is counted as `router` in `saved`. `chunk_tokens` > 0: the chunked loss (`_chunked_loss_fn`)."""
+    is counted as `router` in `saved`. `chunk_tokens` > 0: the chunked loss (`chunked_loss_fn`)."""
     from dataclasses import replace
 
     from isotrain.models.packing_check import lm_forward
@@ -201,7 +221,7 @@ def forward_loss(model: nn.Module, input_ids, position_ids, labels, weights, aut
     with autocast:
         if chunk_tokens > 0:
             output = lm_loss_forward(model, input_ids, position_ids, with_mask,
-                                     _chunked_loss_fn(labels, weights, chunk_tokens, saved),
+                                     chunked_loss_fn(labels, weights, chunk_tokens, saved),
                                      router_logits=router is not None)
         else:
             output = lm_forward(model, input_ids, position_ids, with_mask, router_logits=router is not None)

@@ -58,6 +58,12 @@ def micro_batch_index(mask: torch.Tensor, masks: list[torch.Tensor]) -> int | No
     return next((i for i, m in enumerate(masks) if m is mask), None)
 
 
+def runs_pipeline_prepass(settings: RouterSettings) -> bool:
+    """Whether a pipeline's step runs the routing pre-pass (`begin_pipeline_router_step`): with coefficients to
+    train, or under micro_batch scope, which logs each micro-batch's aux pooled over every stage's layers."""
+    return settings.aux_loss_coef > 0 or settings.z_loss_coef > 0 or settings.aux_loss_scope == "micro_batch"
+
+
 def begin_pipeline_router_step(settings: RouterSettings, masks: list[torch.Tensor], run_forward, layer_rows: list[int],
                                num_layers: int, counts_tokens: bool, group, pp_group,
                                device: torch.device) -> RouterStep:
@@ -71,8 +77,7 @@ def begin_pipeline_router_step(settings: RouterSettings, masks: list[torch.Tenso
     stage does). A stage of dense layers only (no `layer_rows`) routes nothing: its counts are zero rows."""
     step = RouterStep(settings, len(masks), group, layer_rows=layer_rows, num_model_layers=num_layers,
                       counts_tokens=counts_tokens, device=device)
-    # micro_batch scope logs each micro-batch's aux, which pools every stage's layers: the pre-pass runs for it too
-    if not (settings.aux_loss_coef > 0 or settings.z_loss_coef > 0 or settings.aux_loss_scope == "micro_batch"):
+    if not runs_pipeline_prepass(settings):
         return step
     no_rows = torch.zeros((0, settings.num_experts), dtype=torch.int64, device=device)
     expected = [None if layer_rows else no_rows] * len(masks)

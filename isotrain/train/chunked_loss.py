@@ -149,6 +149,13 @@ def stage_chunked_forward(model: nn.Module, inputs: dict, kwargs: dict, labels: 
     def loss_fn(hidden, head):
         return chunked_loss_sum(head, hidden, labels, weights, chunk_tokens, trained, compiled)
 
+    return stage_loss_forward(model, inputs, kwargs, loss_fn)
+
+
+def stage_loss_forward(model: nn.Module, inputs: dict, kwargs: dict, loss_fn):
+    """A pipeline stage's forward whose head projects no position and whose output's `.loss` is
+    `loss_fn(final hidden states [B, L, H], head)` (the memory estimate's fake last stage runs it too)."""
+    device = next(iter(inputs.values())).device
     with _loss_in_forward(model, loss_fn):
         return model(**inputs, use_cache=False, logits_to_keep=no_positions(device), **kwargs)
 

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import functools
 import json
-import resource
-import signal
 import subprocess
 
 import pytest
 import yaml
 
-from helpers import TINY_RUN, assert_error_sentence, isotrain_cli, run_concurrently
-from zygote import run_isotrain
+from helpers import HANG_S, TINY_RUN, assert_error_sentence, run_concurrently
+from zygote import fork_ranks, run_isotrain, shared_zygote
 from test_cli_errors import TINY_RL
 
 FIRST_STEP = [*TINY_RUN, "train.max_steps=1"]
@@ -165,23 +163,20 @@ def test_gemma2_trains_with_eager_attention_by_default(runs):
     assert config["model_type"] == "gemma2"
 
 
-def _limit_file_size(num_bytes: int):
-    def apply() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
-        resource.setrlimit(resource.RLIMIT_FSIZE, (num_bytes, num_bytes))
-
-    return apply
-
-
 def test_a_first_save_that_fails_does_not_claim_earlier_checkpoints(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(20)))
     run_dir = tmp_path / "run"
-    # The model file (~300 KB) exceeds the limit; the tokenizer, data cache and config files do not.
-    proc = isotrain_cli(["train", *FIRST_STEP, "data.format=prompt_completion", f"data.path={data}",
-                         f"output_dir={run_dir}", "checkpoint.every_steps=1"], preexec_fn=_limit_file_size(100_000))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    message = " ".join(proc.stderr.split())
+    # The model file (~300 KB) exceeds the limit; the tokenizer, data cache and config files do not. The run is
+    # forked from the zygote, which sets that file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored) in it alone.
+    out, err = tmp_path / "run.out", tmp_path / "run.err"
+    forked = fork_ranks(shared_zygote(), 1, ["train", *FIRST_STEP, "data.format=prompt_completion",
+                                             f"data.path={data}", f"output_dir={run_dir}", "checkpoint.every_steps=1"],
+                        [out], max_file_bytes={0: 100_000}, errs=[err])
+    forked.finish(HANG_S)
+    stderr = err.read_text()
+    assert forked.exit_codes() == [2] and "Traceback" not in stderr, stderr[-3000:]
+    message = " ".join(stderr.split())
     assert message.startswith(f"error: checkpoint step 1 was not saved: rank 0 could not write {run_dir}"), message
     assert message.endswith("(File too large); free disk space or fix the path"), message
 

@@ -197,7 +197,8 @@ def fork_ranks(zygote: Zygote, nproc: int, argv: list[str], logs: list[Path], ma
                env: dict | None = None) -> Forked:
     """Start the `nproc` ranks of `isotrain argv` (or of `python script argv`), rank r writing to logs[r] (and its
     stderr to errs[r], if given). `max_file_bytes` maps a rank to the largest file it can write, `late_failure_s`
-    to how long its background saves wait before they report a failure; `env` replaces `subprocess_env()`."""
+    to how long its background saves wait before they report a failure; `env` replaces `subprocess_env()`; `cwd`
+    is every rank's working directory, or a list of one per rank (e.g. a directory per "node")."""
     env, port = dict(env) if env else subprocess_env(), free_port()
     pidfds = []
     for rank in range(nproc):
@@ -208,7 +209,8 @@ def fork_ranks(zygote: Zygote, nproc: int, argv: list[str], logs: list[Path], ma
         limit = (max_file_bytes or {}).get(rank)
         late = (late_failure_s or {}).get(rank, 0.0)
         err = errs[rank] if errs else None
-        pidfds.append(zygote.fork(argv, logs[rank], rank_env, limit, late, err, cwd, script))
+        rank_cwd = cwd[rank] if isinstance(cwd, (list, tuple)) else cwd
+        pidfds.append(zygote.fork(argv, logs[rank], rank_env, limit, late, err, rank_cwd, script))
     return Forked(pidfds, logs)
 
 

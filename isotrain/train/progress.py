@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -75,10 +76,12 @@ class Progress:
             return None
         return record if record.get("run") == self.run_id else None
 
-    def silent_ranks(self, failure: str) -> dict[int, dict | None]:
+    def silent_ranks(self, failure: str, signalled: Callable[[], bool] = lambda: False) -> dict[int, dict | None]:
         """After a failed collective: report this rank's stop, then wait (up to parallel.timeout_s, at most
         REPORT_WAIT_CAP_S) for every other rank to report its own; those that do not are returned with their
-        last record."""
+        last record. A signal (`signalled()`: SIGTERM, Ctrl-C) ends the wait at once: it is torchrun (or a
+        scheduler) stopping the job because a peer died, and it kills a worker that stays past its grace, which
+        would hold a restart up that long."""
         self.end(f"stopped in step {self.current_step}: a collective {failure}")
         wait_s = min(self.timeout_s or REPORT_WAIT_CAP_S, REPORT_WAIT_CAP_S)
         deadline = time.monotonic() + wait_s
@@ -86,7 +89,7 @@ class Progress:
             records = {rank: self.read(rank) for rank in range(self.world_size) if rank != self.rank}
             silent = {rank: record for rank, record in records.items()
                       if record is None or record["state"] == "running"}
-            if not silent or time.monotonic() >= deadline:
+            if not silent or time.monotonic() >= deadline or signalled():
                 return silent
             time.sleep(0.2)
 

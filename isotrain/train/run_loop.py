@@ -100,7 +100,7 @@ def run_loop(settings: LoopSettings, info, state: RunState, step_fn: StepFn, che
             failure = failed_collective(err)
             if failure is None or progress is None:
                 raise
-            _stop_for_silent_ranks(progress, failure, checkpoints)
+            _stop_for_silent_ranks(progress, failure, checkpoints, stop)
     checkpoints.wait()
     if progress is not None:
         progress.end(f"stopped by {state.stopped_by}" if state.stopped_by else "finished")
@@ -125,11 +125,11 @@ def _boundary(settings: LoopSettings, info, state: RunState, stop: GracefulStop,
     return stopping
 
 
-def _stop_for_silent_ranks(progress: Progress, failure: str, checkpoints) -> None:
+def _stop_for_silent_ranks(progress: Progress, failure: str, checkpoints, stop: GracefulStop) -> None:
     """A collective that a peer never joined: name the silent rank(s) and stop. A background save in flight
     cannot commit without them; its own error (the same failed collective) is not what the user needs to read,
     and it never touches a committed checkpoint."""
-    silent = progress.silent_ranks(failure)
+    silent = progress.silent_ranks(failure, lambda: stop.received)
     try:
         checkpoints.wait()
     except (IsotrainError, RuntimeError):

@@ -6,17 +6,17 @@ instants of its saves and restarted each time with `checkpoint.resume=auto`: on 
 hit (writing the files, committing, rotating), and the kills go on until 10 per case have hit a
 save. After every kill, every committed checkpoint verifies, `latest` names one of them, there is
 one as soon as the first was committed, and the next start reports and removes what the kill left
-and resumes from the newest committed checkpoint. Finally a run started the ordinary way
-(`python -m isotrain`, `torchrun`) completes with the same bytes and metrics as a run that was
-never interrupted.
+and resumes from the newest committed checkpoint. Finally the run completes with the same bytes and
+metrics as a run that was never interrupted.
 
-Start-up (importing torch and transformers) takes seconds, so the runs to be killed, the references
-and the restarts after a full disk are forked from one process that has done those imports, with
-torchrun's environment for each rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT): real processes, real gloo
-collectives, real files, real SIGKILL. The runs that hit a full disk start the ordinary way.
+Start-up (importing torch and transformers) takes seconds, so every run here is forked from one process
+that has done those imports (tests/zygote.py), with torchrun's environment for each rank (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT): real processes, real gloo collectives, real files, real SIGKILL. That a
+killed run resumes exactly when started the ordinary way (`torchrun`, `python -m isotrain`) is
+tests/checkpoint/test_restart.py's and tests/train/test_stop.py's.
 
-A file-size limit (RLIMIT_FSIZE: unprivileged, and exact about which file fails) stands in for a
-full disk, on the one process or on one of two ranks: the save fails with one sentence on every
+A file-size limit (RLIMIT_FSIZE: unprivileged, and exact about which file fails), set in the forked
+process, stands in for a full disk, on the one process or on one of two ranks: the save fails with one sentence on every
 rank, nothing is committed or left behind, the earlier checkpoints stay valid, and the next start
 resumes from them.
 """
@@ -26,19 +26,16 @@ from __future__ import annotations
 import collections
 import os
 import random
-import resource
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from helpers import HANG_S, REPO, TINY_RUN, counted_metrics, subprocess_env
-from zygote import Forked, Zygote, fork_ranks
+from helpers import HANG_S, TINY_RUN, counted_metrics
+from zygote import Forked, Zygote, fork_ranks, shared_zygote
 from isotrain.checkpoint.layout import committed, leftovers, read_latest
 from isotrain.checkpoint.manifest import verify_checkpoint
 
@@ -59,19 +56,6 @@ def overrides(layout: str, run_dir, cache, *extra: str) -> list[str]:
 
 def save_mode(mode: str) -> str:
     return f"checkpoint.async={'true' if mode == 'async' else 'false'}"
-
-
-def command(layout: str, args: list[str]) -> list[str]:
-    """The ordinary launch: `python -m isotrain` or torchrun."""
-    nproc = LAYOUTS[layout][0]
-    if nproc == 1:
-        return [sys.executable, "-m", "isotrain", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "isotrain", *args]
-
-
-def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=HANG_S, **kwargs)
 
 
 # ----- runs forked from a process that has imported everything (tests/zygote.py) -----------------
@@ -99,10 +83,8 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def zygote(tmp_path_factory):
-    started = Zygote(tmp_path_factory.mktemp("zygote") / "log.txt")
-    yield started
-    started.close()
+def zygote():
+    return shared_zygote()  # the one every forked run of this test process uses: its imports are paid once
 
 
 def run_single(zygote: Zygote, args: list[str], log_prefix, max_file_bytes: int | None = None
@@ -265,10 +247,10 @@ def test_random_sigkills_during_saves_never_leave_a_bad_checkpoint(tmp_path, zyg
     print(f"\n{layout}/{mode}: {len(harness.history)} kills: " + ", ".join(f"{n} {p}" for p, n in phases.items()))
     print("  " + "\n  ".join(harness.history))
 
-    # Started the ordinary way, the run finishes as if it had never been interrupted.
-    proc = run(command(layout, args))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    harness.check_start(proc.stdout)
+    # Started once more, the run finishes as if it had never been interrupted.
+    forked = run_forked(zygote, layout, args, tmp_path / "log-final")
+    assert forked.exit_codes() == [0] * LAYOUTS[layout][0], forked.output()[-3000:]
+    harness.check_start(forked.output())
     final = check_disk(harness.root, True, f"{harness.context()}\nafter the final run")
     assert [step for step, _ in final] == [MAX_STEPS] and read_latest(harness.root) == final[0][1].name
     assert not leftovers(harness.root) and verify_checkpoint(run_dir / "model") == []
@@ -282,14 +264,6 @@ def test_random_sigkills_during_saves_never_leave_a_bad_checkpoint(tmp_path, zyg
 
 
 # ----- a full disk -----------------------------------------------------------------------------
-
-def limit_file_size(num_bytes: int):
-    def apply() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
-        resource.setrlimit(resource.RLIMIT_FSIZE, (num_bytes, num_bytes))
-
-    return apply
-
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory, zygote, cache):
@@ -321,7 +295,7 @@ def test_a_full_disk_stops_the_run_with_one_sentence_and_keeps_earlier_checkpoin
     args = overrides("single", run_dir, cache, "train.max_steps=4", "checkpoint.keep_last=2",
                      save_mode(mode))
 
-    proc = run(command("single", args), preexec_fn=limit_file_size(limit))
+    proc = run_single(zygote, args, tmp_path / "log-full", max_file_bytes=limit)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
@@ -357,7 +331,7 @@ def test_a_full_disk_at_the_final_model_names_it_and_keeps_the_previous_one(two_
     args = overrides("single", run_dir, cache, "train.max_steps=2", "checkpoint.keep_last=2")
 
     limit = (model_dir / "model.safetensors").stat().st_size // 2  # no step to save: the model file is the first
-    proc = run(command("single", args), preexec_fn=limit_file_size(limit))
+    proc = run_single(zygote, args, tmp_path / "log-full", max_file_bytes=limit)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and proc.stderr.strip().endswith(errors[0]), proc.stderr
@@ -385,7 +359,7 @@ def test_a_latest_that_cannot_be_written_says_the_checkpoint_was_saved(two_check
     (root / "latest").mkdir()  # renaming the new `latest` over a directory fails
     args = overrides("single", run_dir, cache, "train.max_steps=3", "checkpoint.keep_last=2")
 
-    proc = run(command("single", args))
+    proc = run_single(zygote, args, tmp_path / "log-refused")
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and proc.stderr.strip().endswith(errors[0]), proc.stderr

@@ -2,8 +2,9 @@
 
 One worker of a 2-process FSDP2 (or DDP) run under `torchrun --max-restarts 1` is SIGKILLed in the first step it
 begins after a checkpoint is committed (a start-up hook in its own process, KILLER below). torchrun stops the other
-worker and starts the group again; the new group meets in torchrun's store, finds the checkpoint and finishes. The
-job exits 0 by itself, and its metrics, final model and final checkpoint are those of a run never interrupted.
+worker (which ends at once on that SIGTERM, naming the dead rank) and starts the group again; the new group meets
+in torchrun's store, finds the checkpoint and finishes. The job exits 0 by itself, and its metrics, final model and
+final checkpoint are those of a run never interrupted.
 `--standalone` is torchrun's c10d rendezvous on a port of its own choosing: no port has to stay free.
 """
 
@@ -87,6 +88,10 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_the_job_resumes_exactly(tmp_
     assert "torchrun restarted this job after a worker failed (restart 1 of at most 1): resuming at step" \
         in proc.stdout, proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout
+    # The surviving worker of the first start, whose step's collective failed with its peer gone, ends itself on
+    # torchrun's SIGTERM with the sentence naming the dead rank; one that waited for the dead rank's report would be
+    # SIGKILLed by torchrun after its grace (30 s later, silently), and the restart held up that long.
+    assert "rank 1 did not arrive at a collective" in proc.stderr, proc.stderr[-3000:]
     assert counted_metrics(run_dir) == counted_metrics(straight_dir)
     final = committed(run_dir / "checkpoints")[-1][1]
     assert final.name == f"step-{MAX_STEPS:08d}" and verify_checkpoint(final) == []

@@ -6,14 +6,13 @@ moving without reordering any file's tensors."""
 from __future__ import annotations
 
 import errno
-import subprocess
-import sys
 
 import pytest
 import torch
 from blake3 import blake3
 
 from helpers import HANG_S
+from zygote import fork_ranks, shared_zygote
 
 from isotrain.checkpoint.digest import piece_ranges
 from isotrain.checkpoint.files import CHUNK_BYTES
@@ -79,11 +78,14 @@ def test_a_file_size_limit_inside_a_direct_piece_reports_the_file_too_large(tmp_
     with EFBIG (as on a full disk), not with the EINVAL an unaligned direct write would give."""
     size, limit = CHUNK_BYTES + 2 * ALIGN, CHUNK_BYTES // 2 + 1000
     path = tmp_path / "big.safetensors"
-    code = LIMITED.format(limit=limit, size=size)
-    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=HANG_S)
-    assert proc.returncode == 3, proc.stderr
-    number, filename, _ = proc.stdout.split(" ", 2)
-    assert int(number) == errno.EFBIG and filename == str(path), proc.stdout
+    # A process of its own (forked from the zygote: no interpreter start-up), so that the limit binds it alone.
+    script, log = tmp_path / "limited.py", tmp_path / "limited.out"
+    script.write_text(LIMITED.format(limit=limit, size=size))
+    forked = fork_ranks(shared_zygote(), 1, [str(path)], [log], errs=[tmp_path / "limited.err"], script=script)
+    forked.finish(HANG_S)
+    assert forked.exit_codes() == [3], (tmp_path / "limited.err").read_text()
+    number, filename, _ = log.read_text().split(" ", 2)
+    assert int(number) == errno.EFBIG and filename == str(path), log.read_text()
 
 
 def item(key: str, rows: int, owner: int, kind: str = "model") -> Item:

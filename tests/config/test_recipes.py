@@ -13,6 +13,7 @@ from isotrain.config import (RECIPE_ROOTS, EmbedRunConfig, RLRunConfig, TrainRun
 from isotrain.errors import ConfigError
 from isotrain.recipes import RECIPES_DIR
 from test_cli_errors import assert_error_sentence
+from zygote import run_isotrain
 
 LLAMA = {"model": {"config": {"model_type": "llama"}}}
 
@@ -150,8 +151,10 @@ def test_both_model_sources_or_a_partial_mapping_are_still_refused():
 
 
 def test_config_show_shows_each_recipes_tree(tmp_path):
+    # Forked from the zygote (only stdout is read; the refusals above are ordinary launches, whose stderr holds
+    # whatever a fresh interpreter prints).
     runs = run_concurrently({recipe: functools.partial(
-        isotrain_cli, ["config", "show", "--recipe", recipe, "model.name_or_path=/absent", "rl.group_size=4"
+        run_isotrain, ["config", "show", "--recipe", recipe, "model.name_or_path=/absent", "rl.group_size=4"
                        if recipe == "rl" else "train.seed=1"], cwd=tmp_path) for recipe in RECIPE_ROOTS})
     for recipe, proc in runs.items():
         assert proc.returncode == 0, proc.stderr

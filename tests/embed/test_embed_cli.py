@@ -2,8 +2,6 @@
 SIGKILL + resume."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,8 +9,8 @@ import torch
 from isotrain.checkpoint.manifest import verify_checkpoint
 from isotrain.errors import ConfigError
 
-from helpers import kill_after_commit, model_weights, run_concurrently, subprocess_env
-from zygote import run_isotrain
+from helpers import model_weights, run_concurrently
+from zygote import kill_forked_after_commit, run_forked_ranks, run_isotrain
 
 BERT = ["model.config.model_type=bert", "model.config.hidden_size=32", "model.config.num_hidden_layers=2",
         "model.config.num_attention_heads=2", "model.config.intermediate_size=64",
@@ -30,22 +28,19 @@ def rows(run_dir):
 
 
 def test_layouts_sigkill_and_resume(data, tmp_path):
+    """Every run is forked from the zygote (tests/zygote.py: real processes and gloo, real SIGKILL, no interpreter
+    start-up); how an ordinary torchrun launch meets, dies and resumes is tests/checkpoint/test_restart.py's."""
     one, two, sharded = tmp_path / "one", tmp_path / "two", tmp_path / "sharded"
-    cmd_one = [sys.executable, "-m", "isotrain", "embed", *overrides(data, tmp_path / "killed"),
-               "train.micro_batch_size=2"]
+    args_one = ["embed", *overrides(data, tmp_path / "killed"), "train.micro_batch_size=2"]
 
     def launch_two():  # 2 ranks × GA 2, SIGKILLed once step 2 is committed, then resumed on ONE process
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "isotrain",
-               "embed", *overrides(data, two), "train.micro_batch_size=2"]
-        kill_after_commit(cmd, two, 2)
+        kill_forked_after_commit(2, ["embed", *overrides(data, two), "train.micro_batch_size=2"], two, 2)
         return run_isotrain(["embed", *overrides(data, two), "train.micro_batch_size=4"])
 
     def launch_sharded():  # FSDP2 over 2 ranks × GA 2, SIGKILLed once step 2 is committed, resumed sharded × GA 1
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "isotrain",
-               "embed", *overrides(data, sharded), "parallel.dp_shard=2"]
-        kill_after_commit([*cmd, "train.micro_batch_size=2"], sharded, 2)
-        return subprocess.run([*cmd, "train.micro_batch_size=4"], env=subprocess_env(), capture_output=True, text=True,
-                              timeout=300)
+        args = ["embed", *overrides(data, sharded), "parallel.dp_shard=2"]
+        kill_forked_after_commit(2, [*args, "train.micro_batch_size=2"], sharded, 2)
+        return run_forked_ranks(2, [*args, "train.micro_batch_size=4"])
 
     done = run_concurrently({
         # Async saves, only the last checkpoint kept: the same run as the synchronous ones.
@@ -84,8 +79,8 @@ def test_layouts_sigkill_and_resume(data, tmp_path):
 
     # SIGKILL after checkpoint 2 and resume on the same layout: byte-identical final weights.
     killed = tmp_path / "killed"
-    kill_after_commit(cmd_one, killed, 2)
-    proc = run_isotrain(cmd_one[3:])
+    kill_forked_after_commit(1, args_one, killed, 2)
+    proc = run_isotrain(args_one)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resum" in proc.stdout.lower()
     got = model_weights(killed / "model")

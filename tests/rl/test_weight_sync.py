@@ -233,9 +233,12 @@ def _check_seeding_errors_and_death(model, tokenizer, tokenizer_dir, params) -> 
         engine.checksums()
 
 
-# Loaded by the run's process (a sitecustomize module on its PYTHONPATH): from the second sync on, the in-process
+# The run's script (forked from the zygote, run as `python SCRIPT ARGV`): from the second sync on, the in-process
 # engine silently keeps its old final-norm weight, as an engine whose sync delivered all but one tensor would.
 STALE_NORM = """
+import sys
+
+import isotrain.cli
 import isotrain.rl.rollout as rollout
 
 original, calls = rollout.HFEngine.update_weights, []
@@ -246,25 +249,20 @@ def update_weights(self, named_tensors):
     return original(self, ((name, t) for name, t in named_tensors if name != skip))
 
 rollout.HFEngine.update_weights = update_weights
+isotrain.cli.main(sys.argv[1:])
 """
 
 
 def test_a_sync_that_leaves_one_tensor_stale_stops_the_run_before_training_on_it(tmp_path):
-    import subprocess
-    import sys
-
-    from helpers import REPO, assert_clean_error, subprocess_env
+    from helpers import assert_clean_error
     from test_async_rl import ASYNC, metrics
+    from zygote import run_forked_ranks
 
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(STALE_NORM)
-    env = subprocess_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
+    script = tmp_path / "stale_norm.py"
+    script.write_text(STALE_NORM)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "isotrain", "rl", *ASYNC, "rollout.engine=hf",
-                           "rl.max_off_policy_steps=0", "train.max_steps=3", f"output_dir={run_dir}"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = run_forked_ranks(1, ["rl", *ASYNC, "rollout.engine=hf", "rl.max_off_policy_steps=0", "train.max_steps=3",
+                                f"output_dir={run_dir}"], script=script)
     assert_clean_error(proc, "after the update of step 1, the rollout engine's weights differ from the trainer's in "
                              "1 of 21 tensors (e.g. model.norm.weight): it would sample with stale or corrupted "
                              "weights, so the run stops before training on them")

@@ -1,6 +1,8 @@
 """Two "nodes" of 2 processes each on this machine, met by torchrun's c10d rendezvous, are the 4-process run of one
 node (issue #32): the same counters, losses, weights and checkpoints. A node whose output_dir is not the directory
-the other node sees (node-local disks, no shared file system) is refused before any training.
+the other node sees (node-local disks, no shared file system) is refused before any training (its 4 ranks forked,
+tests/zygote.py, each "node's" two in a directory of their own: how torchrun's agents of two nodes meet is the
+first test's).
 
 Each node is its own `torchrun --nnodes 2 --node-rank i --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT`. The
 rendezvous store on PORT is served by this test (`--rdzv-conf is_host=false`: both agents are its clients): the test
@@ -25,7 +27,7 @@ from helpers import HANG_S, REPO, TINY_RUN, counted_metrics, failure, model_weig
 from isotrain.checkpoint.layout import committed, leftovers, read_latest
 from isotrain.checkpoint.manifest import read_manifest, verify_checkpoint
 from isotrain.train.run_dir import SHARED_PROBE
-from zygote import run_forked_ranks, run_isotrain
+from zygote import PORT_TAKEN, fork_ranks, run_forked_ranks, run_isotrain, shared_zygote
 
 MAX_STEPS = 4
 # HSDP, the usual layout of several machines: FSDP2 within a node, replicas across nodes. Every rank owns a share
@@ -38,18 +40,15 @@ def train_args(output_dir, cache: Path) -> list[str]:
             f"output_dir={output_dir}", f"data.cache_dir={cache}"]
 
 
-def two_nodes(args: list[str], cwds: list[Path],
-              log_dirs: list[Path] | None = None) -> list[subprocess.CompletedProcess]:
-    """Run `torchrun ... ARGS` as two nodes of 2 processes each, node i started in cwds[i] (with its workers' output
-    in log_dirs[i], if given); both are waited for."""
+def two_nodes(args: list[str], cwds: list[Path]) -> list[subprocess.CompletedProcess]:
+    """Run `torchrun ... ARGS` as two nodes of 2 processes each, node i started in cwds[i]; both are waited for."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
     run_id = f"isotrain-test-{uuid.uuid4().hex[:8]}"
     nodes = []
     for node_rank, cwd in enumerate(cwds):
-        logs = ["--log-dir", str(log_dirs[node_rank]), "--redirects", "3"] if log_dirs else []
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                    "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                   f"127.0.0.1:{store.port}", "--rdzv-conf", "is_host=false", "--rdzv-id", run_id, *logs, *args]
+                   f"127.0.0.1:{store.port}", "--rdzv-conf", "is_host=false", "--rdzv-id", run_id, *args]
         nodes.append(subprocess.Popen(command, env=subprocess_env(), cwd=cwd, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outputs = [node.communicate(timeout=HANG_S) for node in nodes]
@@ -112,26 +111,28 @@ def test_two_nodes_of_two_processes_equal_the_four_process_run(tmp_path):
     assert not [p for p in multi.iterdir() if p.name.startswith(SHARED_PROBE)]
 
 
-def worker_stderr(log_dir: Path) -> list[str]:
-    """What each worker of a node wrote to its stderr (torchrun --redirects), one string per worker."""
-    return [path.read_text() for path in sorted(log_dir.rglob("stderr.log"))]
-
-
 @pytest.mark.slow
 def test_a_node_local_output_dir_is_refused_before_any_training(tmp_path):
-    """No shared file system: both nodes are given output_dir=run, each started in a directory of its own, so the
-    same setting names a different directory on each node, as the same path on two machines' own disks does."""
+    """No shared file system: both nodes are given output_dir=run, the ranks of each started in a directory of its
+    own, so the same setting names a different directory on each node, as the same path on two machines' own disks
+    does. Ranks 0-1 are node 0, ranks 2-3 node 1 (forked with torchrun's environment)."""
     cwds = [tmp_path / "node0", tmp_path / "node1"]
-    logs = [tmp_path / "logs0", tmp_path / "logs1"]
     for path in cwds:
         path.mkdir()
-    procs = two_nodes(train_args("run", tmp_path / "cache"), cwds, logs)
+    for attempt in range(3):  # only a rendezvous port taken meanwhile (nothing written yet) is tried again
+        errs = [tmp_path / f"try{attempt}-rank{rank}.err" for rank in range(4)]
+        logs = [path.with_suffix(".out") for path in errs]
+        forked = fork_ranks(shared_zygote(), 4, train_args("run", tmp_path / "cache")[2:], logs, errs=errs,
+                            cwd=[cwds[0], cwds[0], cwds[1], cwds[1]])
+        forked.finish(HANG_S)
+        stderrs = [path.read_text() for path in errs]
+        if not any(PORT_TAKEN in text for text in stderrs):
+            break
 
-    assert all(proc.returncode != 0 for proc in procs), [proc.returncode for proc in procs]
+    assert all(code not in (0, None) for code in forked.exit_codes()), forked.exit_codes()
     expected = ("output_dir run is not one directory that every node sees: the file rank 0 wrote into it is not "
                 f"there for ranks 2-3 on host {socket.gethostname()}; all nodes must see the same output_dir, so put "
                 "it on a file system that every node mounts at the same path")
-    stderrs = [text for log_dir in logs for text in worker_stderr(log_dir)]
     assert len(stderrs) == 4
     for text in stderrs:  # every worker: one line, the sentence, no traceback
         lines = [line for line in text.splitlines() if line.strip()]

@@ -1,6 +1,7 @@
-"""A run owns its output_dir (isotrain/train/run_dir.py), with real `isotrain` processes: a second run into
-a directory in use is refused, a lock left by a killed run is taken over, a directory of someone else's files
-is refused and left as it was, and the lock goes away however a run ends."""
+"""A run owns its output_dir (isotrain/train/run_dir.py), with real `isotrain` processes (forked from the zygote,
+tests/zygote.py: each its own pid, lock and signals): a second run into a directory in use is refused, a lock left
+by a killed run is taken over, a directory of someone else's files is refused and left as it was, and the lock goes
+away however a run ends."""
 
 from __future__ import annotations
 
@@ -9,14 +10,13 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import HANG_S, REPO, TINY_RUN, subprocess_env
-from zygote import run_forked_ranks, run_isotrain
+from helpers import HANG_S, TINY_RUN
+from zygote import fork_ranks, run_forked_ranks, run_isotrain, shared_zygote
 from isotrain.checkpoint.manifest import verify_checkpoint
 
 TINY = [*TINY_RUN, "train.log_every=1", "checkpoint.every_steps=5"]
@@ -31,37 +31,37 @@ def assert_refused(proc: subprocess.CompletedProcess, sentence: str) -> None:
     assert proc.stderr.strip() == f"error: {sentence}", proc.stderr[-3000:]  # one line, no traceback
 
 
-def wait_for(predicate, proc: subprocess.Popen, what: str, timeout_s: float = 120) -> None:
+def wait_for(predicate, forked, what: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        assert proc.poll() is None, f"the run ended before {what}: {proc.stderr.read()[-3000:]}"
+        assert forked.running(), f"the run ended before {what}: {forked.output()[-3000:]}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
 
 
 def test_a_second_run_into_a_directory_in_use_is_refused_and_the_first_finishes_intact(tmp_path):
     run_dir = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "-m", "isotrain", "train", *TINY, "train.max_steps=10",
-                              f"output_dir={run_dir}"], env=subprocess_env(), cwd=REPO, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = fork_ranks(shared_zygote(), 1, ["train", *TINY, "train.max_steps=10", f"output_dir={run_dir}"],
+                       [tmp_path / "first.out"], errs=[tmp_path / "first.err"])
     try:
+        pid = first.pid(0)
         metrics = run_dir / "metrics.jsonl"
         wait_for(lambda: metrics.is_file() and metrics.read_text(), first, "its first step")
         # Hold the first run mid-training (a real process, merely paused) while the second one starts.
-        os.kill(first.pid, signal.SIGSTOP)
+        signal.pidfd_send_signal(first.pidfds[0], signal.SIGSTOP)
         try:
             held = lock_of(run_dir)
             second = run_isotrain(["train", *TINY, "train.max_steps=10", f"output_dir={run_dir}"])
         finally:
-            os.kill(first.pid, signal.SIGCONT)
-        out, err = first.communicate(timeout=HANG_S)
+            signal.pidfd_send_signal(first.pidfds[0], signal.SIGCONT)
+        first.wait(HANG_S)
     finally:
-        first.kill()
-    assert (held["pid"], held["host"]) == (first.pid, socket.gethostname())
-    assert_refused(second, f"output_dir {run_dir} is in use by another run (pid {first.pid} on "
+        first.close()  # kills it if a check above failed
+    assert (held["pid"], held["host"]) == (pid, socket.gethostname())
+    assert_refused(second, f"output_dir {run_dir} is in use by another run (pid {pid} on "
                            f"{socket.gethostname()}, started {held['started']}); choose another output_dir, or wait "
                            "until that run ends")
-    assert first.returncode == 0, err[-3000:]
+    assert first.exit_codes() == [0], (tmp_path / "first.err").read_text()[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, 11))  # every row once, none torn
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-00000005", "step-00000010"]
@@ -123,8 +123,7 @@ def test_a_directory_of_the_users_own_files_is_refused_and_left_as_it_was(tmp_pa
 def test_output_dir_dot_in_a_folder_of_other_files_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine\n")
     (tmp_path / "config.yaml").write_text("my: own settings\n")
-    proc = subprocess.run([sys.executable, "-m", "isotrain", "train", *TINY, "output_dir=."], env=subprocess_env(),
-                          cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S)
+    proc = run_isotrain(["train", *TINY, "output_dir=."], cwd=tmp_path)
     assert_refused(proc, "output_dir . holds files that isotrain did not write (e.g. notes.txt); choose a new or "
                          "empty output_dir, or move those files away")
     assert sorted(os.listdir(tmp_path)) == ["config.yaml", "notes.txt"]

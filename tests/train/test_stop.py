@@ -1,6 +1,8 @@
 """A stop always keeps the work: a real Ctrl-C (SIGINT) to `isotrain train` / `isotrain rl` running with
 checkpoint.every_steps=0 saves a checkpoint at the next step boundary, and the run resumed from it ends
-exactly where a run that was never stopped ends (metrics rows and final weights)."""
+exactly where a run that was never stopped ends (metrics rows and final weights). The stopped and the resumed
+runs are ordinary launches (`python -m isotrain`); the uninterrupted reference is forked from the zygote
+(tests/zygote.py), as the launcher is no part of what it is compared for."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 from helpers import COUNTED, HANG_S, REPO, TINY_RUN, model_weights, run_concurrently, subprocess_env
 from isotrain.checkpoint.layout import committed
 from isotrain.checkpoint.manifest import verify_checkpoint
+from zygote import run_isotrain
 
 SFT = ["train", *TINY_RUN, "train.max_steps=40", "train.log_every=1", "train.deterministic=true",
        "checkpoint.every_steps=0"]
@@ -55,6 +58,12 @@ def ctrl_c_after_first_step(args: list[str], run_dir: Path) -> subprocess.Comple
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def reference(args: list[str]) -> subprocess.CompletedProcess:
+    proc = run_isotrain(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 def rows(run_dir: Path, keys=COUNTED) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [{key: row[key] for key in keys if key in row} for row in map(json.loads, lines)]
@@ -80,7 +89,7 @@ def check_stopped(stopped: subprocess.CompletedProcess, run_dir: Path, max_steps
 def test_ctrl_c_saves_a_checkpoint_without_periodic_checkpoints_and_the_resume_is_exact(tmp_path):
     straight, stopped_dir = tmp_path / "straight", tmp_path / "stopped"
     done = run_concurrently({
-        "straight": lambda: finish([*SFT, f"output_dir={straight}"]),
+        "straight": lambda: reference([*SFT, f"output_dir={straight}"]),
         "stopped": lambda: ctrl_c_after_first_step([*SFT, f"output_dir={stopped_dir}"], stopped_dir),
     })
     step = check_stopped(done["stopped"], stopped_dir, 40)
@@ -96,7 +105,7 @@ def test_ctrl_c_saves_a_checkpoint_without_periodic_checkpoints_and_the_resume_i
 def test_rl_ctrl_c_saves_a_checkpoint_without_periodic_checkpoints_and_the_resume_is_exact(tmp_path):
     straight, stopped_dir = tmp_path / "straight", tmp_path / "stopped"
     done = run_concurrently({
-        "straight": lambda: finish([*RL, f"output_dir={straight}"]),
+        "straight": lambda: reference([*RL, f"output_dir={straight}"]),
         "stopped": lambda: ctrl_c_after_first_step([*RL, f"output_dir={stopped_dir}"], stopped_dir),
     })
     step = check_stopped(done["stopped"], stopped_dir, 8)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import isotrain_cli, run_concurrently, torchrun
+from zygote import run_forked_ranks
 
 SMALL = [
     "model.config.hidden_size=32",
@@ -53,14 +54,16 @@ def test_default_recipe_runs_from_the_cli(tmp_path):
 def epoch_runs(tmp_path_factory):
     """One epoch (64 rows, global batch 16, 4 steps) on 1 and on 2 processes: {nproc: (rows, run directory)}.
 
-    The two launches are independent: they run side by side."""
+    The two runs are independent: they run side by side, forked from the zygote (no interpreter start-up; the
+    ordinary launches are test_default_recipe_runs_from_the_cli's and the torchrun one below)."""
     runs = {}
     for nproc in (2, 1):
         directory = tmp_path_factory.mktemp(f"epoch-{nproc}")
         rows, data_args = small_data(directory)
-        runs[nproc] = (rows, directory / "run", ["-m", "isotrain", "train", *SMALL, *data_args, "train.max_steps=4",
+        runs[nproc] = (rows, directory / "run", ["train", *SMALL, *data_args, "train.max_steps=4",
                                                  f"output_dir={directory / 'run'}"])
-    procs = run_concurrently({nproc: functools.partial(torchrun, nproc, args) for nproc, (_, _, args) in runs.items()})
+    procs = run_concurrently({nproc: functools.partial(run_forked_ranks, nproc, args)
+                              for nproc, (_, _, args) in runs.items()})
     for nproc, proc in procs.items():
         assert proc.returncode == 0, (nproc, proc.stderr[-3000:])
     return {nproc: (rows, run) for nproc, (rows, run, _) in runs.items()}

@@ -3,6 +3,7 @@ the `tokenizers` library's `encode_batch` alone and to the Hugging Face way of p
 
     python bench/data_scale.py                       # 20 MB and 200 MB
     python bench/data_scale.py --sizes 20,200,2000   # and 2 GB (about 15 min of tokenizing per GB on 2 cores)
+    python bench/data_scale.py --sizes 200,1000 --prepare-only   # isotrain's preparation alone (time, memory)
 
 The corpus is real text that ships with this machine: the `.py` files of the Python installation and of the
 installed packages, one document per file, as `text` JSONL, cycled until it reaches the size (sizes are
@@ -93,7 +94,8 @@ before, start = status_kib("VmRSS"), time.perf_counter()
 dataset = prepare_dataset(cfg, tok, log=lambda *_: None)
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "growth_mib": (status_kib("VmHWM") - before) / 1024, "samples": len(dataset),
-                  "trained": dataset.stats.total_trained_tokens, "targets": dataset.stats.corpus_trained_tokens}))
+                  "trained": dataset.stats.total_trained_tokens, "targets": dataset.stats.corpus_trained_tokens,
+                  "tokens": dataset.stats.total_input_tokens}))
 """ % SEQ
 
 
@@ -161,6 +163,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="20,200", help="corpus sizes in MB of text, comma-separated")
     parser.add_argument("--workdir", default="/tmp/isotrain-data-scale", help="where corpora and caches go")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the Hugging Face map way")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="only isotrain's preparation, cold and warm (its time and memory columns; the others '-')")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -175,13 +179,19 @@ def main() -> None:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for size in sizes:
         path = corpora[size]
-        enc_s, _, out = fresh_peak([sys.executable, "-c", ENCODE, str(path), str(tok), "encode_batch"], env)
-        tokens = json.loads(out.splitlines()[-1])["tokens"]
-        fast_s, _, _ = fresh_peak([sys.executable, "-c", ENCODE, str(path), str(tok), "encode_batch_fast"], env)
         cache, out_dir = workdir / f"cache-{size}", workdir / f"run-{size}"
         shutil.rmtree(cache, ignore_errors=True)
         cold, warm = (json.loads(fresh_peak([sys.executable, "-c", PREPARE, str(path), str(tok), str(cache)],
                                             env)[2].splitlines()[-1]) for _ in range(2))
+        if args.prepare_only:
+            rows.append(f"| {size} MB | {cold['tokens'] / 1e6:.1f} M | - | - | {cold['seconds']:.1f} | - | "
+                        f"{cold['trained'] / cold['targets']:.1%} | {cold['growth_mib']:.0f} | {warm['seconds']:.2f} | "
+                        f"{warm['growth_mib']:.0f} | - | - | - |")
+            print(rows[-1], flush=True)
+            continue
+        enc_s, _, out = fresh_peak([sys.executable, "-c", ENCODE, str(path), str(tok), "encode_batch"], env)
+        tokens = json.loads(out.splitlines()[-1])["tokens"]
+        fast_s, _, _ = fresh_peak([sys.executable, "-c", ENCODE, str(path), str(tok), "encode_batch_fast"], env)
         shutil.rmtree(out_dir, ignore_errors=True)
         step_s, _, _ = fresh_peak([sys.executable, "-m", "isotrain", "train", *TINY, f"tokenizer.path={tok}",
                                    "data.format=text", f"data.path={path}", f"data.max_seq_len={SEQ}",

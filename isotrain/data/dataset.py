@@ -28,7 +28,7 @@ from isotrain.data.packing import Sample, pack_plan
 from isotrain.data.sources import FORMATS, Source, checked_rows, no_rows_message, resolve_source, row_label, row_problem
 from isotrain.data.store import StoreMismatch, StoreWriter, TokenStore, token_dtype
 from isotrain.data.tokenize import IGNORE_INDEX, Pieces, TokenizeStats, tokenize_chunk
-from isotrain.data.workers import resolve_workers, tokenized_in_order
+from isotrain.data.workers import release_freed_memory, resolve_workers, tokenized_in_order
 from isotrain.errors import DataError
 
 MAX_REPORTED_SKIPS = 20  # skipped rows kept in the stats; all are counted
@@ -165,9 +165,10 @@ def _key_source(source: Source):
 
 # Rows read and tokenized at a time: up to CHUNK_ROWS rows and data.prepare_chunk_mb of text (CHAT_CHUNK_ROWS for
 # chat rows in worker processes, so that a few thousand conversations keep every worker busy). The chunking never
-# changes the store. What preparing holds besides the store's index is a few chunks' tokenizer output, about 100
-# bytes per token, and up to one chunk's per tokenizer thread: glibc gives each thread of the Rust tokenizer its
-# own malloc arena, which keeps the largest share of a chunk that thread ever encoded (docs/data-preparation.md).
+# changes the store. What preparing holds is a few chunks' tokenizer output, about 100 bytes per token, and the
+# packing window; the store's index goes to disk as it grows. glibc gives each thread of the Rust tokenizer its own
+# malloc arena, which would keep the largest share of a chunk that thread ever encoded: the memory freed is given
+# back after every chunk (workers.release_freed_memory; docs/data-preparation.md).
 CHUNK_ROWS, CHAT_CHUNK_ROWS = 4096, 256
 # Packing plans over consecutive windows of examples: a window closes with the example that brings it to
 # PACK_WINDOW_TOKENS tokens (so the windows depend on the examples alone, not on how rows were chunked). A window
@@ -216,6 +217,8 @@ def build_store(data_cfg: SFTDataConfig, tokenizer, directory: Path, field: str 
             for name in ("num_examples", "num_rows", "num_truncated", "num_split", "corpus_tokens",
                          "corpus_trained_tokens"):
                 setattr(totals, name, getattr(totals, name) + getattr(stats, name))
+            del pieces
+            release_freed_memory()  # the freed encodings, so that the peak does not climb with the corpus
     if window is not None:
         window.flush_all()
     writer.close()

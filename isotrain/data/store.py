@@ -10,9 +10,10 @@
     checksums           [2, B]   crc32 of each CHECK_BLOCK_BYTES block of input_ids.bin (row 0), labels.bin (row 1)
 
 The index arrays and the checksums are .npy files. A sample's position and segment ids follow from its document lengths,
-so they are not stored. `StoreWriter` appends samples as they come (a corpus is never held whole in memory);
-opening a store maps the token files and checks that the arrays agree with each other (vectorised); a sample
-becomes Python objects only when it is read, so a run's memory does not grow with the corpus.
+so they are not stored. `StoreWriter` appends samples and their index to the files as they come: neither the corpus
+nor its index is held in memory while a store is written (what it keeps grows by 8 bytes per MiB of tokens, the
+block checksums). Opening a store maps the token files and checks that the arrays agree with each other
+(vectorised); a sample becomes Python objects only when it is read, so a run's memory does not grow with the corpus.
 
 The token files are checked against their checksums block by block: all at once when a store opens if they hold
 at most EAGER_CHECK_BYTES, otherwise each block the first time a sample in it is read (crc32 runs at about
@@ -22,6 +23,7 @@ no token is returned before its block matched; a block that does not match raise
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import zlib
@@ -60,8 +62,11 @@ class StoreWriter:
         self._ids = (self.directory / "input_ids.bin").open("wb")
         self._labels = (self.directory / "labels.bin").open("wb")
         self._sums = (_BlockSums(), _BlockSums())
-        self._sample_offsets, self._doc_offsets = array("q", [0]), array("q", [0])
-        self._doc_lengths, self._doc_row_ids = array("q"), array("q")
+        # The index goes to disk as it grows, like the tokens: preparing holds none of it in memory.
+        self._sample_offsets, self._doc_offsets = (_IndexFile(self.directory / f"{name}.npy", first=0)
+                                                   for name in ("sample_offsets", "sample_doc_offsets"))
+        self._doc_lengths, self._doc_row_ids = (_IndexFile(self.directory / f"{name}.npy")
+                                                for name in ("doc_lengths", "doc_row_ids"))
 
     def add(self, documents: Sequence[Example]) -> None:
         """One sample made of `documents`, in order (positions restart at each)."""
@@ -84,10 +89,10 @@ class StoreWriter:
         docs_per_sample = np.ones(len(doc_lengths), dtype=np.int64) if docs_per_sample is None else docs_per_sample
         sample_tokens = np.add.reduceat(doc_lengths, np.cumsum(docs_per_sample) - docs_per_sample) \
             if len(doc_lengths) else np.zeros(0, dtype=np.int64)
-        self._sample_offsets.frombytes((self._sample_offsets[-1] + np.cumsum(sample_tokens, dtype=np.int64)).tobytes())
-        self._doc_offsets.frombytes((self._doc_offsets[-1] + np.cumsum(docs_per_sample, dtype=np.int64)).tobytes())
-        self._doc_lengths.frombytes(np.asarray(doc_lengths, dtype=np.int64).tobytes())
-        self._doc_row_ids.frombytes(np.asarray(doc_row_ids, dtype=np.int64).tobytes())
+        self._sample_offsets.append(self._sample_offsets.last + np.cumsum(sample_tokens, dtype=np.int64))
+        self._doc_offsets.append(self._doc_offsets.last + np.cumsum(docs_per_sample, dtype=np.int64))
+        self._doc_lengths.append(doc_lengths)
+        self._doc_row_ids.append(doc_row_ids)
 
     def encode(self, ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """int64 ids and labels in the store's dtype, -100 labels as its largest value."""
@@ -97,20 +102,59 @@ class StoreWriter:
 
     @property
     def num_samples(self) -> int:
-        return len(self._sample_offsets) - 1
+        return self._sample_offsets.count - 1
 
     def close(self) -> None:
         for handle in (self._ids, self._labels):
             handle.flush()
             os.fsync(handle.fileno())
             handle.close()
-        index = {"sample_offsets": self._sample_offsets, "doc_lengths": self._doc_lengths,
-                 "doc_row_ids": self._doc_row_ids, "sample_doc_offsets": self._doc_offsets}
-        for name, values in index.items():
-            np.save(self.directory / f"{name}.npy", np.frombuffer(values, dtype=np.int64), allow_pickle=False)
+        for index_file in (self._sample_offsets, self._doc_lengths, self._doc_row_ids, self._doc_offsets):
+            index_file.close()
         np.save(self.directory / "checksums.npy", np.stack([sums.finish() for sums in self._sums]), allow_pickle=False)
         (self.directory / "store.json").write_text(json.dumps({"token_dtype": self.dtype.name,
                                                                "check_block_bytes": CHECK_BLOCK_BYTES}))
+
+
+class _IndexFile:
+    """A 1-D int64 .npy file written as its values come, holding only its length and last value in memory. Its
+    header is written again for the final length on `close`: numpy pads a 1-D header so that every length takes the
+    same bytes (NPY_HEADER_BYTES), so the file is byte for byte what np.save writes for the whole array."""
+
+    def __init__(self, path: Path, first: int | None = None):
+        self.path, self.count, self.last = path, 0, 0
+        self._handle = path.open("wb")
+        self._handle.write(_npy_header(0))
+        if first is not None:
+            self.append(np.array([first], dtype=np.int64))
+
+    def append(self, values: np.ndarray) -> None:
+        values = np.asarray(values, dtype=np.int64)
+        if len(values):
+            self._handle.write(values.tobytes())
+            self.count, self.last = self.count + len(values), int(values[-1])
+
+    def close(self) -> None:
+        self._handle.seek(0)
+        self._handle.write(_npy_header(self.count))
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+
+
+NPY_HEADER_BYTES = 128  # what numpy's format 1.0 writes for any 1-D int64 array
+
+
+def _npy_header(length: int) -> bytes:
+    """The .npy header np.save writes for a 1-D int64 array of `length` values."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.int64)),
+                                                  "fortran_order": False, "shape": (length,)})
+    header = buffer.getvalue()
+    if len(header) != NPY_HEADER_BYTES:  # a numpy whose header does not keep its size could not be rewritten
+        raise RuntimeError(f"numpy {np.__version__} writes a {len(header)}-byte .npy header for {length} values, "
+                           f"not {NPY_HEADER_BYTES}: the store's index cannot be appended to in place")
+    return header
 
 
 class _BlockSums:

@@ -49,6 +49,32 @@ def tokenized_in_order(work: Callable, chunks: Iterable, processes: int) -> Iter
         yield from _ahead(pool, _run, chunks, 2 * processes)
 
 
+def release_freed_memory() -> None:
+    """Give the memory that this process has freed back to the system, in every malloc arena (glibc's malloc_trim;
+    elsewhere nothing). A chunk's encoding is freed once its ids are out, but glibc keeps it, resident, in the arena
+    of the tokenizer thread that made it: one thread per core, each keeping the largest chunk it ever encoded, so the
+    peak would climb each time a long document lands on a thread that had not encoded one yet."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def _malloc_trim():
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL(None).malloc_trim
+            _TRIM.argtypes, _TRIM.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):  # not glibc
+            _TRIM = False
+    return _TRIM or None
+
+
+_TRIM = None
+
+
 def _run(chunk):
     return _WORK(chunk)
 

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from equivalence_worker import GLOBAL_BATCH, _all_stages, full, make_samples
-from moe_worker import MOE, _dims, packed_samples, tiny_moe
+from moe_worker import MOE, packed_samples, tiny_moe
+from moe_worker import _dims as _flat_dims
 from isotrain.checkpoint.load import CheckpointReader, load_model
 from isotrain.checkpoint.save import SaveRequest, save
 from isotrain.checkpoint.state import assign_owners, collect_items, other_stage_keys, pipeline_items
@@ -37,6 +38,7 @@ from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.models.unwrap import unwrap
 from isotrain.moe.settings import router_settings
 from isotrain.parallel.apply import parallelize, wrap_replicas
+from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
 from isotrain.parallel.pp import Pipeline
@@ -45,6 +47,16 @@ from isotrain.train.stage_data import stage_micro_batches
 from isotrain.train.step import StepOptions, train_step
 
 STEPS = 3
+
+
+def _dims(layout: tuple) -> ParallelDims:
+    """moe_worker.py's layouts, and "ppNxV-schedule": PP N with V stages per rank (interleaved_1f1b, zbv)."""
+    style = layout[-1]
+    if isinstance(style, str) and style.startswith("pp") and "x" in style.split("-")[0]:
+        stages, schedule = style.removeprefix("pp").split("-")
+        pp, per_rank = (int(n) for n in stages.split("x"))
+        return ParallelDims(*layout[:-1], pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank)
+    return _flat_dims(layout)
 
 
 def run_one(info, parallel, family: str, layers: int, packed: bool, dtype: torch.dtype, micro_batch: int,

@@ -106,3 +106,25 @@ def test_pp4_micro_batch_scope_through_middle_stages_matches_one_process(tmp_pat
     results = _launch(tmp_path, PP4_RUN, "layers=4", "dtypes=float64", "scope=micro_batch")
     counts_equal, diff = _fp64_difference(results, PP4_RUN, reference, scope="micro_batch", reference_micro_batch=2)
     assert counts_equal and diff <= 1e-11, diff
+
+
+# Several stages per rank (4 layers, one per stage): rank r of interleaved_1f1b holds stages r and r + 2, of zbv
+# stages r and 3 - r (rank 0: the first and the last); with EP 2 each stage's experts shard over its rank's EP group.
+STAGES_RUNS = (((2, 1, 1, 1, "pp2x2-interleaved_1f1b"), 2, True), ((2, 1, 1, 2, "pp2x2-zbv"), 2, True))
+
+
+@pytest.mark.slow
+def test_several_stages_per_rank_match_one_process(tmp_path):
+    """interleaved_1f1b (PP 2 × DDP 2) and zbv (PP 2 × DDP 2 × EP 2), 2 stages on each rank, in one launch: every
+    held stage's router terms against the pool of all four layers, the token count once."""
+    reference = _single(layers=4, dtypes=(torch.float64,))
+    out = tmp_path / "pp-moe.pt"
+    spec = ",".join("x".join(map(str, degrees)) + f"/{pipeline}:{micro}"
+                    for (*degrees, pipeline), micro, _ in STAGES_RUNS)
+    proc = run_forked_ranks(4, [str(out), spec, "packings=1", "layers=4", "dtypes=float64"], script=WORKER)
+    assert proc.returncode == 0, failure(proc)
+    results = torch.load(out)
+    for run in STAGES_RUNS:
+        counts_equal, diff = _fp64_difference(results, run, reference)
+        print(run[0][-1], "counts equal:", counts_equal, "largest fp64 relative difference:", diff)
+        assert counts_equal and diff <= 1e-11, (run, diff)

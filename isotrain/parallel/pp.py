@@ -55,9 +55,9 @@ stage forms the router terms of its own MoE layers (train/pipeline_step.py) and 
 `with_side_loss`, whose backward gives the term the gradient 1 beside the output's own; the terms carry the global
 normalisation, so the stages' terms add up to one process's. A forward-only schedule (no loss function) runs the
 routing pre-pass that gives the global counts first (a several-stage schedule's order without its backward actions).
-A rank of several stages (interleaved_1f1b, zbv) forms each held stage's terms against that stage's own layers
-(`moe_layer_rows`, `routing_stage`); interleaved_zb and dualpipev are refused for an MoE model (parallel/dims.py). A
-stage whose layers are all dense routes nothing and adds no term. Expert parallelism beside the pipeline shards a stage's experts over an EP group of that stage's DP ranks
+A rank of several stages (every several-stage schedule) forms each held stage's terms against that stage's own layers
+(`moe_layer_rows`, `routing_stage`); under a zero-bubble schedule the output carrying them is a copy, not a view
+(SPLIT_BACKWARD). A stage whose layers are all dense routes nothing and adds no term. Expert parallelism beside the pipeline shards a stage's experts over an EP group of that stage's DP ranks
 (parallel/mesh.py), which run the same schedule and so meet in the same all-to-alls.
 
 The chunked loss (train.loss_chunk_tokens) runs inside the last stage's forward, as on one process: that stage's
@@ -445,7 +445,10 @@ def _forwards_only(runner) -> None:
     the one before it as in the full order, so the forwards meet in the same sends and receives."""
     order = runner.pipeline_order_with_comms  # (torch's runtime schedules: the per-rank actions it runs)
     for rank, actions in order.items():
-        order[rank] = [action for action in actions if action.computation_type.value in FORWARD_ACTIONS]
+        # (dualpipev overlaps a forward with a backward in one action: its forward stays)
+        unpacked = [sub for action in actions
+                    for sub in (action.sub_actions if action.computation_type.value == "OVERLAP_F_B" else (action,))]
+        order[rank] = [action for action in unpacked if action.computation_type.value in FORWARD_ACTIONS]
 
 
 def _step_split(runner, arg_mbs: list[tuple], kwarg_mbs: list[dict], target_mbs: list | None = None) -> None:

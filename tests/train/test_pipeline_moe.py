@@ -116,21 +116,29 @@ def test_pp4_micro_batch_scope_through_middle_stages_matches_one_process(tmp_pat
 STAGES_RUNS = (((2, 1, 1, 1, "pp2x2-interleaved_1f1b"), 2, True), ((1, 2, 1, 2, "pp2x2-interleaved_1f1b"), 2, True),
                ((2, 1, 1, 2, "pp2x2-zbv"), 2, True), ((2, 1, 1, 2, "pp2x2-interleaved_zb"), 2, True),
                ((2, 1, 1, 1, "pp2x2-dualpipev"), 1, True))
+MICRO_BATCH_SCOPE_RUN = ((2, 1, 1, 2, "pp2x2-zbv"), 2, True)  # micro_batch scope: 4 pools of 2 rows each
 
 
 @pytest.mark.slow
 def test_several_stages_per_rank_match_one_process(tmp_path):
     """Every several-stage schedule, 2 stages on each rank, in one launch: interleaved_1f1b beside DDP 2 and beside
-    FSDP2 2 × EP 2, zbv and interleaved_zb beside DDP 2 × EP 2, dualpipev beside DDP 2. Every held stage's router
-    terms against the pool of all four layers, the token count once: counts equal, first-step gradients, weights
-    after 3 steps, aux, z and norms within 1e-11 of one process."""
+    FSDP2 2 × EP 2, zbv and interleaved_zb beside DDP 2 × EP 2, dualpipev beside DDP 2; and zbv with `micro_batch`
+    scope (each micro-batch's pool: its counts of all four layers). Every held stage's router terms against the pool
+    of all four layers, the token count once: counts equal, first-step gradients, weights after 3 steps, aux, z and
+    norms within 1e-11 of one process."""
     reference = _single(layers=4, dtypes=(torch.float64,))
     out = tmp_path / "pp-moe.pt"
     spec = ",".join("x".join(map(str, degrees)) + f"/{pipeline}:{micro}"
                     for (*degrees, pipeline), micro, _ in STAGES_RUNS)
+    (*degrees, pipeline), micro, _ = MICRO_BATCH_SCOPE_RUN
+    spec += "," + "x".join(map(str, degrees)) + f"/{pipeline}:{micro}:micro_batch"
     proc = run_forked_ranks(4, [str(out), spec, "packings=1", "layers=4", "dtypes=float64"], script=WORKER)
     assert proc.returncode == 0, failure(proc)
     results = torch.load(out)
     for run in STAGES_RUNS:
         counts_equal, diff = _fp64_difference(results, run, reference)
         assert counts_equal and diff <= 1e-11, (run, diff)
+    reference = _single(layers=4, micro_batch=2, dtypes=(torch.float64,), scope="micro_batch")
+    counts_equal, diff = _fp64_difference(results, MICRO_BATCH_SCOPE_RUN, reference, scope="micro_batch",
+                                          reference_micro_batch=2)
+    assert counts_equal and diff <= 1e-11, diff

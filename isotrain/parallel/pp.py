@@ -435,7 +435,7 @@ class Pipeline:
         return output
 
 
-FORWARD_ACTIONS = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")  # torch's _ComputationType values
+FORWARD_ACTIONS = ("FORWARD", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")  # torch's _ComputationType names
 
 
 def _forwards_only(runner) -> None:
@@ -447,8 +447,8 @@ def _forwards_only(runner) -> None:
     for rank, actions in order.items():
         # (dualpipev overlaps a forward with a backward in one action: its forward stays)
         unpacked = [sub for action in actions
-                    for sub in (action.sub_actions if action.computation_type.value == "OVERLAP_F_B" else (action,))]
-        order[rank] = [action for action in unpacked if action.computation_type.value in FORWARD_ACTIONS]
+                    for sub in (action.sub_actions if action.computation_type.name == "OVERLAP_F_B" else (action,))]
+        order[rank] = [action for action in unpacked if action.computation_type.name in FORWARD_ACTIONS]
 
 
 def _step_split(runner, arg_mbs: list[tuple], kwarg_mbs: list[dict], target_mbs: list | None = None) -> None:

@@ -54,11 +54,12 @@ Mixture-of-experts models. A stage's term of the objective is not a function of 
 stage forms the router terms of its own MoE layers (train/pipeline_step.py) and attaches them to its output with
 `with_side_loss`, whose backward gives the term the gradient 1 beside the output's own; the terms carry the global
 normalisation, so the stages' terms add up to one process's. A forward-only schedule (no loss function) runs the
-routing pre-pass that gives the global counts first (a several-stage schedule's order without its backward actions).
-A rank of several stages (every several-stage schedule) forms each held stage's terms against that stage's own layers
+routing pre-pass that gives the global counts first (a several-stage schedule's order without its backward actions). A
+rank of several stages (every several-stage schedule) forms each held stage's terms against that stage's own layers
 (`moe_layer_rows`, `routing_stage`); under a zero-bubble schedule the output carrying them is a copy, not a view
-(SPLIT_BACKWARD). A stage whose layers are all dense routes nothing and adds no term. Expert parallelism beside the pipeline shards a stage's experts over an EP group of that stage's DP ranks
-(parallel/mesh.py), which run the same schedule and so meet in the same all-to-alls.
+(SPLIT_BACKWARD). A stage whose layers are all dense routes nothing and adds no term. Expert parallelism beside the
+pipeline shards a stage's experts over an EP group of that stage's DP ranks (parallel/mesh.py), which run the same
+schedule and so meet in the same all-to-alls.
 
 The chunked loss (train.loss_chunk_tokens) runs inside the last stage's forward, as on one process: that stage's
 output is then the micro-batch's Σ_t w_t·ℓ_t (`head_loss`, StageModule), never its logits. LoRA adds a stage's

@@ -5,10 +5,10 @@ Launched by test_pipeline_moe.py on forked ranks (gloo), or in-process for the 1
     pp_moe_worker.py OUT.pt RUNS [layers=N] [family=F] [scope=S] [packings=0,1] [dtypes=float64] [save=DIR]
     [experts_in_replica_sum] [experts_not_summed]
 RUNS as moe_worker.py's (`2x1x1x2/pp2-1f1b:2`: PP 2 × DDP 2 × EP 2, micro-batch size 2; `1x1x1/pp2x2-zbv:2`: PP 2
-with 2 stages per rank under zbv; a third field, `:micro_batch`, names that run's own aux-loss scope). The data is read as the SFT
-recipe reads it (train/stage_data.py): a middle stage of PP > 2 gets each micro-batch's position and segment ids
-and counts alone. results[(family, scope, packed, dtype, layout, micro_batch)] = {losses, aux, z, counts, norms,
-grads (first step, before the update), weights (after the last), experts (placements, local shape)}, family a
+with 2 stages per rank under zbv; a third field, `:micro_batch`, names that run's own aux-loss scope). The data is
+read as the SFT recipe reads it (train/stage_data.py): a middle stage of PP > 2 gets each micro-batch's position and
+segment ids and counts alone. results[(family, scope, packed, dtype, layout, micro_batch)] = {losses, aux, z, counts,
+norms, grads (first step, before the update), weights (after the last), experts (placements, local shape)}, family a
 moe_worker.py FAMILIES name (qwen3_moe by default), scope moe.aux_loss_scope (global by default): the keys of
 moe_worker.py, so that test_moe_equivalence.py's comparisons read them. `save=DIR`: the fp64 run of the first
 layout also writes a checkpoint (model and optimizer state) there, as a run's checkpoint manager does under PP.

@@ -399,7 +399,9 @@ class ParallelConfig(Section):
         "`interleaved_zb` (ZB1P, stages placed as for interleaved_1f1b; the micro-batches a multiple of `pp`), "
         "`zbv` and `dualpipev` (exactly 2 stages per rank placed in a V: rank r holds stages r and 2·pp - 1 - r, so "
         "rank 0 holds the embedding, the head and the loss; dualpipev needs at least 2·pp micro-batches). The "
-        "several-stage schedules are not combined with a mixture-of-experts model yet, nor, but for interleaved_1f1b (each stage an FSDP2 root of its own, reduced once per step), with FSDP2.",
+        "several-stage schedules run mixture-of-experts models too (each held stage's router terms), and are not "
+        "combined with FSDP2 yet but for interleaved_1f1b (each stage an FSDP2 root of its own, reduced once per "
+        "step).",
     )
     pp_stages_per_rank: int = Field(
         1,

@@ -51,54 +51,66 @@ class RouterStep:
     # Micro-batch scope under pipeline parallelism: each local micro-batch's counts [M, L, E] over all the model's
     # MoE layers, summed over the stages (its pool), from the pre-pass.
     micro_batch_counts: torch.Tensor | None = None
-    # Under pipeline parallelism a stage routes through its own MoE layers only: their rows among the L MoE layers
-    # of the whole model (the logged sums are laid out over all L, zero elsewhere, and summed over the stages), and
-    # whether this stage counts the tokens N (one stage does: every stage routes the same tokens).
+    # Under pipeline parallelism a rank routes through its own stages' MoE layers only: their rows among the L MoE
+    # layers of the whole model, in order (the logged sums are laid out over all L, zero elsewhere, and summed over
+    # the stages). The stage holding row 0, the model's first MoE layer, counts the tokens N (every stage routes the
+    # same tokens; a rank of several stages holds it in at most one of them).
     layer_rows: list[int] | None = None
     num_model_layers: int | None = None
-    counts_tokens: bool = True
     device: torch.device | None = None  # where a stage that never routes keeps its zero sums (local_values)
     _sums: list[torch.Tensor] | None = None  # this rank's logged sums (local_values), built by the first term
 
-    def term(self, router_logits, mask: torch.Tensor, index: int) -> torch.Tensor:
-        """The router terms of micro-batch `index` (coef-weighted, globally normalised; a scalar with gradient)."""
+    def term(self, router_logits, mask: torch.Tensor, index: int, rows: list[int] | None = None) -> torch.Tensor:
+        """The router terms of micro-batch `index` (coef-weighted, globally normalised; a scalar with gradient).
+        `rows`: under pipeline parallelism, the model rows of the stage whose router logits these are (a rank of
+        several stages routes each through its own layers); by default all of this rank's `layer_rows`."""
+        rows = self.layer_rows if rows is None else rows
         logits = layer_logits(router_logits)
         counts = routing_counts(logits, self.settings.top_k, mask)
         tokens, probs, z_total = mask.sum(), prob_sums(logits, mask), z_sum(logits, mask)
         scalars = torch.zeros(5, dtype=torch.float64, device=mask.device)
-        scalars[_TOKENS] = tokens.double() if self.counts_tokens else 0
+        scalars[_TOKENS] = tokens.double() if rows is None or 0 in rows else 0
         scalars[_Z_SUM] = z_total.detach().double()
         if self.settings.aux_loss_scope == "micro_batch":
             # Each micro-batch is its own pool (all of its CP pieces); the objective is the mean over the
             # micro-batches of all DP ranks.
             share = 1.0 / (self.num_micro_batches * _world(self.group))
-            pool_counts, pool_tokens = self._micro_batch_pool(counts, tokens, index, scalars)
+            pool_counts, pool_tokens = self._micro_batch_pool(counts, tokens, index, scalars, rows)
             aux = aux_loss_part(pool_counts, probs, pool_tokens, self.settings.num_experts) * share
             z = z_loss_part(z_total, pool_tokens, pool_counts.shape[0]) * share
             scalars[_MB_AUX], scalars[_MB_Z] = aux.detach().double(), z.detach().double()
         elif self.settings.aux_loss_coef == 0 and self.settings.z_loss_coef == 0:
             aux = z = torch.zeros((), device=mask.device)  # nothing to backpropagate
         else:
-            pool_counts, pool_tokens = self._global_pool(counts, tokens, index, scalars)
+            pool_counts, pool_tokens = self._global_pool(counts, tokens, index, scalars, rows)
             # pool_counts has a row per MoE layer of the whole model (under PP, more than this stage's logits)
             aux = aux_loss_part(pool_counts, probs, pool_tokens, self.settings.num_experts)
             z = z_loss_part(z_total, pool_tokens, pool_counts.shape[0])
-        self._record([scalars, self._model_rows(counts.double()).reshape(-1),
-                      self._model_rows(probs.detach().double()).reshape(-1)])
+        self._record([scalars, self._model_rows(counts.double(), rows).reshape(-1),
+                      self._model_rows(probs.detach().double(), rows).reshape(-1)])
         return self.settings.aux_loss_coef * aux + self.settings.z_loss_coef * z
 
-    def _model_rows(self, values: torch.Tensor) -> torch.Tensor:
-        """[L_stage, E] -> [L, E]: a stage's rows among all MoE layers of the model (itself without PP)."""
-        if self.layer_rows is None:
+    def _model_rows(self, values: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """[L_stage, E] -> [L, E]: a stage's rows (`rows`, by default this rank's) among all MoE layers of the model
+        (itself without PP)."""
+        rows = self.layer_rows if rows is None else rows
+        if rows is None:
             return values
-        rows = values.new_zeros(self.num_model_layers, values.shape[1])
-        rows[self.layer_rows] = values
-        return rows
+        laid_out = values.new_zeros(self.num_model_layers, values.shape[1])
+        laid_out[rows] = values
+        return laid_out
+
+    def _expected(self, index: int, rows: list[int] | None) -> torch.Tensor:
+        """The pre-pass's counts of micro-batch `index` through the layers `rows` (its rows of this rank's)."""
+        expected = self.expected_counts[index]
+        if rows is None or rows == self.layer_rows:
+            return expected
+        return expected[[self.layer_rows.index(row) for row in rows]]
 
     def set_pipeline_pool(self, expected: list[torch.Tensor], masks: list[torch.Tensor], pp_group) -> None:
-        """The global pool of a pipeline's pre-pass: each stage's counts of every local micro-batch (`expected`,
-        [L_stage, E] each), laid out over the model's L MoE layers and summed over DP and the stages; the tokens N
-        summed over DP only (every stage routes the same micro-batches)."""
+        """The global pool of a pipeline's pre-pass: this rank's counts of every local micro-batch (`expected`,
+        [L_rank, E] each, the rows of `layer_rows`), laid out over the model's L MoE layers and summed over DP and the
+        stages; the tokens N summed over DP only (every stage routes the same micro-batches)."""
         counts = self._model_rows(torch.stack(expected).sum(0)).to(torch.int64)
         tokens = torch.stack([mask.sum() for mask in masks]).sum().to(torch.int64)
         self.global_counts = all_reduce_sum(all_reduce_sum(counts, self.group), pp_group)
@@ -108,12 +120,13 @@ class RouterStep:
             rows = torch.stack([self._model_rows(e) for e in expected]).to(torch.int64)
             self.micro_batch_counts = all_reduce_sum(rows, pp_group)
 
-    def _global_pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int, scalars: torch.Tensor):
+    def _global_pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int, scalars: torch.Tensor,
+                     rows: list[int] | None = None):
         """(counts [L, E], tokens) of the whole global batch."""
         if self.global_counts is not None:
             # The routing the pre-pass saw must be the routing trained on: the same local check on every rank,
             # counted on the device (raised by `check_routing` after the step's one fetch).
-            scalars[_MISMATCH] = (counts != self.expected_counts[index]).sum().double()
+            scalars[_MISMATCH] = (counts != self._expected(index, rows)).sum().double()
             return self.global_counts, self.global_tokens
         # One micro-batch per rank: its counts, summed over DP × CP, are the global ones (no gradient flows through
         # them).
@@ -121,12 +134,13 @@ class RouterStep:
                               self.cp_group)
         return tally[1:].view_as(counts), tally[0]
 
-    def _micro_batch_pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int, scalars: torch.Tensor):
+    def _micro_batch_pool(self, counts: torch.Tensor, tokens: torch.Tensor, index: int, scalars: torch.Tensor,
+                          rows: list[int] | None = None):
         """(counts [L, E], tokens) of micro-batch `index`: under pipeline parallelism its counts of every stage's
         layers, from the pre-pass (whose routing the gradient pass must repeat), else `_pieces_pool`'s."""
         if self.micro_batch_counts is None:
             return self._pieces_pool(counts, tokens)
-        scalars[_MISMATCH] = (counts != self.expected_counts[index]).sum().double()
+        scalars[_MISMATCH] = (counts != self._expected(index, rows)).sum().double()
         return self.micro_batch_counts[index], tokens
 
     def _pieces_pool(self, counts: torch.Tensor, tokens: torch.Tensor):

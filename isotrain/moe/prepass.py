@@ -64,28 +64,32 @@ def runs_pipeline_prepass(settings: RouterSettings) -> bool:
     return settings.aux_loss_coef > 0 or settings.z_loss_coef > 0 or settings.aux_loss_scope == "micro_batch"
 
 
-def begin_pipeline_router_step(settings: RouterSettings, masks: list[torch.Tensor], run_forward, layer_rows: list[int],
-                               num_layers: int, counts_tokens: bool, group, pp_group,
+def begin_pipeline_router_step(settings: RouterSettings, masks: list[torch.Tensor], run_forward,
+                               stage_rows: dict[int, list[int]], num_layers: int, group, pp_group,
                                device: torch.device) -> RouterStep:
-    """The step's RouterStep on a pipeline stage, whose router logits cover its own MoE layers (`layer_rows` among the
-    model's `num_layers`); with coefficients to train, after the routing pre-pass.
+    """The step's RouterStep on a pipeline rank, whose stages' router logits cover their own MoE layers
+    (`stage_rows`: each held stage's rows among the model's `num_layers`; a rank of the interleaved or V-shaped
+    schedules holds several stages); with coefficients to train, after the routing pre-pass.
 
     `run_forward(router_fn)` runs every micro-batch forward through the pipeline without gradient, calling
-    `router_fn(output, router_logits, mask)` with this stage's router logits of the micro-batch whose input-token
-    mask is `mask` (one of `masks`); the counts are laid out over all layers and summed over the micro-batches, DP
-    and the stages (RouterStep.set_pipeline_pool). `counts_tokens`: whether this stage logs the token count (one
-    stage does). A stage of dense layers only (no `layer_rows`) routes nothing: its counts are zero rows."""
-    step = RouterStep(settings, len(masks), group, layer_rows=layer_rows, num_model_layers=num_layers,
-                      counts_tokens=counts_tokens, device=device)
+    `router_fn(output, router_logits, mask, rows)` with the router logits of one held stage (whose rows are `rows`)
+    for the micro-batch whose input-token mask is `mask` (one of `masks`); the counts are laid out over all layers
+    and summed over the micro-batches, DP and the stages (RouterStep.set_pipeline_pool). The stage holding the
+    model's first MoE layer counts the tokens. A rank of dense layers only (no rows) routes nothing: its counts are
+    zero rows."""
+    layer_rows = sorted(row for rows in stage_rows.values() for row in rows)
+    step = RouterStep(settings, len(masks), group, layer_rows=layer_rows, num_model_layers=num_layers, device=device)
     if not runs_pipeline_prepass(settings):
         return step
-    no_rows = torch.zeros((0, settings.num_experts), dtype=torch.int64, device=device)
-    expected = [None if layer_rows else no_rows] * len(masks)
+    # Each micro-batch's counts through this rank's layers [L_rank, E], filled by each held stage's forward.
+    expected = [torch.zeros((len(layer_rows), settings.num_experts), dtype=torch.int64, device=device)
+                for _ in masks]
 
-    def record(output, router_logits, mask):
+    def record(output, router_logits, mask, rows):
         index = micro_batch_index(mask, masks)
         if index is not None:
-            expected[index] = routing_counts(layer_logits(router_logits), settings.top_k, mask)
+            at = [layer_rows.index(row) for row in rows]
+            expected[index][at] = routing_counts(layer_logits(router_logits), settings.top_k, mask).to(torch.int64)
         return output
 
     devices = [device] if device.type == "cuda" else []

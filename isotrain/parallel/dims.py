@@ -19,7 +19,7 @@ micro-batch, so the DP size does not change with it. It composes with data, tens
 `pp × dp × tp` mesh: DDP, FSDP2 or HSDP over the ranks of each stage, TP inside it, EP groups carved out of each
 stage's DP ranks); CP beside it, and the zero-bubble schedules beside FSDP2, are refused (`check_pp`,
 `resolve_dims`), and it needs a model that has at least `pp` decoder layers, `pp × pp_stages_per_rank` under the
-several-stage schedules (`check_pp_fits`; an MoE model: one stage per rank). Under the interleaved schedule beside
+several-stage schedules (`check_pp_fits`; an MoE model too, on any schedule). Under the interleaved schedule beside
 FSDP2 each stage of a rank is an FSDP2 root of its own.
 Every check names the setting and the model's own numbers, so a wrong degree is one sentence at start-up
 instead of a shape error deep inside a collective.
@@ -266,7 +266,7 @@ def check_model_fits(dims: ParallelDims, config, check_vocab: bool = True) -> No
     experts into `ep` parts; refuse a model whose numbers do not divide, naming them (config: a transformers
     PretrainedConfig)."""
     _check_experts_fit(dims.ep, config)
-    check_pp_fits(dims.pp, config, dims.pp_stages_per_rank, dims.pp_split, dims.pp_schedule)
+    check_pp_fits(dims.pp, config, dims.pp_stages_per_rank, dims.pp_split)
     if dims.tp > 1:
         _check_tp_fits(dims.tp, config, check_vocab)
     check_cp_fits(dims.cp, config, dims.cp_style, dims.tp)  # after TP's: Ulysses splits each TP rank's heads
@@ -350,10 +350,10 @@ def _check_cp_model(cp: int, config) -> None:
                           f"sliding window of {config.sliding_window} tokens; set parallel.cp=1")
 
 
-def check_pp_fits(pp: int, config, per_rank: int = 1, split=None, schedule: str = "interleaved_1f1b") -> None:
+def check_pp_fits(pp: int, config, per_rank: int = 1, split=None) -> None:
     """Each stage needs at least one decoder layer. An MoE model's stages each form the router terms of their own
-    layers against the pool of all layers (train/step.py), one stage per rank; a stage whose layers are all dense
-    adds no term.
+    layers against the pool of all layers (train/pipeline_step.py), on any schedule (a rank of several stages: each
+    held stage's); a stage whose layers are all dense adds no term.
     (Tied input and output embeddings are kept on the first and the last stage, one copy each: parallel/pp.py.)"""
     if pp == 1:
         return
@@ -372,7 +372,3 @@ def check_pp_fits(pp: int, config, per_rank: int = 1, split=None, schedule: str 
         raise ConfigError(f"parallel.pp={pp} × parallel.pp_stages_per_rank={per_rank} = {stages} stages need at "
                           f"least {stages} decoder layers, one per stage, but the model has {layers} "
                           f"(num_hidden_layers={layers}); {fix}")
-    if is_moe(config) and per_rank > 1:
-        raise ConfigError(f"parallel.pp_schedule={schedule} (parallel.pp_stages_per_rank={per_rank}) is not "
-                          "supported for mixture-of-experts models yet; use parallel.pp_schedule=1f1b (or gpipe) with "
-                          "parallel.pp_stages_per_rank=1")

@@ -54,9 +54,12 @@ Mixture-of-experts models. A stage's term of the objective is not a function of 
 stage forms the router terms of its own MoE layers (train/pipeline_step.py) and attaches them to its output with
 `with_side_loss`, whose backward gives the term the gradient 1 beside the output's own; the terms carry the global
 normalisation, so the stages' terms add up to one process's. A forward-only schedule (no loss function) runs the
-routing pre-pass that gives the global counts first. A stage whose layers are all dense routes nothing and adds no
-term. Expert parallelism beside the pipeline shards a stage's experts over an EP group of that stage's DP ranks
-(parallel/mesh.py), which run the same schedule and so meet in the same all-to-alls.
+routing pre-pass that gives the global counts first (a several-stage schedule's order without its backward actions). A
+rank of several stages (every several-stage schedule) forms each held stage's terms against that stage's own layers
+(`moe_layer_rows`, `routing_stage`); under a zero-bubble schedule the output carrying them is a copy, not a view
+(SPLIT_BACKWARD). A stage whose layers are all dense routes nothing and adds no term. Expert parallelism beside the
+pipeline shards a stage's experts over an EP group of that stage's DP ranks (parallel/mesh.py), which run the same
+schedule and so meet in the same all-to-alls.
 
 The chunked loss (train.loss_chunk_tokens) runs inside the last stage's forward, as on one process: that stage's
 output is then the micro-batch's Σ_t w_t·ℓ_t (`head_loss`, StageModule), never its logits. LoRA adds a stage's
@@ -80,6 +83,7 @@ from torch.distributed.tensor import DTensor
 from isotrain.parallel.dims import V_SHAPED
 from isotrain.parallel.pp_stages import HandOff, PassThrough, base_model, stage_layers, stage_view, ties_embeddings
 
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")  # the zero-bubble schedules: input and weight halves
 SCALE_GRADS = False  # never rescale: each micro-batch's loss already carries the global normalisation
 # parallel.pp_schedule -> its class in torch.distributed.pipelining (torch >= 2.11 has them all)
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -171,19 +175,20 @@ class _SideLoss(torch.autograd.Function):
     the schedule (Megatron's MoEAuxLossAutoScaler, without a scale: the term carries the global normalisation)."""
 
     @staticmethod
-    def forward(ctx, tensor, loss):
+    def forward(ctx, tensor, loss, copy):
         ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
-        return tensor.view_as(tensor)
+        return tensor.clone() if copy else tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
         shape, dtype, device = ctx.loss_meta
-        return grad, torch.ones(shape, dtype=dtype, device=device)
+        return grad, torch.ones(shape, dtype=dtype, device=device), None
 
 
-def with_side_loss(tensor: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """`tensor`, whose backward also backpropagates the scalar `loss` (see _SideLoss)."""
-    return _SideLoss.apply(tensor, loss)
+def with_side_loss(tensor: torch.Tensor, loss: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """`tensor`, whose backward also backpropagates the scalar `loss` (see _SideLoss); `copy`: as a tensor of its own,
+    not a view (a zero-bubble schedule, SPLIT_BACKWARD, detaches a stage's outputs in place after their input half)."""
+    return _SideLoss.apply(tensor, loss, copy)
 
 
 class StageModule(nn.Module):
@@ -203,7 +208,7 @@ class StageModule(nn.Module):
 
         super().__init__()
         self.model = model if per_rank == 1 else stage_view(model, stage, num_stages, split)
-        self.first, self.last = stage == 0, stage == num_stages - 1
+        self.stage, self.first, self.last = stage, stage == 0, stage == num_stages - 1
         self.owner = owner  # the Pipeline, whose router_fn and head_loss are the current step's
         self.routes = any(expert_modules(layer) for layer in base_model(self.model).layers)
 
@@ -224,6 +229,7 @@ class StageModule(nn.Module):
             value = output.logits
         if router_mask is None:
             return value
+        self.owner.routing_stage = self.stage  # whose logits these are: a rank may hold several stages
         return self.owner.router_fn(value, output.router_logits, router_mask)
 
 
@@ -250,12 +256,15 @@ class Pipeline:
         self._model: nn.Module | None = None
         self._kept: dict[tuple, object] = {}  # (micro-batches, their shape[, "forward"]) -> schedule, the newest last
         self._loss_fn: Callable | None = None
-        # MoE models: router_fn(output, router_logits, router_mask) -> output, set for the run of a step's schedule.
+        # MoE models: router_fn(output, router_logits, router_mask) -> output, set for the run of a step's schedule;
+        # `routing_stage`: the stage whose router logits the call under way carries (set by the StageModule).
         self.router_fn: Callable | None = None
+        self.routing_stage: int | None = None
         # The chunked loss: head_loss(model, inputs, kwargs, micro_batch) -> the model output whose `loss` is the
         # micro-batch's Σ_t w_t·ℓ_t, run by the last stage (StageModule), set for the run of a step's schedule.
         self.head_loss: Callable | None = None
-        self._moe_rows: tuple[list[int], int, bool] | None = None
+        self._moe_rows: tuple[dict[int, list[int]], int] | None = None
+        self._views: tuple[nn.Module, list[StageModule]] | None = None  # (model, its StageModules: _stage_modules)
 
     @classmethod
     def of(cls, parallel) -> Pipeline | None:
@@ -275,12 +284,21 @@ class Pipeline:
         num_stages = self.pp * self.per_rank
         # (a V-shaped schedule tells its stages their ranks itself, as the forward-only `_v_forwards` does)
         stages = rank_stages(self.stage, self.pp, self.per_rank, self.schedule)
-        modules = stage_roots(model) or [StageModule(model, stage, num_stages, self.per_rank, split=self.split)
-                                         for stage in stages]
+        modules = stage_roots(model) or self._stage_modules(model)
         for module in modules:
             module.owner = self
         return [PipelineStage(module, stage, num_stages, device, group=self.group)
                 for module, stage in zip(modules, stages, strict=True)]
+
+    def _stage_modules(self, model: nn.Module) -> list[StageModule]:
+        """This rank's StageModules over `model`, made once for it and kept: a stage view (several stages per rank)
+        is a model of its own to transformers, which hooks its output recorders (an MoE model's router logits) into
+        the view's layers at its first forward; a second view of the same layers would record them twice."""
+        if self._views is None or self._views[0] is not model:
+            num_stages = self.pp * self.per_rank
+            self._views = (model, [StageModule(model, stage, num_stages, self.per_rank, self, self.split)
+                                   for stage in rank_stages(self.stage, self.pp, self.per_rank, self.schedule)])
+        return self._views[1]
 
     def _build(self, model: nn.Module, num_microbatches: int, device: torch.device, backward: bool = True):
         """A stage and schedule for `num_microbatches`; `backward=False`: forward only (no loss function)."""
@@ -290,8 +308,11 @@ class Pipeline:
         stages = self._stages(model, device)
         loss_fn = self._loss if backward else None
         schedule = getattr(pipelining, SCHEDULE_CLASSES[self.schedule])
-        return schedule(stages if self.per_rank > 1 else stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn,
-                        scale_grads=SCALE_GRADS)
+        runner = schedule(stages if self.per_rank > 1 else stages[0], n_microbatches=num_microbatches,
+                          loss_fn=loss_fn, scale_grads=SCALE_GRADS)
+        if not backward and self.per_rank > 1:
+            _forwards_only(runner)
+        return runner
 
     def _use(self, model: nn.Module) -> None:
         """What is kept belongs to one model: another one starts afresh."""
@@ -310,24 +331,26 @@ class Pipeline:
             del self._kept[old]
         return runner
 
-    def moe_layer_rows(self, model: nn.Module) -> tuple[list[int], int, bool]:
-        """(the rows of this rank's MoE layers among all MoE layers of the model, their number L, whether this rank
-        counts the routed tokens), in layer order, as one process's router logits come: each stage's layers with
-        experts, gathered over the pipeline once. The first stage with an MoE layer counts the tokens (every
-        routing stage routes the same ones; a stage of dense layers routes none)."""
+    def moe_layer_rows(self, model: nn.Module) -> tuple[dict[int, list[int]], int]:
+        """({each stage of this rank: the rows of its MoE layers among all MoE layers of the model}, their number L),
+        in layer order, as one process's router logits come: each stage's layers with experts, gathered over the
+        pipeline once."""
         self._use(model)
         if self._moe_rows is None:
             import torch.distributed as dist
 
             from isotrain.parallel.ep import expert_modules
 
-            local = [index for index, layer in enumerate(base_model(model).layers)
-                     if not isinstance(layer, PassThrough) and expert_modules(layer)]
+            layers = base_model(model).layers
+            num_stages = self.pp * self.per_rank
+            local = {stage: [index for index in stage_layers(len(layers), num_stages, stage, self.split)
+                             if expert_modules(layers[index])]
+                     for stage in rank_stages(self.stage, self.pp, self.per_rank, self.schedule)}
             gathered = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(gathered, local, group=self.group)
-            every = sorted(index for stage in gathered for index in stage)
-            first = next(rank for rank, stage in enumerate(gathered) if stage)
-            self._moe_rows = ([every.index(index) for index in local], len(every), first == self.stage)
+            dist.all_gather_object(gathered, sorted(i for indices in local.values() for i in indices), group=self.group)
+            every = sorted(index for indices in gathered for index in indices)
+            self._moe_rows = ({stage: [every.index(i) for i in indices] for stage, indices in local.items()},
+                              len(every))
         return self._moe_rows
 
     def forward(self, model: nn.Module, inputs: list[torch.Tensor] | None, kwargs: list[dict], router_fn: Callable,
@@ -395,8 +418,7 @@ class Pipeline:
         import torch.distributed as dist
 
         num_stages, rank = 2 * self.pp, self.stage
-        down, up = (StageModule(model, stage, num_stages, 2, self, self.split)
-                    for stage in (rank, num_stages - 1 - rank))
+        down, up = self._stage_modules(model)  # stages rank and num_stages - 1 - rank
         peer = lambda r: dist.get_global_rank(self.group, r)  # noqa: E731
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         shape = (*kwargs["position_ids"].shape, model.config.hidden_size)
@@ -412,6 +434,22 @@ class Pipeline:
             dist.send(output.contiguous(), peer(rank - 1), group=self.group)
             return None
         return output
+
+
+FORWARD_ACTIONS = ("FORWARD", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")  # torch's _ComputationType names
+
+
+def _forwards_only(runner) -> None:
+    """Keep only the forward actions (and their sends, receives, FSDP2 gathers) of a several-stage schedule's order:
+    its forward-only run (an MoE model's routing pre-pass). A V-shaped order's backwards would hand an input gradient
+    from one stage to the other on the same rank, which a stage without backward has not; each forward still follows
+    the one before it as in the full order, so the forwards meet in the same sends and receives."""
+    order = runner.pipeline_order_with_comms  # (torch's runtime schedules: the per-rank actions it runs)
+    for rank, actions in order.items():
+        # (dualpipev overlaps a forward with a backward in one action: its forward stays)
+        unpacked = [sub for action in actions
+                    for sub in (action.sub_actions if action.computation_type.name == "OVERLAP_F_B" else (action,))]
+        order[rank] = [action for action in unpacked if action.computation_type.name in FORWARD_ACTIONS]
 
 
 def _step_split(runner, arg_mbs: list[tuple], kwarg_mbs: list[dict], target_mbs: list | None = None) -> None:

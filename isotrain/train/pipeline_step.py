@@ -18,7 +18,7 @@ from isotrain.moe.routing import input_token_mask
 from isotrain.parallel.apply import sync_replica_grads
 from isotrain.parallel.cp import pad_micro_batch
 from isotrain.parallel.dist import all_reduce_max, all_reduce_sum
-from isotrain.parallel.pp import Pipeline, sync_tied_grads, with_side_loss
+from isotrain.parallel.pp import SPLIT_BACKWARD, Pipeline, sync_tied_grads, with_side_loss
 from isotrain.train.chunked_loss import stage_chunked_forward
 from isotrain.train.loss import loss_weights, token_losses
 from isotrain.train.step_options import StepOptions, autocast_context, loss_parallel_context
@@ -36,14 +36,17 @@ def _pipeline_router_step(model: nn.Module, pipeline: Pipeline, inputs: list[tor
     if options.router is None:
         return None
     parallel = options.parallel
-    rows, num_layers, counts_tokens = pipeline.moe_layer_rows(hf_model(model))
+    stage_rows, num_layers = pipeline.moe_layer_rows(hf_model(model))
 
-    def run_forward(router_fn):
+    def run_forward(record):
+        def router_fn(output, router_logits, mask):  # (each held stage through its own layers' rows)
+            return record(output, router_logits, mask, stage_rows[pipeline.routing_stage])
+
         with autocast_context(options, device), loss_parallel_context(options):
             pipeline.forward(hf_model(model), inputs, kwargs, router_fn, device)
 
-    return begin_pipeline_router_step(options.router, masks, run_forward, rows, num_layers, counts_tokens,
-                                      options.dp_group, parallel.pp_group, device)
+    return begin_pipeline_router_step(options.router, masks, run_forward, stage_rows, num_layers, options.dp_group,
+                                      parallel.pp_group, device)
 
 
 def pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denominator, options: StepOptions,
@@ -98,12 +101,15 @@ def pipeline_backpropagate(model: nn.Module, micro_batches: list[dict], denomina
         masks = [input_token_mask(mb["segment_ids"]).to(device) for mb in padded]
         kwargs = [{**kw, "router_mask": mask} for kw, mask in zip(kwargs, masks, strict=True)]
         router = _pipeline_router_step(model, pipeline, inputs, kwargs, masks, options, device)
+        stage_rows, _ = pipeline.moe_layer_rows(hf_model(model))
+        split_backward = parallel.dims.pp_schedule in SPLIT_BACKWARD
 
         def router_fn(output, router_logits, mask):
             index = micro_batch_index(mask, masks)
             if index is None:  # torch's shape inference
                 return output
-            return with_side_loss(output, router.term(router_logits, mask, index))
+            rows = stage_rows[pipeline.routing_stage]  # the stage's own term (a rank may hold several stages)
+            return with_side_loss(output, router.term(router_logits, mask, index, rows), split_backward)
 
     head_loss = None
     if chunk_tokens and read:

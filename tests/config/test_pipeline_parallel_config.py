@@ -93,19 +93,20 @@ def test_models_that_do_not_split_are_refused(sizes, pp, sentence):
     assert str(err.value) == sentence
 
 
-def test_moe_models_split_into_stages_of_one_per_rank():
-    """One stage per rank, with dense layers or without: accepted (tests/train/test_moe_equivalence.py,
-    test_pipeline_moe.py); interleaved refused."""
+def test_moe_models_split_into_stages_of_one_or_several_per_rank():
+    """One stage per rank or several, with dense layers or without: accepted (tests/train/test_moe_equivalence.py,
+    test_pipeline_moe.py); a model with fewer layers than stages is refused as a dense one is."""
     config = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_hidden_layers=4,
                                   num_experts=4, mlp_only_layers=[], decoder_sparse_step=1)
     check_pp_fits(2, config)
     check_pp_fits(2, AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_hidden_layers=4,
                                           num_experts=4, mlp_only_layers=[0, 1]))
+    check_pp_fits(2, config, per_rank=2)
     with pytest.raises(ConfigError) as err:
-        check_pp_fits(2, config, per_rank=2)
-    assert str(err.value) == ("parallel.pp_schedule=interleaved_1f1b (parallel.pp_stages_per_rank=2) is not "
-                              "supported for mixture-of-experts models yet; use parallel.pp_schedule=1f1b (or "
-                              "gpipe) with parallel.pp_stages_per_rank=1")
+        check_pp_fits(2, config, per_rank=3)
+    assert str(err.value) == ("parallel.pp=2 × parallel.pp_stages_per_rank=3 = 6 stages need at least 6 decoder "
+                              "layers, one per stage, but the model has 4 (num_hidden_layers=4); use a "
+                              "parallel.pp_stages_per_rank of at most 2")
 
 
 @pytest.mark.parametrize("overrides, sentence", [

@@ -83,11 +83,13 @@ def test_config_show_accepts_a_split_and_a_v_schedule(capsys):
     assert "pp_schedule: zbv\n" in proc.stdout and "pp_split:\n  - 1\n" in proc.stdout
 
 
-def test_moe_models_refuse_the_several_stage_schedules_by_name():
+def test_moe_models_take_a_split_into_several_stages_per_rank():
+    """Every several-stage schedule runs an MoE model (tests/train/test_pipeline_moe.py); the split is checked as for
+    a dense one."""
     config = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_hidden_layers=4,
                                   num_experts=4, mlp_only_layers=[], decoder_sparse_step=1)
+    check_pp_fits(2, config, per_rank=2, split=[1, 1, 1, 1])
     with pytest.raises(ConfigError) as err:
-        check_pp_fits(2, config, per_rank=2, schedule="zbv")
-    assert str(err.value) == ("parallel.pp_schedule=zbv (parallel.pp_stages_per_rank=2) is not supported for "
-                              "mixture-of-experts models yet; use parallel.pp_schedule=1f1b (or gpipe) with "
-                              "parallel.pp_stages_per_rank=1")
+        check_pp_fits(2, config, per_rank=2, split=[1, 1, 1, 2])
+    assert str(err.value) == ("parallel.pp_split=[1,1,1,2] places 5 decoder layers, but the model has 4 "
+                              "(num_hidden_layers=4); make the entries sum to 4")

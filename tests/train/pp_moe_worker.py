@@ -4,10 +4,11 @@ expert parallelism beside it or with middle stages; rank 0 saves the results.
 Launched by test_pipeline_moe.py on forked ranks (gloo), or in-process for the 1-process reference:
     pp_moe_worker.py OUT.pt RUNS [layers=N] [family=F] [scope=S] [packings=0,1] [dtypes=float64] [save=DIR]
     [experts_in_replica_sum] [experts_not_summed]
-RUNS as moe_worker.py's (`2x1x1x2/pp2-1f1b:2`: PP 2 × DDP 2 × EP 2, micro-batch size 2). The data is read as the SFT
-recipe reads it (train/stage_data.py): a middle stage of PP > 2 gets each micro-batch's position and segment ids
-and counts alone. results[(family, scope, packed, dtype, layout, micro_batch)] = {losses, aux, z, counts, norms,
-grads (first step, before the update), weights (after the last), experts (placements, local shape)}, family a
+RUNS as moe_worker.py's (`2x1x1x2/pp2-1f1b:2`: PP 2 × DDP 2 × EP 2, micro-batch size 2; `1x1x1/pp2x2-zbv:2`: PP 2
+with 2 stages per rank under zbv; a third field, `:micro_batch`, names that run's own aux-loss scope). The data is
+read as the SFT recipe reads it (train/stage_data.py): a middle stage of PP > 2 gets each micro-batch's position and
+segment ids and counts alone. results[(family, scope, packed, dtype, layout, micro_batch)] = {losses, aux, z, counts,
+norms, grads (first step, before the update), weights (after the last), experts (placements, local shape)}, family a
 moe_worker.py FAMILIES name (qwen3_moe by default), scope moe.aux_loss_scope (global by default): the keys of
 moe_worker.py, so that test_moe_equivalence.py's comparisons read them. `save=DIR`: the fp64 run of the first
 layout also writes a checkpoint (model and optimizer state) there, as a run's checkpoint manager does under PP.
@@ -27,7 +28,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from equivalence_worker import GLOBAL_BATCH, _all_stages, full, make_samples
-from moe_worker import MOE, _dims, packed_samples, tiny_moe
+from moe_worker import MOE, packed_samples, tiny_moe
+from moe_worker import _dims as _flat_dims
 from isotrain.checkpoint.load import CheckpointReader, load_model
 from isotrain.checkpoint.save import SaveRequest, save
 from isotrain.checkpoint.state import assign_owners, collect_items, other_stage_keys, pipeline_items
@@ -37,6 +39,7 @@ from isotrain.data.sampler import GlobalBatchSampler
 from isotrain.models.unwrap import unwrap
 from isotrain.moe.settings import router_settings
 from isotrain.parallel.apply import parallelize, wrap_replicas
+from isotrain.parallel.dims import ParallelDims
 from isotrain.parallel.dist import init_distributed, shutdown_distributed
 from isotrain.parallel.mesh import build_parallel
 from isotrain.parallel.pp import Pipeline
@@ -45,6 +48,16 @@ from isotrain.train.stage_data import stage_micro_batches
 from isotrain.train.step import StepOptions, train_step
 
 STEPS = 3
+
+
+def _dims(layout: tuple) -> ParallelDims:
+    """moe_worker.py's layouts, and "ppNxV-schedule": PP N with V stages per rank (interleaved_1f1b, zbv)."""
+    style = layout[-1]
+    if isinstance(style, str) and style.startswith("pp") and "x" in style.split("-")[0]:
+        stages, schedule = style.removeprefix("pp").split("-")
+        pp, per_rank = (int(n) for n in stages.split("x"))
+        return ParallelDims(*layout[:-1], pp=pp, pp_schedule=schedule, pp_stages_per_rank=per_rank)
+    return _flat_dims(layout)
 
 
 def run_one(info, parallel, family: str, layers: int, packed: bool, dtype: torch.dtype, micro_batch: int,
@@ -110,13 +123,14 @@ def run_all(runs: list[tuple[tuple, int]], layers: int = 2, packings=(False, Tru
     torch.use_deterministic_algorithms(True)
     info = init_distributed()
     results = {}
-    for index, (layout, micro_batch) in enumerate(runs):
+    for index, (layout, micro_batch, *own_scope) in enumerate(runs):  # a run may name its own scope
         parallel = build_parallel(_dims(layout), info.device, info.rank)
+        run_scope = own_scope[0] if own_scope else scope
         for packed in packings:
             for dtype in dtypes:
                 saving = save_dir if index == 0 and dtype == torch.float64 and packed == packings[0] else None
-                results[(family, scope, packed, str(dtype), layout, micro_batch)] = run_one(
-                    info, parallel, family, layers, packed, dtype, micro_batch, saving, scope)
+                results[(family, run_scope, packed, str(dtype), layout, micro_batch)] = run_one(
+                    info, parallel, family, layers, packed, dtype, micro_batch, saving, run_scope)
     if info.is_distributed:
         shutdown_distributed()
     return results if info.is_main else None
@@ -133,9 +147,10 @@ if __name__ == "__main__":
     out, spec, *flags = sys.argv[1:]
     parsed = []
     for run in spec.split(","):
-        layout, micro = run.split(":")
+        layout, micro, *own_scope = run.split(":")
         degrees, _, style = layout.partition("/")
-        parsed.append((tuple(int(x) for x in degrees.split("x")) + ((style,) if style else ()), int(micro)))
+        parsed.append((tuple(int(x) for x in degrees.split("x")) + ((style,) if style else ()), int(micro),
+                       *own_scope))
 
     def flag(name: str, default):
         return next((f.split("=", 1)[1].split(",") for f in flags if f.startswith(name + "=")), default)

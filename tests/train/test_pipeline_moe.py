@@ -14,6 +14,8 @@ fp64 losses, first-step gradients, weights after 3 steps and every step's aux, z
 - PP 4 (1F1B, one MoE layer per stage) with `micro_batch` scope, against one process with the same 4 micro-batches:
   each micro-batch's pool is its counts of all four stages' layers (from the pre-pass); the two middle stages read no
   data, and route with the position and segment ids of the first (train/stage_data.py: padding is no token).
+- Two stages per rank under each several-stage schedule (interleaved_1f1b, interleaved_zb, zbv, dualpipev), beside
+  DDP, FSDP2 and EP: each rank forms each held stage's terms.
 """
 
 from __future__ import annotations
@@ -105,4 +107,38 @@ def test_pp4_micro_batch_scope_through_middle_stages_matches_one_process(tmp_pat
     reference = _single(layers=4, micro_batch=2, dtypes=(torch.float64,), scope="micro_batch")
     results = _launch(tmp_path, PP4_RUN, "layers=4", "dtypes=float64", "scope=micro_batch")
     counts_equal, diff = _fp64_difference(results, PP4_RUN, reference, scope="micro_batch", reference_micro_batch=2)
+    assert counts_equal and diff <= 1e-11, diff
+
+
+# Several stages per rank (4 layers, one per stage): rank r of the interleaved schedules holds stages r and r + 2, of
+# zbv and dualpipev stages r and 3 - r (rank 0: the first and the last); with EP 2 each stage's experts shard over its
+# rank's EP group. GA 2 on each DP rank; dualpipev needs 2·pp micro-batches: GA 4 (micro-batch size 1).
+STAGES_RUNS = (((2, 1, 1, 1, "pp2x2-interleaved_1f1b"), 2, True), ((1, 2, 1, 2, "pp2x2-interleaved_1f1b"), 2, True),
+               ((2, 1, 1, 2, "pp2x2-zbv"), 2, True), ((2, 1, 1, 2, "pp2x2-interleaved_zb"), 2, True),
+               ((2, 1, 1, 1, "pp2x2-dualpipev"), 1, True))
+MICRO_BATCH_SCOPE_RUN = ((2, 1, 1, 2, "pp2x2-zbv"), 2, True)  # micro_batch scope: 4 pools of 2 rows each
+
+
+@pytest.mark.slow
+def test_several_stages_per_rank_match_one_process(tmp_path):
+    """Every several-stage schedule, 2 stages on each rank, in one launch: interleaved_1f1b beside DDP 2 and beside
+    FSDP2 2 × EP 2, zbv and interleaved_zb beside DDP 2 × EP 2, dualpipev beside DDP 2; and zbv with `micro_batch`
+    scope (each micro-batch's pool: its counts of all four layers). Every held stage's router terms against the pool
+    of all four layers, the token count once: counts equal, first-step gradients, weights after 3 steps, aux, z and
+    norms within 1e-11 of one process."""
+    reference = _single(layers=4, dtypes=(torch.float64,))
+    out = tmp_path / "pp-moe.pt"
+    spec = ",".join("x".join(map(str, degrees)) + f"/{pipeline}:{micro}"
+                    for (*degrees, pipeline), micro, _ in STAGES_RUNS)
+    (*degrees, pipeline), micro, _ = MICRO_BATCH_SCOPE_RUN
+    spec += "," + "x".join(map(str, degrees)) + f"/{pipeline}:{micro}:micro_batch"
+    proc = run_forked_ranks(4, [str(out), spec, "packings=1", "layers=4", "dtypes=float64"], script=WORKER)
+    assert proc.returncode == 0, failure(proc)
+    results = torch.load(out)
+    for run in STAGES_RUNS:
+        counts_equal, diff = _fp64_difference(results, run, reference)
+        assert counts_equal and diff <= 1e-11, (run, diff)
+    reference = _single(layers=4, micro_batch=2, dtypes=(torch.float64,), scope="micro_batch")
+    counts_equal, diff = _fp64_difference(results, MICRO_BATCH_SCOPE_RUN, reference, scope="micro_batch",
+                                          reference_micro_batch=2)
     assert counts_equal and diff <= 1e-11, diff

@@ -54,7 +54,8 @@ Mixture-of-experts models. A stage's term of the objective is not a function of 
 stage forms the router terms of its own MoE layers (train/pipeline_step.py) and attaches them to its output with
 `with_side_loss`, whose backward gives the term the gradient 1 beside the output's own; the terms carry the global
 normalisation, so the stages' terms add up to one process's. A forward-only schedule (no loss function) runs the
-routing pre-pass that gives the global counts first (a several-stage schedule's order without its backward actions). A
+routing pre-pass that gives the global counts first (a several-stage schedule's order without its backward actions;
+its last stage forms no logits, which the schedule would keep until its next step). A
 rank of several stages (every several-stage schedule) forms each held stage's terms against that stage's own layers
 (`moe_layer_rows`, `routing_stage`); under a zero-bubble schedule the output carrying them is a copy, not a view
 (SPLIT_BACKWARD). A stage whose layers are all dense routes nothing and adds no term. Expert parallelism beside the
@@ -223,7 +224,9 @@ class StageModule(nn.Module):
             output = self.owner.head_loss(self.model, inputs, kwargs, micro_batch)  # its loss: Σ_t w_t·ℓ_t
             value = output.loss
         else:
-            if micro_batch is not None and self.last:  # a forward-only pass (the routing pre-pass): no logits
+            if self.last and self.owner.forward_only:
+                # The routing pre-pass needs no logits, and its schedule would keep every micro-batch's until the
+                # next step (torch's fwd_cache): none are formed.
                 kwargs["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=x.device)
             output = self.model(**inputs, use_cache=False, **kwargs)
             value = output.logits
@@ -263,6 +266,7 @@ class Pipeline:
         # The chunked loss: head_loss(model, inputs, kwargs, micro_batch) -> the model output whose `loss` is the
         # micro-batch's Σ_t w_t·ℓ_t, run by the last stage (StageModule), set for the run of a step's schedule.
         self.head_loss: Callable | None = None
+        self.forward_only = False  # set while `forward` runs the routing pre-pass: the last stage forms no logits
         self._moe_rows: tuple[dict[int, list[int]], int] | None = None
         self._views: tuple[nn.Module, list[StageModule]] | None = None  # (model, its StageModules: _stage_modules)
 
@@ -359,12 +363,12 @@ class Pipeline:
         pre-pass, which sees each stage's router logits through `router_fn` (kwargs carry the `router_mask`).
         `inputs` as in `backward`."""
         runner = self._runner(model, kwargs, device, backward=False)
-        self.router_fn = router_fn
+        self.router_fn, self.forward_only = router_fn, True
         try:
             with torch.no_grad():
                 _step_split(runner, self._arg_mbs(inputs, kwargs, device), kwargs)
         finally:
-            self.router_fn = None
+            self.router_fn, self.forward_only = None, False
 
     def _arg_mbs(self, inputs: list[torch.Tensor] | None, kwargs: list[dict], device: torch.device) -> list[tuple]:
         return [(x.to(device),) for x in inputs] if self.stage == 0 else [()] * len(kwargs)

@@ -201,7 +201,8 @@ def _stage_owner(saved: SavedBytes, router, labels, weights, chunk_tokens: int):
     def head_loss(model, inputs, kwargs, index):
         return stage_loss_forward(model, inputs, kwargs, chunked_loss_fn(labels, weights, chunk_tokens, saved))
 
-    return SimpleNamespace(router_fn=router_fn, head_loss=head_loss if chunk_tokens else None)
+    return SimpleNamespace(router_fn=router_fn, head_loss=head_loss if chunk_tokens else None,
+                           forward_only=False)
 
 
 def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int, micro_batch_size: int,
@@ -263,6 +264,11 @@ def fake_stage_forward(config, attn_implementation: str, *, stage: int, pp: int,
                     weighted = output if chunk_tokens else (token_losses(output, labels) * weights).sum()
                     weighted / torch.ones((), dtype=torch.long)
         sent = output.nbytes if stage < pp - 1 else 0
+        for t in (value for value in kwargs.values() if isinstance(value, torch.Tensor)):
+            key = t.untyped_storage()._cdata
+            if key in saved.kinds:
+                kind = saved.kinds[key]
+                saved.stage_inputs[kind] = saved.stage_inputs.get(kind, 0) + saved.storages[key].nbytes()
     return saved, received, sent
 
 

@@ -48,8 +48,11 @@ def _receive_buffers(stages) -> int:
 
 def _kept_outputs(stages) -> int:
     """The stage outputs a stage before the last keeps until each micro-batch's backward (torch's fwd_cache; under a
-    zero-bubble schedule, its backward_state from the input backward until the weight backward)."""
-    outputs = [output for stage in stages if not stage.is_last for output, _ in stage.fwd_cache.values()]
+    zero-bubble schedule, its backward_state from the input backward until the weight backward), and those a
+    forward-only schedule's stages keep until its next step (an MoE model's routing pre-pass: the last stage's
+    are empty, it forms no logits)."""
+    outputs = [output for stage in stages if not stage.is_last or not stage.has_backward
+               for output, _ in stage.fwd_cache.values()]
     outputs += [state[2] for stage in stages if not stage.is_last
                 for state in getattr(stage, "backward_state", {}).values()]
     return storage_bytes(t for output in outputs for t in (output if isinstance(output, (tuple, list)) else (output,))
@@ -69,6 +72,7 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
     per_microbatch: dict[tuple[int, int], SavedBytes] = {}  # (stage, micro-batch) in flight
     current: dict = {"saved": None}
     stages = set()
+    handles: dict = {}  # stage view -> its hooks (`_past_hand_off`), removed at the end
     forward, backward = PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk
     weight_backward = PipelineStage.backward_weight_one_chunk
 
@@ -80,7 +84,11 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
     def forward_one_chunk(stage, chunk: int, *args, **kwargs):
         sample()  # the previous micro-batch's forward, and the last stage's loss after it, are done
         stages.add(stage)
+        if not torch.is_grad_enabled():  # the routing pre-pass: it saves nothing for a backward (its buffers count)
+            current["saved"] = None
+            return forward(stage, chunk, *args, **kwargs)
         saved = per_microbatch[(stage.stage_index, chunk)] = SavedBytes()
+        _past_hand_off(stage.submod, model, current, handles)
         if not stage.is_first:  # the received hidden states are a receive buffer, counted as one
             for info in stage.args_recv_info[chunk]:
                 if getattr(info, "buffer", None) is not None:
@@ -128,6 +136,33 @@ def pipeline_saved(model: nn.Module) -> Iterator[dict]:
         PipelineStage.forward_one_chunk, PipelineStage.backward_one_chunk = forward, backward
         PipelineStage.backward_weight_one_chunk = weight_backward
         chunked_loss.chunked_loss_sum, RouterStep.term = loss_sum, router_term
+        for handle in (h for pair in handles.values() for h in pair):
+            handle.remove()
+
+
+def _past_hand_off(stage_module: nn.Module, model: nn.Module, current: dict, handles: dict) -> None:
+    """A stage view of a rank of several stages (parallel/pp_stages.py) before the last: what its model saves after its
+    HandOff (transformers' own aux loss of an MoE model's router logits, dropped with the model's output) is not
+    held, as the rank's own model's head, hooked by count_saved, leaves it out of a stage's terms: counting stops
+    from the HandOff to the end of the view's forward (the stage's router terms, formed after it, count)."""
+    from isotrain.parallel.pp_stages import HandOff
+
+    view = getattr(stage_module, "model", None)
+    if view is None or view is model or view in handles:
+        return
+    head = view.get_output_embeddings()
+    if not isinstance(head, HandOff):
+        return
+    paused = {}
+
+    def stop(mod, args):
+        paused["saved"], current["saved"] = current["saved"], None
+
+    def resume(mod, args, out):
+        if "saved" in paused:
+            current["saved"] = paused.pop("saved")
+
+    handles[view] = (head.register_forward_pre_hook(stop), view.register_forward_hook(resume))
 
 
 def measure_pipeline_terms(model: nn.Module, optimizer: torch.optim.Optimizer, options, steps: tuple[list, list],

@@ -27,7 +27,10 @@ batch plan's gradient-accumulation micro-batches (the pipeline's, isotrain/sizes
                                           stages' sizes differing (embedding, head, parallel.pp_split). A zero-bubble
                                           schedule splits a backward into input (I) and weight (W) halves: the
                                           activations stay held until W (torch keeps the graph for it); the output
-                                          gradients each weight waits for between I and W are not counted
+                                          gradients each weight waits for between I and W are not counted. A
+                                          micro-batch's own inputs that its stages save (position ids, an MoE
+                                          model's router mask) are one tensor for all the rank's stages: counted
+                                          once while any of them holds the micro-batch (`stage_inputs`)
 
 The logits (and the loss's saved tensors) of a micro-batch exist on the last stage only, once per micro-batch in
 flight (the schedule keeps each stage output until its backward). With the chunked loss (train.loss_chunk_tokens)
@@ -36,13 +39,13 @@ tokens' final hidden states (labels, weights) for its chunks' checkpoints, and b
 time, so one chunk's head/loss tensors and logits are held once (`_logits_bytes`). Autocast's low-precision weight copies are made
 once per step (the schedule runs in one autocast region, which caches them), not once per micro-batch.
 
-Mixture-of-experts models (the run allows them under 1F1B and GPipe): each stage's experts split over its EP group
+Mixture-of-experts models (under every schedule): each stage's experts split over its EP group
 (whole experts, out of FSDP2), its forward routed as without a pipeline (transformers' grouped_mm, or EP's
 dispatch under balanced routing), its router terms per micro-batch in flight (`router logits and terms`). EP casts
 its local experts to the compute dtype in every micro-batch's forward (not autocast's cached copies): those copies
 count per micro-batch in flight (`_expert_copies`). The routing pre-pass (moe/prepass.py) runs a forward-only
 schedule of its own, whose stages hold their receive buffers and keep each micro-batch's output until its next step:
-the pipeline buffers twice.
+the pipeline buffers twice (its last stage forms no logits: parallel/pp.py `Pipeline.forward_only`).
 
 Pipeline buffers (torch.distributed.pipelining's stage): a receive buffer per micro-batch for the hidden states
 (every stage after the first) and for their gradients (every stage before the last), allocated when the schedule
@@ -68,11 +71,12 @@ def microbatches_in_flight(schedule: str, stage: int, pp: int, num_microbatches:
     return min(pp - stage, num_microbatches)
 
 
-def schedule_order(schedule: str, rank: int, pp: int, per_rank: int, num_microbatches: int) -> list[tuple[str, int]]:
+def schedule_order(schedule: str, rank: int, pp: int, per_rank: int,
+                   num_microbatches: int) -> list[tuple[str, int, int]]:
     """The forwards ("F"), backwards ("B") and a zero-bubble schedule's input ("I") and weight ("W") backwards of
-    (stage) that torch's schedule of several stages per rank runs on `rank`, in order: its own computation of the
-    order (`_calculate_single_rank_operations`, which reads nothing but these sizes), as every rank of a real run
-    computes it; an overlapped forward-backward (DualPipeV) as its forward, then its backward."""
+    (stage, micro-batch) that torch's schedule of several stages per rank runs on `rank`, in order: its own
+    computation of the order (`_calculate_single_rank_operations`, which reads nothing but these sizes), as every
+    rank of a real run computes it; an overlapped forward-backward (DualPipeV) as its forward, then its backward."""
     from types import SimpleNamespace
 
     import torch.distributed.pipelining.schedules as schedules
@@ -87,19 +91,31 @@ def schedule_order(schedule: str, rank: int, pp: int, per_rank: int, num_microba
     kinds = {schedules._ComputationType.FORWARD: "F", schedules._ComputationType.FULL_BACKWARD: "B",
              schedules._ComputationType.BACKWARD_INPUT: "I", schedules._ComputationType.BACKWARD_WEIGHT: "W"}
     flat = [sub for a in actions if a is not None for sub in (a.sub_actions or (a,))]
-    return [(kinds[a.computation_type], a.stage_index) for a in flat]
+    return [(kinds[a.computation_type], a.stage_index, a.microbatch_index) for a in flat]
 
 
-def peak_in_flight(degrees: ParallelDims, rank: int, num_microbatches: int, bytes_of: dict[int, int]) -> int:
+def peak_in_flight(degrees: ParallelDims, rank: int, num_microbatches: int, bytes_of: dict[int, int],
+                   shared_of: dict[int, int] | None = None) -> int:
     """The most bytes that the micro-batches in flight on `rank` hold at once, when one micro-batch of stage s
-    holds `bytes_of[s]`: 1F1B and GPipe by their counts; the schedules of several stages per rank by walking torch's
-    order (a micro-batch's bytes are freed by its full or its weight backward)."""
+    holds `bytes_of[s]`, `shared_of[s]` of them the micro-batch's own inputs (its position ids, its router mask), one
+    tensor for all the rank's stages: 1F1B and GPipe by their counts; the schedules of several stages per rank by
+    walking torch's order (a micro-batch's bytes are freed by its full or its weight backward), each micro-batch's
+    inputs counted once while any of its stages holds them."""
     if degrees.pp_stages_per_rank == 1:
         return microbatches_in_flight(degrees.pp_schedule, rank, degrees.pp, num_microbatches) * bytes_of[rank]
-    held = peak = 0
-    for kind, stage in schedule_order(degrees.pp_schedule, rank, degrees.pp, degrees.pp_stages_per_rank,
-                                      num_microbatches):
-        held += {"F": bytes_of[stage], "I": 0}.get(kind, -bytes_of[stage])
+    shared_of = shared_of or {}
+    flight: set[tuple[int, int]] = set()
+    peak = 0
+    for kind, stage, micro_batch in schedule_order(degrees.pp_schedule, rank, degrees.pp,
+                                                   degrees.pp_stages_per_rank, num_microbatches):
+        if kind == "F":
+            flight.add((stage, micro_batch))
+        elif kind != "I":
+            flight.discard((stage, micro_batch))
+        inputs: dict[int, list[int]] = {}
+        for s, i in flight:
+            inputs.setdefault(i, []).append(shared_of.get(s, 0))
+        held = sum(bytes_of[s] for s, _ in flight) - sum(sum(shared) - max(shared) for shared in inputs.values())
         peak = max(peak, held)
     return peak
 
@@ -185,7 +201,8 @@ def _router_terms(cfg, config, degrees: ParallelDims, rank: int, num_microbatche
     settings = router_settings(cfg.moe, config)
     if settings is None:
         return [], False
-    held = peak_in_flight(degrees, rank, num_microbatches, {s: f[0].by_kind["router"] for s, f in forwards.items()})
+    held = peak_in_flight(degrees, rank, num_microbatches, {s: f[0].by_kind["router"] for s, f in forwards.items()},
+                          {s: f[0].stage_inputs.get("router", 0) for s, f in forwards.items()})
     note = ("the stage's router logits kept for its aux / z-loss terms, their fp32 probabilities, of the micro-batches "
             "in flight" + ("; EP: balanced routing (each rank receives as many rows as it sends)" if degrees.ep > 1
                            else ""))
@@ -205,7 +222,8 @@ def stage_terms(cfg, config, degrees: ParallelDims, dtype: str, device: str, ran
     apply_pp(model, rank, pp, per_rank, degrees.pp_split, degrees.pp_schedule)
     checkpointing = cfg.train.activation_checkpointing == "full"
     forwards = _stage_forwards(cfg, config, degrees, dtype, device, stages, checkpointing)
-    activations = peak_in_flight(degrees, rank, m, {s: f[0].by_kind["activations"] for s, f in forwards.items()})
+    activations = peak_in_flight(degrees, rank, m, {s: f[0].by_kind["activations"] for s, f in forwards.items()},
+                                 {s: f[0].stage_inputs.get("activations", 0) for s, f in forwards.items()})
     head = {s: _logits_bytes(f[0]) if s == last_stage else (0, 0) for s, f in forwards.items()}
     logits = peak_in_flight(degrees, rank, m, {s: b[0] for s, b in head.items()}) + sum(b[1] for b in head.values())
     kept = peak_in_flight(degrees, rank, m, {s: f[2] for s, f in forwards.items()})

@@ -74,6 +74,9 @@ class SavedBytes:
     logits_numel: int = 0
     exchange_bytes: int = 0  # context parallelism: the exchanges' largest buffers at once (memory/fake_cp.py)
     chunk_bytes: int = 0  # the chunked loss: what one chunk's head and loss save (in `logits_loss` too)
+    # A pipeline stage: bytes by kind of the micro-batch's own inputs that it saved (position ids, router mask), which
+    # every stage of a rank receives as the same tensors (memory/fake_forward.py `fake_stage_forward`)
+    stage_inputs: dict = field(default_factory=dict)
 
     def skip(self, t: torch.Tensor) -> None:
         """Count `t`'s storage as seen, for nothing: memory counted elsewhere (a pipeline's receive buffer)."""

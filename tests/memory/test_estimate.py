@@ -156,8 +156,7 @@ def test_estimate_matches_measurement_per_pipeline_stage(tmp_path):
 def test_estimate_matches_measurement_on_interleaved_pipeline_ranks(tmp_path):
     """Interleaved 1F1B on PP 2, 2 stages of one layer per rank, 4 micro-batches: the estimate walks torch's own
     order of each rank's forwards and backwards (memory/pipeline.py), and each rank is compared with the estimate of
-    its two stages together. (The estimate counts a micro-batch's position ids once per stage in flight; the two
-    stages of a rank share them: 256 bytes high, 0.04 %.)"""
+    its two stages together (a micro-batch's position ids, the same tensor on both, counted once)."""
     rows = _measure(tmp_path, 2, "1x1x1-pp2-interleaved")
     assert len(rows) == 4 * 2
     _check_terms(rows)

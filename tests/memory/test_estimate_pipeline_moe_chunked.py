@@ -8,7 +8,9 @@ schedule: memory/measure_pipeline.py) serves every assertion:
 - `2x1x1-pp2-gpipe-c8-v512-fp32`: DDP 2, GPipe (all 3 micro-batches in flight on the last stage), the same loss;
 - `moe-1x2x1-ep2-pp2-bf16`: qwen3_moe (4 experts, top-2), EP 2 over the stage's FSDP2 ranks;
 - `moe-2x1x1-ep2-pp2-bf16`: EP 2 over the stage's DDP replicas (autocast);
-- `moe-1x2x1-pp2-fp32`: FSDP2 2 without EP (its estimate raised a traceback before: grouped_mm on fake fp32).
+- `moe-1x2x1-pp2-fp32`: FSDP2 2 without EP (its estimate raised a traceback before: grouped_mm on fake fp32);
+- `moe-2x1x1-ep2-pp2-zbv-bf16`: ZBV (2 stages per rank, rank 0 the first and the last), EP 2 over DDP replicas;
+- `moe-2x1x1-pp2-interleaved-fp32`: interleaved 1F1B (stages r and r + 2), DDP 2, 4 micro-batches.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from test_estimate import _check_terms, _measure
 
 CHUNKED = ("1x2x1-pp2-c8-v512-bf16", "2x1x1-pp2-gpipe-c8-v512-fp32")
 MOE = ("moe-1x2x1-ep2-pp2-bf16", "moe-2x1x1-ep2-pp2-bf16", "moe-1x2x1-pp2-fp32")
+SEVERAL = ("moe-2x1x1-ep2-pp2-zbv-bf16", "moe-2x1x1-pp2-interleaved-fp32")  # several stages per rank
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory) -> dict:
-    rows = _measure(tmp_path_factory.mktemp("pp"), 4, *CHUNKED, *MOE)
-    assert len(rows) == 4 * (len(CHUNKED) + len(MOE))
+    rows = _measure(tmp_path_factory.mktemp("pp"), 4, *CHUNKED, *MOE, *SEVERAL)
+    assert len(rows) == 4 * (len(CHUNKED) + len(MOE) + len(SEVERAL))
     return {(row["variant"].split(" ")[0], row["rank"]): row for row in rows}  # ranks 0, 1: stage 0; 2, 3: stage 1
 
 
@@ -72,6 +75,26 @@ def test_estimate_matches_live_moe_pipelines_with_expert_parallelism(live):
     experts = 2 * (64 * 64 + 64 * 32) * 2
     assert ddp["compute copies"] == (2 * 64 * 64 + 2 * 32 * 64 + 4 * 64) * 2 + 2 * experts
     assert ep["compute copies"] == 2 * experts == 2 * live[(MOE[0], 2)]["measured"]["compute copies"]
+
+
+@pytest.mark.slow
+def test_estimate_matches_live_moe_pipelines_of_several_stages_per_rank(live):
+    """ZBV and interleaved 1F1B: the estimate walks torch's order of each rank's two stages, each micro-batch's
+    position ids and router mask counted once while any of its stages holds them (the rank's stages receive the same
+    tensors), what a stage view saves after its HandOff (transformers' own aux loss, dropped with its output) left
+    out, and the routing pre-pass's forward-only schedule holding no logits on the last stage (it formed and kept
+    every micro-batch's before: 3 micro-batches' logits more than the estimate on the last stage's ranks). Every
+    term equal to the byte on every rank."""
+    rows = [live[(layout, rank)] for layout in SEVERAL for rank in range(4)]
+    _check_terms(rows)
+    for row in rows:
+        assert _measured_terms_estimated(row) == row["measured"], (row["variant"], row["rank"])
+    zbv, interleaved = SEVERAL
+    # The last stage: rank 0 under ZBV, rank 1 (DP ranks 2, 3) under interleaved 1F1B.
+    assert live[(zbv, 0)]["measured"]["logits and loss"] > 0 == live[(zbv, 2)]["measured"]["logits and loss"]
+    assert live[(interleaved, 2)]["measured"]["logits and loss"] > 0 == live[(interleaved, 0)]["measured"][
+        "logits and loss"]
+    assert all(live[(layout, 0)]["measured"]["router logits and terms"] > 0 for layout in SEVERAL)
 
 
 def test_interleaved_pipelines_beside_fsdp2_are_refused_by_their_sentence():

@@ -60,15 +60,15 @@ if os.environ.get("RANK", "0") == "0":
     elif where == "sync":
         import isotrain.models.weights as weights
 
-        original_sync = weights.sync_named_tensors
+        original_sync = weights.saved_named_tensors
 
-        def sync_named_tensors(*args, **kwargs):
+        def saved_named_tensors(*args, **kwargs):
             for i, item in enumerate(original_sync(*args, **kwargs)):
                 if i == 3 and committed.is_dir():
                     die("weight sync, 3 tensors sent")
                 yield item
 
-        replace(weights, "sync_named_tensors", sync_named_tensors)  # isotrain.recipes.rl holds it by name
+        replace(weights, "saved_named_tensors", saved_named_tensors)  # isotrain.recipes.rl holds it by name
     elif where == "save":
         import isotrain.checkpoint.save as save
 

@@ -10,20 +10,10 @@ import json
 import os
 import sys
 
-from torch.distributed.tensor import DTensor
-
 import isotrain.cli
+from moe_sync_worker import record_full_tensors
 
-gathered: list[list[int]] = []
-full_tensor = DTensor.full_tensor
-
-
-def recording_full_tensor(self, *args, **kwargs):
-    gathered.append(list(self.shape))
-    return full_tensor(self, *args, **kwargs)
-
-
-DTensor.full_tensor = recording_full_tensor
+gathered = record_full_tensors()
 try:
     isotrain.cli.main(sys.argv[2:])
 finally:

@@ -52,8 +52,9 @@ def expert_placements(model) -> list[str]:
                    if ".experts." in name and isinstance(p, DTensor)})
 
 
-def main(out_path: str) -> None:
-    info = init_distributed()
+def record_full_tensors() -> list[list[int]]:
+    """From now on, the shape of every DTensor gathered whole (`full_tensor`) in this process, appended to the list
+    returned."""
     gathered: list[list[int]] = []
     full_tensor = DTensor.full_tensor
 
@@ -62,6 +63,12 @@ def main(out_path: str) -> None:
         return full_tensor(self, *args, **kwargs)
 
     DTensor.full_tensor = recording_full_tensor
+    return gathered
+
+
+def main(out_path: str) -> None:
+    info = init_distributed()
+    gathered = record_full_tensors()
     results = {"reference": stream(moe_model())}
     for name, (dp_replicate, dp_shard, tp, ep) in LAYOUTS.items():
         parallel = build_parallel(ParallelDims(dp_replicate, dp_shard, tp, ep=ep), info.device, info.rank)

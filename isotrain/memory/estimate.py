@@ -37,7 +37,7 @@ from isotrain.config import RLRunConfig, TrainRunConfig
 from isotrain.errors import ConfigError
 from isotrain.memory.fake_cp import piece_length
 from isotrain.memory.fsdp_buffers import fsdp_terms
-from isotrain.memory.terms import DTYPES, FP32_BYTES, Term, meta_model, model_state_terms
+from isotrain.memory.terms import DTYPES, Term, meta_model, model_state_terms
 from isotrain.parallel.dims import ParallelDims
 
 EXCHANGE_NOTES = {"ulysses": "one all-to-all's send + receive buffers (the largest: q or the output, heads × L/cp), "
@@ -88,7 +88,7 @@ def activation_terms(cfg: TrainRunConfig, config, degrees: ParallelDims, dtype: 
                   cp_style=degrees.cp_style)
     kernel = attention_kernel(cfg.model.attn_implementation, config, AutoModelForCausalLM)
     saved = fake_forward(config, kernel, activation_checkpointing=checkpointing, **kwargs)
-    upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype != torch.float32 else 0
+    upcast = saved.upcast_bytes
     tokens = f"{cfg.train.micro_batch_size} × {cfg.data.max_seq_len} tokens"
     if degrees.cp > 1:
         tokens = (f"{cfg.train.micro_batch_size} × {piece_length(cfg.data.max_seq_len, degrees.cp, degrees.cp_style)}"

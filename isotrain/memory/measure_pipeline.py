@@ -35,7 +35,7 @@ def _in_flight_bytes(per_microbatch: dict[tuple[int, int], SavedBytes]) -> dict[
                 continue
             seen.add(key)
             by_kind[saved.kinds[key]] = by_kind.get(saved.kinds[key], 0) + storage.nbytes()
-    upcast = sum(s.logits_numel * 4 for s in per_microbatch.values() if s.logits_dtype not in (None, torch.float32))
+    upcast = sum(s.upcast_bytes for s in per_microbatch.values())
     by_kind["logits"] = sum(s.logits_bytes for s in per_microbatch.values()) + upcast
     return by_kind
 
@@ -222,8 +222,7 @@ def _counted_chunks(loss_sum, current: dict, peak: dict):
             chunk_loss_sum(head, kept[first], chunk_labels[first], chunk_weights[first])
         finally:
             current["saved"] = saved
-        upcast = chunk.logits_numel * 4 if chunk.logits_dtype not in (None, torch.float32) else 0
-        peak["chunk"] = max(peak.get("chunk", 0), chunk.by_kind["logits_loss"] + chunk.logits_bytes + upcast)
+        peak["chunk"] = max(peak.get("chunk", 0), chunk.by_kind["logits_loss"] + chunk.logits_bytes + chunk.upcast_bytes)
         return loss
 
     return counted

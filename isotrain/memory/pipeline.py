@@ -59,7 +59,7 @@ import torch
 
 from isotrain.errors import ConfigError
 from isotrain.memory.fsdp_buffers import fsdp_terms
-from isotrain.memory.terms import DTYPES, FP32_BYTES, Term, meta_model, model_state_terms
+from isotrain.memory.terms import DTYPES, Term, meta_model, model_state_terms
 from isotrain.parallel.dims import ParallelDims
 
 
@@ -162,7 +162,7 @@ def _logits_bytes(saved) -> tuple[int, int]:
     """(bytes each micro-batch in flight holds, bytes held once) of the head and the loss. With the chunked loss,
     a micro-batch keeps its final hidden states until its backward, which recomputes one chunk's head and loss at a
     time: the chunk's tensors and logits are held once, whatever the micro-batches in flight."""
-    upcast = saved.logits_numel * FP32_BYTES if saved.logits_dtype not in (None, torch.float32) else 0
+    upcast = saved.upcast_bytes
     total = saved.by_kind["logits_loss"] + saved.logits_bytes + upcast
     once = saved.chunk_bytes + saved.logits_bytes + upcast if saved.chunk_bytes else 0
     return total - once, once

@@ -78,6 +78,11 @@ class SavedBytes:
     # every stage of a rank receives as the same tensors (memory/fake_forward.py `fake_stage_forward`)
     stage_inputs: dict = field(default_factory=dict)
 
+    @property
+    def upcast_bytes(self) -> int:
+        """The loss's fp32 copy of low-precision logits (none of fp32 logits)."""
+        return self.logits_numel * 4 if self.logits_dtype not in (None, torch.float32) else 0
+
     def skip(self, t: torch.Tensor) -> None:
         """Count `t`'s storage as seen, for nothing: memory counted elsewhere (a pipeline's receive buffer)."""
         storage = local_tensor(t).untyped_storage()
